@@ -1,0 +1,1 @@
+"""The kvbench CLI: storage, trace replay, policies, daemon load and engine benchmarks."""

@@ -1,0 +1,48 @@
+"""The ``kvbench`` command: every module in ``bench/`` that defines ``add_parser`` is a subcommand.
+
+A subcommand module defines ``add_parser(subparsers)``, which adds its parser and sets
+``func`` (called with the parsed args; returns an exit code or None).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import bench
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: one line on stderr, exit code 2."""
+
+
+def _subcommand_modules():
+    for info in sorted(pkgutil.iter_modules(bench.__path__), key=lambda i: i.name):
+        if info.name in ("cli", "__main__") or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"bench.{info.name}")
+        if hasattr(module, "add_parser"):
+            yield module
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbench", description="Benchmarks for the KV-cache store.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in _subcommand_modules():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (UsageError, FileNotFoundError, PermissionError, ValueError) as exc:
+        print(f"kvbench {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

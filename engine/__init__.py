@@ -1,0 +1,1 @@
+"""The bundled paged-attention engine for Llama-family models."""

@@ -1,0 +1,122 @@
+"""Chunk keys: a namespace fingerprint plus a prefix hash chained over token ids.
+
+The hash must be identical in every process and on every host, so it is BLAKE2b over a
+canonical byte encoding, never Python's salted ``hash``. The engine's prefix cache uses
+the same ``chain_hash`` for its blocks, so one store chunk is exactly
+``chunk_tokens / block_size`` engine blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+HASH_BYTES = 16
+KEY_BYTES = 2 * HASH_BYTES
+ROOT_HASH = hashlib.blake2b(b"kvstore/prefix-root/v1", digest_size=HASH_BYTES).digest()
+
+# dtype names a namespace accepts; the blob format maps them to one-byte codes.
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of a block of tokens given the hash of everything before it."""
+    if len(parent) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.ndim != 1:
+        raise ValueError("token_ids must be a flat sequence")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    h.update(tokens.astype("<u4").tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes KV of one deployment incompatible with another's.
+
+    Two namespaces share chunks only when every field is equal; ``tenant`` is a salt that
+    keeps users apart even for identical tokens.
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    chunk_tokens: int = 256
+    layout: str = "LKTHD"
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant: str = ""
+    fingerprint: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.layout != "LKTHD":
+            raise ValueError(f"unsupported KV layout {self.layout!r} (only 'LKTHD')")
+        canonical = "\x1f".join(
+            str(v)
+            for v in (
+                "kvstore-ns-v1", self.model_id, self.num_layers, self.num_kv_heads,
+                self.head_dim, self.dtype, self.chunk_tokens, self.layout,
+                self.tp_rank, self.tp_size, self.tenant,
+            )
+        )
+        digest = hashlib.blake2b(canonical.encode(), digest_size=HASH_BYTES).digest()
+        object.__setattr__(self, "fingerprint", digest)
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int, int]:
+        """Logical shape of one chunk: [layers, K/V, tokens, kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.chunk_tokens, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Names one chunk: the namespace it belongs to and the hash of its whole prefix."""
+
+    namespace: Namespace
+    prefix_hash: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.prefix_hash) != HASH_BYTES:
+            raise ValueError(f"prefix_hash must be {HASH_BYTES} bytes, got {len(self.prefix_hash)}")
+
+    @property
+    def id(self) -> bytes:
+        """The 32 bytes tiers store the chunk under: namespace fingerprint + prefix hash."""
+        return self.namespace.fingerprint + self.prefix_hash
+
+    def __repr__(self) -> str:
+        return f"ChunkKey({self.namespace.model_id}, {self.prefix_hash.hex()[:12]}…)"
+
+
+def prefix_hashes(token_ids: Sequence[int], block_tokens: int, parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Chained hashes of every *full* block of ``block_tokens`` tokens."""
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    hashes = []
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = chain_hash(parent, tokens[start : start + block_tokens])
+        hashes.append(parent)
+    return hashes
+
+
+def chunk_keys(token_ids: Sequence[int], namespace: Namespace) -> list[ChunkKey]:
+    """One key per full chunk of ``token_ids``; a partial last chunk gets none."""
+    return [ChunkKey(namespace, h) for h in prefix_hashes(token_ids, namespace.chunk_tokens)]

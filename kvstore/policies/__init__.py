@@ -1,0 +1,32 @@
+"""Eviction policy registry: configuration picks a policy by name."""
+
+from __future__ import annotations
+
+from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {}
+DEFAULT_POLICY = "lru"
+
+
+def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    if cls.name in POLICIES:
+        raise ValueError(f"policy {cls.name!r} is already registered")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
+    """A new policy instance; ``default`` names the store's default policy."""
+    if name == "default":
+        name = DEFAULT_POLICY
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise KeyError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
+    return cls(capacity_bytes)
+
+
+register(LRUPolicy)
+
+__all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]

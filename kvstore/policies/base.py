@@ -1,0 +1,61 @@
+"""The EvictionPolicy interface: admission and eviction order for one tier.
+
+A policy only orders keys; its owner (a Store tier or a trace simulator) does the
+removing. The owner reports every access and every change of residency:
+
+- ``on_hit(key)`` for an access to a resident key, ``on_miss(key)`` for an access to a
+  key that is not resident (ghost lists and frequency sketches learn from it);
+- ``admit(key, size, parent)`` before inserting a missed key: False means do not cache it;
+- ``on_insert(key, size, parent)`` once the key is resident; ``parent`` is the key of the
+  previous chunk of the same prefix (None for a first chunk), so a policy can use the
+  prefix structure: a chunk is only usable if all chunks before it are resident too;
+- ``evict()`` when space is needed: the policy picks a resident key, forgets it as
+  resident (keeping any history it wants) and returns it, and the owner deletes it;
+- ``on_remove(key)`` when a key leaves for another reason (deleted, corrupt, pinned).
+
+Keys are opaque hashables. Sizes are bytes; capacity is the tier's capacity in bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Hashable
+
+
+class EvictionPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+
+    @abstractmethod
+    def on_hit(self, key: Hashable) -> None:
+        """A resident key was accessed."""
+
+    def on_miss(self, key: Hashable) -> None:
+        """A non-resident key was accessed."""
+
+    def admit(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
+        """Whether a missed key should be cached at all."""
+        return True
+
+    @abstractmethod
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """``key`` is now resident and occupies ``size`` bytes."""
+
+    @abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """``key`` left for a reason other than eviction; unknown keys are ignored."""
+
+    @abstractmethod
+    def evict(self) -> Hashable:
+        """Choose, forget and return a resident key; LookupError when none is resident."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys the policy tracks."""
+
+    def __contains__(self, key: Hashable) -> bool:
+        raise NotImplementedError

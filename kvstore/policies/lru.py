@@ -1,0 +1,39 @@
+"""Least-recently-used eviction: the baseline every other policy is measured against."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable
+
+from kvstore.policies.base import EvictionPolicy
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self._order: OrderedDict[Hashable, int] = OrderedDict()
+
+    def on_hit(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._order[key] = size
+        self._order.move_to_end(key)
+
+    def on_remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def evict(self) -> Hashable:
+        if not self._order:
+            raise LookupError("no resident key to evict")
+        key, _ = self._order.popitem(last=False)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._order

@@ -1,0 +1,1 @@
+"""The wire contract (kvstore.proto). Python stubs are generated under kvstore/, not here."""

@@ -1,0 +1,78 @@
+"""The Tier interface: one storage medium that moves opaque bytes by opaque key.
+
+A tier knows nothing of chunk keys' meaning, codecs or policies. Keys are ``bytes`` (the
+store uses a chunk key's 32-byte id). A tier never exceeds its capacity: a write that
+does not fit raises ``TierFull`` and the owner evicts and retries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator, Sequence
+
+Buffer = bytes | bytearray | memoryview
+
+
+class TierError(Exception):
+    """A tier could not do what was asked; the tier itself stays usable."""
+
+
+class TierFull(TierError):
+    """Not enough free capacity for this write."""
+
+
+class TierUnavailable(TierError):
+    """The medium is gone or refuses I/O (directory removed, read-only, server down)."""
+
+
+class Tier(ABC):
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"tier {name!r}: capacity_bytes must be positive, got {capacity_bytes}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+
+    @abstractmethod
+    def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` under ``key``, replacing any old value.
+
+        Atomic: a reader sees either the old value, nothing, or the whole new value.
+        """
+
+    @abstractmethod
+    def read(self, key: bytes) -> Buffer | None:
+        """The value's bytes (possibly a zero-copy view), or None if absent."""
+
+    @abstractmethod
+    def read_into(self, key: bytes, out: memoryview) -> int | None:
+        """Copy the value into ``out`` and return its length; None if absent.
+
+        Raises ValueError if ``out`` is too small.
+        """
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Remove the value and give its space back; False if it was absent."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def size_of(self, key: bytes) -> int | None:
+        """Stored length in bytes, or None if absent."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Every key held now (used to rebuild an index after a restart)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of capacity in use, including any per-value rounding."""
+
+    def footprint(self, nbytes: int) -> int:
+        """Capacity a value of ``nbytes`` would use (page rounding, block rounding)."""
+        return nbytes
+
+    def close(self) -> None:
+        """Release resources; the tier is unusable afterwards."""
