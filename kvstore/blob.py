@@ -1,0 +1,157 @@
+"""The blob format: one chunk as stored in any tier, a 128-byte header then the payload.
+
+Byte layout of the header (little-endian):
+
+| offset | size | field |
+|---:|---:|---|
+| 0 | 4 | magic ``b"KVCB"`` |
+| 4 | 2 | format version (1) |
+| 6 | 2 | header length in bytes (128) |
+| 8 | 2 | codec id (see ``kvstore.codecs``; 0 = raw) |
+| 10 | 1 | dtype code: 1 float16, 2 bfloat16, 3 float32 |
+| 11 | 1 | number of dimensions (1..8) |
+| 12 | 4 | reserved, zero |
+| 16 | 16 | namespace fingerprint |
+| 32 | 16 | prefix hash |
+| 48 | 32 | shape: 8 x uint32, unused dimensions zero |
+| 80 | 8 | payload length in bytes |
+| 88 | 8 | payload checksum: XXH3-64 of the payload |
+| 96 | 24 | reserved, zero |
+| 120 | 8 | header checksum: XXH3-64 of bytes 0..119 |
+
+The payload follows at offset 128 (so it stays 64-byte aligned in aligned buffers). Decoding
+checks the magic, version, header checksum, length and, unless told not to, the payload
+checksum; any mismatch raises a ``CorruptBlob`` subclass, so a bad blob is never used.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvstore.keys import ChunkKey
+
+MAGIC = b"KVCB"
+VERSION = 1
+HEADER_BYTES = 128
+MAX_DIMS = 8
+
+_FIXED = struct.Struct("<4sHHHBBI16s16s8IQQ24x")
+_CHECK = struct.Struct("<Q")
+assert _FIXED.size == 120 and _FIXED.size + _CHECK.size == HEADER_BYTES
+
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+DTYPES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class CorruptBlob(Exception):
+    """A blob failed verification; it must be dropped, never used."""
+
+
+class BadMagic(CorruptBlob):
+    pass
+
+
+class UnsupportedVersion(CorruptBlob):
+    pass
+
+
+class HeaderChecksumMismatch(CorruptBlob):
+    pass
+
+
+class PayloadChecksumMismatch(CorruptBlob):
+    pass
+
+
+class TruncatedBlob(CorruptBlob):
+    pass
+
+
+class KeyMismatch(CorruptBlob):
+    """The blob is intact but names another key than the one it was stored under."""
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    codec_id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    namespace_fp: bytes
+    prefix_hash: bytes
+    payload_len: int
+    payload_checksum: int
+
+    @property
+    def key_id(self) -> bytes:
+        return self.namespace_fp + self.prefix_hash
+
+    @property
+    def blob_len(self) -> int:
+        return HEADER_BYTES + self.payload_len
+
+
+def payload_checksum(payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, payload) -> bytes:
+    """The 128-byte header for ``payload``; the blob is header + payload."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES.values())}")
+    shape = tuple(int(d) for d in shape)
+    if not 1 <= len(shape) <= MAX_DIMS or any(d <= 0 or d >= 2**32 for d in shape):
+        raise ValueError(f"shape {shape} must have 1..{MAX_DIMS} positive dimensions")
+    dims = shape + (0,) * (MAX_DIMS - len(shape))
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, HEADER_BYTES, codec_id, DTYPE_CODES[dtype], len(shape), 0,
+        key.namespace.fingerprint, key.prefix_hash, *dims, len(payload), payload_checksum(payload),
+    )
+    return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
+
+
+def decode_header(data) -> BlobHeader:
+    """Parse and verify the header at the start of ``data`` (any buffer)."""
+    view = memoryview(data)
+    if len(view) < HEADER_BYTES:
+        raise TruncatedBlob(f"blob is {len(view)} bytes, shorter than its {HEADER_BYTES}-byte header")
+    if bytes(view[:4]) != MAGIC:
+        raise BadMagic(f"bad magic {bytes(view[:4])!r}")
+    fixed = view[: _FIXED.size]
+    (stored,) = _CHECK.unpack_from(view, _FIXED.size)
+    if xxhash.xxh3_64_intdigest(fixed) != stored:
+        raise HeaderChecksumMismatch("header checksum mismatch")
+    (_, version, header_len, codec_id, dtype_code, ndim, _, ns, ph, *rest) = _FIXED.unpack(fixed)
+    dims, payload_len, checksum = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
+    if version != VERSION or header_len != HEADER_BYTES:
+        raise UnsupportedVersion(f"blob format version {version} (header {header_len} B) is not supported")
+    if dtype_code not in DTYPES_BY_CODE or not 1 <= ndim <= MAX_DIMS:
+        raise CorruptBlob(f"bad dtype code {dtype_code} or ndim {ndim}")
+    return BlobHeader(
+        codec_id=codec_id,
+        dtype=DTYPES_BY_CODE[dtype_code],
+        shape=tuple(dims[:ndim]),
+        namespace_fp=ns,
+        prefix_hash=ph,
+        payload_len=payload_len,
+        payload_checksum=checksum,
+    )
+
+
+def verify_blob(data, key: ChunkKey | None = None, check_payload: bool = True) -> tuple[BlobHeader, memoryview]:
+    """Verify a whole blob and return its header and a view of its payload."""
+    header = decode_header(data)
+    view = memoryview(data)
+    if len(view) != header.blob_len:
+        raise TruncatedBlob(f"blob is {len(view)} bytes, header says {header.blob_len}")
+    if key is not None and header.key_id != key.id:
+        raise KeyMismatch(f"blob holds key {header.key_id.hex()}, expected {key.id.hex()}")
+    payload = view[HEADER_BYTES:]
+    if check_payload and payload_checksum(payload) != header.payload_checksum:
+        raise PayloadChecksumMismatch("payload checksum mismatch")
+    return header, payload
+

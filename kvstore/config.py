@@ -1,0 +1,146 @@
+"""The store's configuration: one typed dataclass tree, loadable from TOML.
+
+Sizes accept integers (bytes) or strings like ``"8GiB"``, ``"512MB"``; times are seconds.
+Unknown keys and wrong types are errors that name the offending key, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key."""
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like ``"8GiB"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"size must be a number of bytes or a string like '8GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must not be negative, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot parse size {value!r}; use bytes or a unit like KiB, MiB, GiB, MB, GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "kvstore" / "data")
+
+
+@dataclass
+class HostTierConfig:
+    """Host RAM: a preallocated, prefaulted pool of fixed-size pages."""
+
+    capacity_bytes: int = 1 << 30
+    page_bytes: int = 256 << 10
+    prefault: bool = True
+    # A file under /dev/shm to back the pool (so other processes can map it); None = private memory.
+    shm_path: str | None = None
+    # Host RAM is our own process memory: verifying payload checksums there costs bandwidth and
+    # guards only against memory corruption. Headers are always verified.
+    verify_payload: bool = False
+
+
+@dataclass
+class DiskTierConfig:
+    """Local disk (NVMe): one file per chunk under a fan-out of directories."""
+
+    enabled: bool = True
+    path: str = field(default_factory=default_data_dir)
+    capacity_bytes: int = 8 << 30
+    fsync: bool = False
+    o_direct: bool = True
+    read_threads: int = 4
+    verify_payload: bool = True
+
+
+@dataclass
+class WriteBehindConfig:
+    """Copies of new chunks travel to lower tiers through a bounded queue."""
+
+    max_pending_bytes: int = 256 << 20
+    workers: int = 2
+
+
+@dataclass
+class StoreConfig:
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
+    eviction_policy: str = "default"
+    codec: str = "raw"
+
+
+def _is_size_field(f: dataclasses.Field) -> bool:
+    return f.name.endswith("_bytes")
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, path)
+        elif _is_size_field(fields[name]):
+            try:
+                kwargs[name] = parse_size(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
+        else:
+            kwargs[name] = _check_type(value, hint, path)
+    return cls(**kwargs)
+
+
+def _check_type(value, hint, path):
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is not type(None) and isinstance(value, t) and not (t is int and isinstance(value, bool)):
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"{path}: expected {names}, got {value!r}")
+
+
+def config_from_dict(data: dict, cls=StoreConfig):
+    """Build a config dataclass tree from plain data (e.g. parsed TOML)."""
+    return _build(cls, data, "")
+
+
+def load_config(path: str | os.PathLike, cls=StoreConfig):
+    """Load a TOML file into a config dataclass tree."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return config_from_dict(data, cls)

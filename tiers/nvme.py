@@ -1,0 +1,305 @@
+"""Local-disk tier: one file per value under a two-level fan-out of directories.
+
+Files are written under a temporary name and renamed into place, so a crash never leaves a
+half-written file under a real name; temporary files found at start are removed. The index
+(key -> size) is rebuilt from the directory tree on start, so a restart keeps the cache.
+Capacity counts each file rounded up to the 4 KiB block it occupies and is never exceeded:
+a write that does not fit raises ``TierFull`` before touching the disk.
+
+Reads use ``preadv`` straight into the caller's buffers (scatter: a header buffer and the
+tensor's bytes), optionally with O_DIRECT when the buffers are aligned and the file system
+supports it; ``read_many_into`` keeps up to ``read_threads`` reads in flight.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from tiers.base import Buffer, Tier, TierFull, TierUnavailable
+
+BLOCK = 4096
+SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+_UNAVAILABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOTDIR}
+
+
+def _round_up(n: int, to: int = BLOCK) -> int:
+    return -(-n // to) * to
+
+
+class DiskTier(Tier):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        capacity_bytes: int,
+        fsync: bool = False,
+        o_direct: bool = False,
+        read_threads: int = 4,
+        name: str = "nvme",
+    ) -> None:
+        super().__init__(name, capacity_bytes)
+        self.root = Path(path)
+        self.fsync = fsync
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.read_threads = max(1, read_threads)
+        self._sizes: dict[bytes, int] = {}
+        self._used = 0
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"{name}-read")
+        self._recover()
+
+    # -- layout -------------------------------------------------------------------------
+
+    def path_of(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[-4:-2] / name[-2:] / (name + SUFFIX)
+
+    def _recover(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierUnavailable(f"{self.name}: cannot use data directory {self.root}: {exc.strerror}") from exc
+        for dirpath, _, files in os.walk(self.root):
+            for fname in files:
+                full = os.path.join(dirpath, fname)
+                if fname.endswith(TMP_SUFFIX):
+                    _unlink_quietly(full)
+                    continue
+                if not fname.endswith(SUFFIX):
+                    continue
+                try:
+                    key = bytes.fromhex(fname[: -len(SUFFIX)])
+                    size = os.stat(full).st_size
+                except (ValueError, OSError):
+                    continue
+                self._sizes[key] = size
+                self._used += _round_up(size)
+
+    # -- accounting ---------------------------------------------------------------------
+
+    def footprint(self, nbytes: int) -> int:
+        return _round_up(max(nbytes, 1))
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + self._reserved
+
+    # -- Tier interface -------------------------------------------------------------------
+
+    def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
+        views = [memoryview(p).cast("B") if not isinstance(p, np.ndarray) else memoryview(p.reshape(-1).view(np.uint8)) for p in parts]
+        length = sum(len(v) for v in views)
+        need = self.footprint(length)
+        with self._lock:
+            old = _round_up(self._sizes[key]) if key in self._sizes else 0
+            if self._used + self._reserved - old + need > self.capacity_bytes:
+                raise TierFull(f"{self.name}: {need} bytes do not fit ({self.used_bytes}/{self.capacity_bytes} used)")
+            self._reserved += need
+        try:
+            self._write_file(key, views, length)
+        except BaseException:
+            with self._lock:
+                self._reserved -= need
+            raise
+        with self._lock:
+            self._reserved -= need
+            previous = self._sizes.get(key)
+            if previous is not None:
+                self._used -= _round_up(previous)
+            self._sizes[key] = length
+            self._used += need
+
+    def _write_file(self, key: bytes, views: list[memoryview], length: int) -> None:
+        final = self.path_of(key)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise self._error(exc) from exc
+        try:
+            written = 0
+            while written < length:
+                pending = _skip(views, written)
+                written += os.writev(fd, pending[:1024])
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise self._error(exc) from exc
+        os.close(fd)
+        try:
+            os.replace(tmp, final)
+            if self.fsync:
+                dfd = os.open(final.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise self._error(exc) from exc
+
+    def _error(self, exc: OSError) -> Exception:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return TierFull(f"{self.name}: file system is full ({exc.strerror})")
+        if exc.errno in _UNAVAILABLE or exc.errno == errno.ENOENT:
+            return TierUnavailable(f"{self.name}: {self.root}: {exc.strerror}")
+        return TierUnavailable(f"{self.name}: I/O error: {exc}")
+
+    def read(self, key: bytes) -> bytes | None:
+        size = self._sizes.get(key)
+        if size is None:
+            return None
+        buf = bytearray(size)
+        got = self.read_into(key, memoryview(buf))
+        return None if got is None else bytes(buf[:got])
+
+    def read_into(self, key: bytes, out) -> int | None:
+        """Read the value into ``out`` (one buffer or a list, filled in order).
+
+        Returns the number of bytes read, or None if the key is absent or its file vanished.
+        A file shorter or longer than recorded reads what is there: the blob checks above
+        this tier catch the difference.
+        """
+        outs = [memoryview(o).cast("B") for o in (out if isinstance(out, (list, tuple)) else [out])]
+        size = self._sizes.get(key)
+        if size is None:
+            return None
+        capacity = sum(len(o) for o in outs)
+        if size > capacity:
+            raise ValueError(f"{self.name}: buffer of {capacity} bytes is too small for {size}")
+        if self.o_direct:
+            try:
+                return self._read_direct(key, size, outs)
+            except FileNotFoundError:
+                self._forget(key)
+                return None
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise self._error(exc) from exc
+                self.o_direct = False  # this file system does not support O_DIRECT
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            raise self._error(exc) from exc
+        try:
+            return _read_fully(fd, outs)
+        except OSError as exc:
+            raise self._error(exc) from exc
+        finally:
+            os.close(fd)
+
+    def _read_direct(self, key: bytes, size: int, outs: list[memoryview]) -> int:
+        """O_DIRECT read into a reused, page-aligned per-thread staging buffer, then copy out."""
+        staging = getattr(self._local, "staging", None)
+        need = _round_up(size)
+        if staging is None or len(staging) < need:
+            staging = mmap.mmap(-1, need)
+            self._local.staging = staging
+        fd = os.open(self.path_of(key), os.O_RDONLY | os.O_DIRECT)
+        try:
+            got = _read_fully(fd, [memoryview(staging)[:need]])
+        finally:
+            os.close(fd)
+        got = min(got, sum(len(o) for o in outs))
+        src = np.frombuffer(staging, dtype=np.uint8, count=got)
+        done = 0
+        for o in outs:
+            take = min(len(o), got - done)
+            np.copyto(np.frombuffer(o, dtype=np.uint8, count=take), src[done : done + take])
+            done += take
+        return got
+
+    def read_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """``read_into`` for many keys with up to ``read_threads`` reads in flight."""
+        return list(self._pool.map(self.read_into, keys, outs))
+
+    def drop_cache(self, key: bytes) -> None:
+        """Ask the kernel to drop this file's cached pages (cold-read benchmarks)."""
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= _round_up(size)
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is None:
+                return False
+            self._used -= _round_up(size)
+        _unlink_quietly(self.path_of(key))
+        return True
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def size_of(self, key: bytes) -> int | None:
+        return self._sizes.get(key)
+
+    def keys(self) -> Iterator[bytes]:
+        with self._lock:
+            return iter(list(self._sizes))
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _skip(views: list[memoryview], offset: int) -> list[memoryview]:
+    """The views with the first ``offset`` bytes removed (for resuming a short writev)."""
+    out = []
+    for v in views:
+        if offset >= len(v):
+            offset -= len(v)
+            continue
+        out.append(v[offset:])
+        offset = 0
+    return out
+
+
+def _read_fully(fd: int, outs: list[memoryview]) -> int:
+    total = 0
+    while True:
+        pending = _skip(outs, total)
+        if not pending:
+            return total
+        got = os.preadv(fd, pending[:1024], total)
+        if got == 0:
+            return total
+        total += got
+
+
+def _unlink_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
