@@ -77,7 +77,9 @@ class DiskTierConfig:
 class WriteBehindConfig:
     """Copies of new chunks travel to lower tiers through a bounded queue."""
 
-    max_pending_bytes: int = 256 << 20
+    # Bytes queued for the disk at most (their host pages cannot be evicted meanwhile);
+    # unset = a quarter of the host tier. At most half of the host tier.
+    max_pending_bytes: int | None = None
     workers: int = 2
 
 

@@ -88,7 +88,8 @@ class Store:
     def __init__(self, config: StoreConfig | None = None) -> None:
         self.config = config = config or StoreConfig()
         wb = config.write_behind
-        if config.disk.enabled and wb.max_pending_bytes > config.host.capacity_bytes // 2:
+        self.max_pending_bytes = wb.max_pending_bytes or config.host.capacity_bytes // 4
+        if config.disk.enabled and self.max_pending_bytes > config.host.capacity_bytes // 2:
             raise ValueError("write_behind.max_pending_bytes must be at most half of host.capacity_bytes")
         self.codec = get_codec(config.codec)
         self.host = HostTier(
@@ -195,7 +196,7 @@ class Store:
         """Backpressure: wait (releasing the lock) until the queue has room for ``size`` bytes."""
         if self.disk is None:
             return
-        limit = self.config.write_behind.max_pending_bytes
+        limit = self.max_pending_bytes
         while self._pending_bytes > 0 and self._pending_bytes + size > limit:
             self._drained.wait()
             self._check_open()

@@ -1,0 +1,252 @@
+"""``kvbench tiers``: put/get bandwidth of each tier against the machine's limits, in one run.
+
+For chunks shaped like a real model's (default SmolLM2-135M: 30 layers, 3 KV heads,
+head_dim 64, 256 tokens, fp16):
+
+- host: put = blob into the page pool; get = blob out of the pool into a caller-provided,
+  reused destination buffer (header buffer + tensor bytes). Limit: memcpy of the same bytes
+  between the same kind of buffers.
+- nvme: put = write every chunk file, then sync the file system (so the figure is the
+  disk's, not the page cache's); get = cold reads (each file's cached pages dropped with
+  fdatasync + POSIX_FADV_DONTNEED first) into caller buffers with the tier's parallel reader.
+  Limit: a plain sequential read of the same files, equally cold.
+- store: the Store facade end to end (verify header, checksum where configured, decode) for
+  a host hit and a cold disk hit, to show what the layers above the tiers cost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench.cli import UsageError
+from kvstore.blob import HEADER_BYTES, encode_header
+from kvstore.codecs.raw import tensor_bytes
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig, parse_size
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
+from tiers.host import HostTier
+from tiers.nvme import DiskTier
+
+GB = 1e9
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("tiers", help="put/get GB/s per tier vs memcpy and raw disk reads")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--chunks", type=int, default=48, help="chunks per measurement")
+    p.add_argument("--repeat", type=int, default=3, help="measurements per figure; the best is kept")
+    p.add_argument("--read-threads", type=int, default=4)
+    p.add_argument("--o-direct", action="store_true", help="read the disk tier with O_DIRECT")
+    p.add_argument("--dir", default=None, help="directory for the disk tier (default: a temporary one)")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run)
+
+
+def _prefaulted(nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(0)
+    return buf
+
+
+def _best(fn, repeat: int) -> float:
+    """Seconds of the fastest of ``repeat`` runs of ``fn`` (which may prepare and return its own time)."""
+    return min(fn() for _ in range(repeat))
+
+
+def run(args) -> int:
+    if args.chunks <= 0 or args.repeat <= 0:
+        raise UsageError("--chunks and --repeat must be positive")
+    ns = Namespace("kvbench", args.layers, args.kv_heads, args.head_dim, args.dtype, args.tokens)
+    dtype = getattr(torch, args.dtype)
+    keys = chunk_keys(list(range(args.chunks * args.tokens)), ns)
+    chunk = torch.randn(ns.chunk_shape).to(dtype)
+    payload = tensor_bytes(chunk)
+    payload_bytes = len(payload)
+    headers = [encode_header(k, 0, dtype, chunk.shape, payload) for k in keys]
+    total = args.chunks * payload_bytes
+    owned_dir = args.dir is None
+    root = args.dir or tempfile.mkdtemp(prefix="kvbench-tiers-")
+    results: dict[str, dict] = {}
+    try:
+        results["host"] = _bench_host(keys, headers, payload, args)
+        results["nvme"] = _bench_nvme(keys, headers, payload, args, os.path.join(root, "nvme"))
+        store = _bench_store(ns, keys, chunk, args, os.path.join(root, "store"))
+    finally:
+        if owned_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    for r in results.values():
+        r["get_vs_limit"] = r["get_gbps"] / r["limit_gbps"]
+    report = {
+        "chunk_bytes": payload_bytes,
+        "chunks": args.chunks,
+        "bytes_per_measurement": total,
+        "tiers": results,
+        "store": store,
+    }
+    _print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def _bench_host(keys, headers, payload, args) -> dict:
+    payload_bytes = len(payload)
+    tier = HostTier(len(keys) * (payload_bytes + HEADER_BYTES) + (64 << 20))
+    dst = _prefaulted(payload_bytes)
+    hdr = bytearray(HEADER_BYTES)
+    total = len(keys) * payload_bytes
+    # The memcpy limit reads as many distinct bytes as the gets do, so neither runs from cache.
+    sources = _prefaulted(total).reshape(len(keys), payload_bytes)
+    sources[:] = np.frombuffer(payload, dtype=np.uint8)
+
+    def put() -> float:
+        t = time.perf_counter()
+        for k, h in zip(keys, headers):
+            tier.write(k.id, [h, payload])
+        return time.perf_counter() - t
+
+    def get() -> float:
+        t = time.perf_counter()
+        for k in keys:
+            tier.read_into(k.id, [hdr, dst])
+        return time.perf_counter() - t
+
+    def memcpy() -> float:
+        t = time.perf_counter()
+        for src in sources:
+            np.copyto(dst, src)
+        return time.perf_counter() - t
+
+    put_s = _best(put, args.repeat)
+    get_s = _best(get, args.repeat)
+    assert bytes(dst[:64]) == bytes(payload[:64])
+    limit_s = _best(memcpy, args.repeat)
+    tier.close()
+    return {"put_gbps": total / put_s / GB, "get_gbps": total / get_s / GB, "limit_gbps": total / limit_s / GB, "limit": "memcpy"}
+
+
+def _drop_cache(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _bench_nvme(keys, headers, payload, args, path) -> dict:
+    payload_bytes = len(payload)
+    capacity = 2 * len(keys) * (payload_bytes + 8192)
+    tier = DiskTier(path, capacity, o_direct=args.o_direct, read_threads=args.read_threads)
+    files = [str(tier.path_of(k.id)) for k in keys]
+    total = len(keys) * payload_bytes
+    ring = [(bytearray(HEADER_BYTES), _prefaulted(payload_bytes)) for _ in range(2 * args.read_threads)]
+    outs = [[memoryview(h), memoryview(p)] for h, p in (ring[i % len(ring)] for i in range(len(keys)))]
+
+    def put() -> float:
+        for k in keys:
+            tier.delete(k.id)
+        os.sync()
+        t = time.perf_counter()
+        for k, h in zip(keys, headers):
+            tier.write(k.id, [h, payload])
+        os.sync()
+        return time.perf_counter() - t
+
+    def get() -> float:
+        _drop_cache(files)
+        t = time.perf_counter()
+        sizes = tier.read_many_into([k.id for k in keys], outs)
+        elapsed = time.perf_counter() - t
+        if sizes != [payload_bytes + HEADER_BYTES] * len(keys):
+            raise RuntimeError("disk tier read back the wrong sizes")
+        return elapsed
+
+    def raw_read() -> float:
+        _drop_cache(files)
+        buf = _prefaulted(payload_bytes + HEADER_BYTES)
+        t = time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+        return time.perf_counter() - t
+
+    put_s = _best(put, args.repeat)
+    get_s = _best(get, args.repeat)
+    limit_s = _best(raw_read, args.repeat)
+    tier.close()
+    return {
+        "put_gbps": total / put_s / GB,
+        "get_gbps": total / get_s / GB,
+        "limit_gbps": total / limit_s / GB,
+        "limit": "raw_read",
+        "o_direct": args.o_direct,
+        "read_threads": args.read_threads,
+    }
+
+
+def _bench_store(ns, keys, chunk, args, path) -> dict:
+    """Host RAM holds a quarter of the chunks, so the rest are read cold from disk."""
+    blob = chunk.numel() * chunk.element_size() + HEADER_BYTES
+    resident = max(2, len(keys) // 4)
+    cfg = StoreConfig(
+        host=HostTierConfig(capacity_bytes=resident * (blob + (256 << 10))),
+        disk=DiskTierConfig(path=path, capacity_bytes=2 * len(keys) * (blob + 8192), o_direct=args.o_direct,
+                            read_threads=args.read_threads),
+        write_behind=WriteBehindConfig(max_pending_bytes=resident // 2 * blob),
+    )
+    payload_bytes = chunk.numel() * chunk.element_size()
+    out = torch.empty_like(chunk)
+    out.zero_()
+    with Store(cfg) as store:
+        t = time.perf_counter()
+        for k in keys:
+            store.put(k, chunk)
+        store.flush()
+        put_s = time.perf_counter() - t
+        in_host = [k for k in keys if store.host.contains(k.id)]
+        cold = [k for k in keys if not store.host.contains(k.id)]
+
+        def host_get() -> float:
+            t = time.perf_counter()
+            for k in in_host:
+                store.get_into(k, out)
+            return time.perf_counter() - t
+
+        host_s = _best(host_get, args.repeat)
+        _drop_cache(str(store.disk.path_of(k.id)) for k in cold)
+        t = time.perf_counter()
+        got = store.get(cold)
+        disk_s = time.perf_counter() - t
+        if len(got) != len(cold):
+            raise RuntimeError("store lost chunks during the benchmark")
+    return {
+        "put_gbps": len(keys) * payload_bytes / put_s / GB,
+        "host_get_gbps": len(in_host) * payload_bytes / host_s / GB,
+        "cold_disk_get_gbps": len(cold) * payload_bytes / disk_s / GB,
+    }
+
+
+def _print_table(report: dict) -> None:
+    mb = report["chunk_bytes"] / 2**20
+    print(f"chunk {mb:.2f} MiB x {report['chunks']} chunks")
+    print(f"{'tier':<6} {'put GB/s':>9} {'get GB/s':>9} {'limit GB/s':>11} {'limit':>9} {'get/limit':>10}")
+    for name, r in report["tiers"].items():
+        print(f"{name:<6} {r['put_gbps']:9.2f} {r['get_gbps']:9.2f} {r['limit_gbps']:11.2f} {r['limit']:>9} {r['get_vs_limit']:10.2f}")
+    s = report["store"]
+    print(f"store  put {s['put_gbps']:.2f} GB/s (host + write-behind to disk), get from host "
+          f"{s['host_get_gbps']:.2f} GB/s, cold get from disk {s['cold_disk_get_gbps']:.2f} GB/s")

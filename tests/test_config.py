@@ -1,0 +1,59 @@
+import pytest
+
+from kvstore.config import ConfigError, StoreConfig, config_from_dict, load_config, parse_size
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("4096", 4096), ("8GiB", 8 << 30), ("1.5GB", 1_500_000_000), ("512 MiB", 512 << 20), ("10kb", 10_000), (7, 7)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "8 GiBs", "-1", -5, True, "1e9"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_load_toml(tmp_path):
+    path = tmp_path / "store.toml"
+    path.write_text(
+        """
+eviction_policy = "lru"
+[host]
+capacity_bytes = "64MiB"
+[disk]
+path = "/tmp/kv"
+capacity_bytes = "1GiB"
+fsync = true
+"""
+    )
+    cfg = load_config(path)
+    assert cfg.host.capacity_bytes == 64 << 20
+    assert cfg.disk.capacity_bytes == 1 << 30 and cfg.disk.fsync and cfg.disk.path == "/tmp/kv"
+    assert cfg.eviction_policy == "lru"
+    assert config_from_dict({}) == StoreConfig()
+
+
+@pytest.mark.parametrize(
+    "data,where",
+    [
+        ({"hots": {}}, "hots"),
+        ({"host": {"capacity": 1}}, "capacity"),
+        ({"disk": {"fsync": "yes"}}, "disk.fsync"),
+        ({"host": {"capacity_bytes": "big"}}, "host.capacity_bytes"),
+        ({"host": 3}, "host"),
+    ],
+)
+def test_errors_name_the_key(data, where):
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+        config_from_dict(data)
+
+
+def test_invalid_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[host\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(path)

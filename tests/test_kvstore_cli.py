@@ -1,0 +1,45 @@
+import torch
+
+from kvstore.cli import main
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, load_config
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
+from tiers.nvme import SUFFIX
+
+NS = Namespace("m", 1, 1, 8, chunk_tokens=4)
+
+
+def test_config_prints_loadable_toml(tmp_path, capsys):
+    cfg_file = tmp_path / "in.toml"
+    cfg_file.write_text('[host]\ncapacity_bytes = "2MiB"\n')
+    assert main(["config", "--config", str(cfg_file)]) == 0
+    out = tmp_path / "out.toml"
+    out.write_text(capsys.readouterr().out)
+    cfg = load_config(out)
+    assert cfg.host.capacity_bytes == 2 << 20 and cfg.host.shm_path is None
+
+
+def test_fsck_finds_and_repairs_corruption(tmp_path, capsys):
+    data = tmp_path / "data"
+    cfg = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=4096, prefault=False),
+                      disk=DiskTierConfig(path=str(data), capacity_bytes=1 << 20))
+    with Store(cfg) as store:
+        for k in chunk_keys(list(range(12)), NS):
+            store.put(k, torch.ones(NS.chunk_shape, dtype=torch.float16))
+    files = sorted(data.rglob("*" + SUFFIX))
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    assert main(["fsck", "--data-dir", str(data)]) == 1
+    assert "3 blobs" in capsys.readouterr().out
+    assert main(["fsck", "--data-dir", str(data), "--repair"]) == 0
+    assert main(["fsck", "--data-dir", str(data)]) == 0
+    assert len(list(data.rglob("*" + SUFFIX))) == 2
+
+
+def test_user_errors_exit_2(tmp_path, capsys):
+    assert main(["fsck", "--data-dir", str(tmp_path / "missing")]) == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[host]\nsize = 1\n")
+    assert main(["config", "--config", str(bad)]) == 2
+    assert "unknown key" in capsys.readouterr().err

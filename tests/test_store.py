@@ -1,0 +1,291 @@
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fsfaults import remount_read_only, tiny_tmpfs
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
+from tiers.nvme import SUFFIX
+
+PAGE = 4096
+NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16 chunks
+
+
+def config(tmp_path, host=64 * PAGE, disk=1 << 20, pending=16 * PAGE, **disk_kw) -> StoreConfig:
+    return StoreConfig(
+        host=HostTierConfig(capacity_bytes=host, page_bytes=PAGE, prefault=False),
+        disk=DiskTierConfig(path=str(tmp_path / "data"), capacity_bytes=disk, **disk_kw),
+        write_behind=WriteBehindConfig(max_pending_bytes=pending),
+    )
+
+
+def chunks(n, ns=NS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=gen).tolist(), ns)
+    dtype = getattr(torch, ns.dtype)
+    values = [torch.randn(ns.chunk_shape, generator=gen).to(dtype) for _ in keys]
+    return keys, values
+
+
+def disk_files(tmp_path):
+    return sorted(p for p in (tmp_path / "data").rglob("*" + SUFFIX))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    ns = Namespace("m", 2, 2, 8, dtype=dtype, chunk_tokens=8)
+    keys, values = chunks(6, ns)
+    values[0].view(-1)[0] = float("nan")
+    with Store(config(tmp_path)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        assert store.lookup(keys) == 6
+        got = store.get(keys)
+        assert len(got) == 6
+        for a, b in zip(got, values):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_lookup_is_longest_present_prefix(tmp_path):
+    keys, values = chunks(5)
+    with Store(config(tmp_path)) as store:
+        for i in (0, 1, 3):
+            store.put(keys[i], values[i])
+        assert store.lookup(keys) == 2
+        assert len(store.get(keys)) == 2
+        assert store.lookup(keys[3:]) == 1
+        assert store.lookup([]) == 0
+
+
+def test_restart_keeps_disk_chunks(tmp_path):
+    keys, values = chunks(10)
+    with Store(config(tmp_path)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+    with Store(config(tmp_path)) as store:
+        assert store.lookup(keys) == 10
+        got = store.get(keys)
+        assert all(torch.equal(a, b) for a, b in zip(got, values))
+        assert store.stats().tiers["nvme"].hits == 10
+
+
+def test_durable_put_is_on_disk_when_it_returns(tmp_path):
+    keys, values = chunks(3)
+    with Store(config(tmp_path)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+            assert store.disk.contains(k.id)
+        assert len(disk_files(tmp_path)) == 3
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_flipped_byte_anywhere_in_a_file_is_never_returned(tmp_path_factory, data):
+    tmp_path = tmp_path_factory.mktemp("flip")
+    keys, values = chunks(1)
+    with Store(config(tmp_path)) as store:
+        store.put(keys[0], values[0])
+    (path,) = disk_files(tmp_path)
+    raw = bytearray(path.read_bytes())
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    raw[pos] ^= 1 << data.draw(st.integers(0, 7))
+    path.write_bytes(bytes(raw))
+    with Store(config(tmp_path)) as store:
+        out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+        assert store.get_into(keys[0], out) is False
+        assert store.stats().tiers["nvme"].corruptions == 1
+        assert not path.exists() and store.lookup(keys) == 0
+
+
+def test_truncated_file_is_a_miss_and_deleted(tmp_path):
+    keys, values = chunks(2)
+    with Store(config(tmp_path)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+    path = disk_files(tmp_path)[0]
+    path.write_bytes(path.read_bytes()[:300])
+    with Store(config(tmp_path)) as store:
+        served = 0
+        for k, v in zip(keys, values):
+            out = torch.empty_like(v)
+            if store.get_into(k, out):
+                assert torch.equal(out, v)
+                served += 1
+        assert served == 1 and store.stats().tiers["nvme"].corruptions == 1
+        assert len(disk_files(tmp_path)) == 1
+
+
+def test_wrong_shape_dtype_namespace_are_clear_errors(tmp_path):
+    keys, values = chunks(1)
+    other_ns = Namespace("other-model", 2, 2, 8, chunk_tokens=8)
+    with Store(config(tmp_path)) as store:
+        with pytest.raises(ValueError, match="dtype"):
+            store.put(keys[0], values[0].float())
+        with pytest.raises(ValueError, match="shape"):
+            store.put(keys[0], values[0][:1])
+        with pytest.raises(TypeError):
+            store.put(keys[0], values[0].numpy())
+        store.put(keys[0], values[0])
+        # The same tokens under another namespace are another key: a clean miss.
+        other_key = chunk_keys([0] * 8, other_ns)[0]
+        foreign = type(other_key)(other_ns, keys[0].prefix_hash)
+        assert store.lookup([foreign]) == 0
+        assert store.get_into(foreign, torch.empty(other_ns.chunk_shape, dtype=torch.float16)) is False
+        with pytest.raises(ValueError):
+            store.get_into(keys[0], torch.empty(3))
+
+
+def test_promotion_on_read(tmp_path):
+    keys, values = chunks(40)  # 40 KiB+ of blobs, host holds 16 pages
+    with Store(config(tmp_path, host=16 * PAGE, pending=4 * PAGE)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        store.flush()
+        assert not store.host.contains(keys[0].id) and store.disk.contains(keys[0].id)
+        out = torch.empty_like(values[0])
+        assert store.get_into(keys[0], out) and torch.equal(out, values[0])
+        assert store.host.contains(keys[0].id)
+        stats = store.stats()
+        assert stats.tiers["nvme"].hits == 1 and stats.tiers["host"].evictions > 0
+        assert store.get_into(keys[0], out)
+        assert store.stats().tiers["host"].hits == 1
+
+
+def test_write_behind_backpressure_bounds_pending_bytes(tmp_path):
+    keys, values = chunks(200)
+    limit = 8 * PAGE
+    peak = 0
+    stop = threading.Event()
+    with Store(config(tmp_path, host=32 * PAGE, pending=limit, fsync=True)) as store:
+
+        def watch():
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, store.stats().write_behind_pending_bytes)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        stop.set()
+        watcher.join()
+        assert 0 < peak <= limit
+        store.flush()
+        assert store.stats().write_behind_pending_bytes == 0
+        assert store.host.used_bytes <= store.host.capacity_bytes
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from("pgd"), st.integers(0, 29)), min_size=1, max_size=120))
+def test_storm_never_exceeds_capacity_and_never_returns_wrong_data(tmp_path_factory, ops):
+    tmp_path = tmp_path_factory.mktemp("storm")
+    keys, values = chunks(30)
+    cfg = config(tmp_path, host=12 * PAGE, disk=20 * PAGE, pending=4 * PAGE)
+    with Store(cfg) as store:
+        out = torch.empty_like(values[0])
+        for op, i in ops:
+            if op == "p":
+                store.put(keys[i], values[i])
+            elif op == "g":
+                if store.get_into(keys[i], out):
+                    assert torch.equal(out, values[i])
+            else:
+                store.delete([keys[i]])
+                assert store.lookup([keys[i]]) == 0
+            for tier in (store.host, store.disk):
+                assert tier.used_bytes <= tier.capacity_bytes
+        store.flush()
+        on_disk = sum(p.stat().st_size for p in disk_files(tmp_path))
+        assert on_disk <= cfg.disk.capacity_bytes
+
+
+def test_concurrent_readers_and_writers(tmp_path):
+    keys, values = chunks(60)
+    errors = []
+    with Store(config(tmp_path, host=24 * PAGE, pending=8 * PAGE)) as store:
+
+        def writer(offset):
+            for i in range(offset, 60, 3):
+                store.put(keys[i], values[i])
+
+        def reader(seed):
+            rng = random.Random(seed)
+            out = torch.empty_like(values[0])
+            for _ in range(200):
+                i = rng.randrange(60)
+                if store.get_into(keys[i], out) and not torch.equal(out, values[i]):
+                    errors.append(i)
+
+        threads = [threading.Thread(target=writer, args=(o,)) for o in range(3)]
+        threads += [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        store.flush()
+        assert not errors
+        assert store.lookup(keys) == 60  # everything fits on disk
+        assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
+
+
+def test_delete_removes_every_copy(tmp_path):
+    keys, values = chunks(3)
+    with Store(config(tmp_path)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+        assert store.delete(keys[:2]) == 2
+        assert store.delete(keys[:2]) == 0
+        assert store.lookup(keys) == 0 and store.lookup(keys[2:]) == 1
+        assert len(disk_files(tmp_path)) == 1
+
+
+def test_full_disk_keeps_serving_from_host(tmp_path):
+    with tiny_tmpfs(tmp_path / "data", 8 * PAGE):
+        keys, values = chunks(16)
+        cfg = config(tmp_path, disk=1 << 30)  # configured larger than the device
+        with Store(cfg) as store:
+            for k, v in zip(keys, values):
+                store.put(k, v)
+            store.flush()
+            stats = store.stats()
+            assert stats.tiers["nvme"].errors > 0 and stats.write_behind_dropped > 0
+            assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
+
+
+def test_read_only_disk_durable_put_fails_clearly_and_host_still_serves(tmp_path):
+    with tiny_tmpfs(tmp_path / "data", 1 << 20) as mnt:
+        keys, values = chunks(2)
+        with Store(config(tmp_path)) as store:
+            store.put(keys[0], values[0], durable=True)
+            remount_read_only(mnt)
+            with pytest.raises(Exception, match="Read-only|read-only"):
+                store.put(keys[1], values[1], durable=True)
+            got = store.get(keys)
+            assert len(got) == 2 and torch.equal(got[1], values[1])
+
+
+def test_close_flushes_write_behind(tmp_path):
+    keys, values = chunks(20)
+    store = Store(config(tmp_path))
+    for k, v in zip(keys, values):
+        store.put(k, v)
+    store.close()
+    assert len(disk_files(tmp_path)) == 20
+    with pytest.raises(Exception, match="closed"):
+        store.put(keys[0], values[0])
+
+
+def test_disk_disabled_store_works_in_ram(tmp_path):
+    cfg = config(tmp_path)
+    cfg.disk.enabled = False
+    keys, values = chunks(4)
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+        assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
+        assert "nvme" not in store.stats().tiers
+    assert not (tmp_path / "data").exists()

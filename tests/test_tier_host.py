@@ -1,0 +1,130 @@
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from tiers.base import TierFull
+from tiers.host import HostTier
+
+PAGE = 4096
+
+
+def blob(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_write_read_round_trip_in_pieces():
+    tier = HostTier(16 * PAGE, page_bytes=PAGE)
+    data = blob(3 * PAGE + 17, 1)
+    tier.write(b"k", [data[:10], memoryview(data)[10:5000], np.frombuffer(data[5000:], np.uint8)])
+    assert tier.read(b"k") == data
+    out1, out2 = bytearray(100), bytearray(len(data) - 100)
+    assert tier.read_into(b"k", [out1, out2]) == len(data)
+    assert bytes(out1 + out2) == data
+    assert tier.size_of(b"k") == len(data)
+    assert tier.used_bytes == 4 * PAGE
+    with pytest.raises(ValueError):
+        tier.read_into(b"k", bytearray(10))
+    assert tier.read(b"missing") is None and tier.read_into(b"missing", bytearray(1)) is None
+
+
+def test_full_tier_raises_and_delete_gives_space_back():
+    tier = HostTier(4 * PAGE, page_bytes=PAGE)
+    tier.write(b"a", [blob(3 * PAGE, 1)])
+    with pytest.raises(TierFull):
+        tier.write(b"b", [blob(2 * PAGE, 2)])
+    assert tier.delete(b"a") and not tier.delete(b"a")
+    tier.write(b"b", [blob(4 * PAGE, 2)])
+    assert tier.used_bytes == 4 * PAGE == tier.capacity_bytes
+
+
+def test_replace_keeps_capacity_exact():
+    tier = HostTier(8 * PAGE, page_bytes=PAGE)
+    for i in range(50):
+        tier.write(b"k", [blob(random.Random(i).randint(1, 8 * PAGE - 1) // 2, i)])
+    assert len(tier) == 1
+    assert tier.used_bytes == tier.footprint(tier.size_of(b"k"))
+
+
+def test_pinned_view_survives_delete_and_reuse():
+    tier = HostTier(2 * PAGE, page_bytes=PAGE)
+    data = blob(2 * PAGE, 3)
+    tier.write(b"a", [data])
+    with tier.pinned(b"a") as views:
+        tier.delete(b"a")
+        with pytest.raises(TierFull):  # pages still belong to the pinned value
+            tier.write(b"b", [blob(PAGE, 4)])
+        assert b"".join(views) == data
+    tier.write(b"b", [blob(2 * PAGE, 4)])
+
+
+def test_random_storm_never_exceeds_capacity():
+    rng = random.Random(7)
+    tier = HostTier(32 * PAGE, page_bytes=PAGE)
+    model: dict[bytes, bytes] = {}
+    for step in range(2000):
+        key = bytes([rng.randrange(20)])
+        op = rng.random()
+        if op < 0.5:
+            data = blob(rng.randint(1, 6 * PAGE), step)
+            try:
+                tier.write(key, [data])
+                model[key] = data
+            except TierFull:
+                pass
+        elif op < 0.8:
+            assert tier.read(key) == model.get(key)
+        else:
+            assert tier.delete(key) == (model.pop(key, None) is not None)
+        assert tier.used_bytes <= tier.capacity_bytes
+        assert tier.used_bytes == sum(tier.footprint(len(v)) for v in model.values())
+
+
+def test_concurrent_writers_and_readers():
+    tier = HostTier(64 * PAGE, page_bytes=PAGE)
+    errors = []
+
+    def worker(wid):
+        rng = random.Random(wid)
+        for i in range(300):
+            key = bytes([wid, rng.randrange(4)])
+            data = bytes([wid, i % 256]) * rng.randint(1, 2 * PAGE)
+            try:
+                tier.write(key, [data])
+            except TierFull:
+                continue
+            got = tier.read(key)
+            # another thread never writes this worker's keys, so the value is ours or newer of ours
+            if got is not None and got[:1] != bytes([wid]):
+                errors.append((wid, got[:2]))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert tier.used_bytes <= tier.capacity_bytes
+
+
+def test_shared_memory_pool_is_visible_to_another_mapping(tmp_path):
+    import mmap
+
+    path = "/dev/shm/kvstore-test-pool" if __import__("os").path.isdir("/dev/shm") else str(tmp_path / "pool")
+    tier = HostTier(4 * PAGE, page_bytes=PAGE, shm_path=path)
+    try:
+        tier.write(b"k", [b"hello shared world"])
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as other:
+            assert b"hello shared world" in other[:]
+    finally:
+        tier.close()
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError):
+        HostTier(PAGE, page_bytes=1000)
+    with pytest.raises(ValueError):
+        HostTier(PAGE - 1, page_bytes=PAGE)
+    with pytest.raises(ValueError):
+        HostTier(0)

@@ -1,0 +1,144 @@
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from fsfaults import remount_read_only, tiny_tmpfs
+from tiers.base import TierFull, TierUnavailable
+from tiers.nvme import DiskTier
+
+
+def blob(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def test_round_trip_scatter_read(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = blob(10_000, 1)
+    tier.write(key(1), [data[:128], memoryview(data)[128:]])
+    head, rest = bytearray(128), bytearray(len(data) - 128)
+    assert tier.read_into(key(1), [head, rest]) == len(data)
+    assert bytes(head + rest) == data
+    assert tier.read(key(1)) == data
+    assert tier.used_bytes == 12288  # rounded up to 4 KiB blocks
+    path = tier.path_of(key(1))
+    assert path.exists() and path.parent.parent.parent == tmp_path
+
+
+def test_o_direct_reads_match(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, o_direct=True)
+    data = blob(9_999, 2)
+    tier.write(key(2), [data])
+    out = bytearray(len(data))
+    assert tier.read_into(key(2), memoryview(out)) == len(data)
+    assert bytes(out) == data
+
+
+def test_restart_rebuilds_index_and_drops_temp_files(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    for i in range(5):
+        tier.write(key(i), [blob(5000 + i, i)])
+    stray = tier.path_of(key(9)).with_name("half-written.123.tmp")
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"partial")
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert sorted(again.keys()) == [key(i) for i in range(5)]
+    assert again.read(key(3)) == blob(5003, 3)
+    assert again.used_bytes == 5 * 8192
+    assert not stray.exists()
+
+
+def test_capacity_is_never_exceeded_and_delete_gives_space_back(tmp_path):
+    tier = DiskTier(tmp_path, 10 * 4096)
+    rng = random.Random(1)
+    present = {}
+    for step in range(400):
+        k = key(rng.randrange(12))
+        if rng.random() < 0.6:
+            n = rng.randint(1, 3 * 4096)
+            try:
+                tier.write(k, [blob(n, step)])
+                present[k] = n
+            except TierFull:
+                pass
+        else:
+            assert tier.delete(k) == (present.pop(k, None) is not None)
+        assert tier.used_bytes <= tier.capacity_bytes
+        assert tier.used_bytes == sum(-(-n // 4096) * 4096 for n in present.values())
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert on_disk == sum(present.values())
+
+
+def test_missing_directory_is_recreated(tmp_path):
+    root = tmp_path / "data"
+    tier = DiskTier(root, 1 << 20)
+    tier.write(key(1), [b"x" * 100])
+    import shutil
+
+    shutil.rmtree(root)
+    assert tier.read(key(1)) is None  # vanished: a clean miss, and forgotten
+    assert not tier.contains(key(1))
+    tier.write(key(2), [b"y" * 100])
+    assert tier.read(key(2)) == b"y" * 100
+
+
+def test_unusable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TierUnavailable, match="cannot use data directory"):
+        DiskTier(blocker / "data", 1 << 20)
+
+
+def test_full_file_system_raises_tier_full_and_leaves_nothing_behind(tmp_path):
+    with tiny_tmpfs(tmp_path / "mnt", 64 * 1024) as mnt:
+        tier = DiskTier(mnt, 1 << 30)  # capacity larger than the device
+        tier.write(key(1), [blob(20_000, 1)])
+        with pytest.raises(TierFull, match="full"):
+            tier.write(key(2), [blob(100_000, 2)])
+        assert not tier.contains(key(2))
+        assert [f for _, _, fs in os.walk(mnt) for f in fs if f.endswith(".tmp")] == []
+        assert tier.read(key(1)) == blob(20_000, 1)
+        assert tier.used_bytes == 20480
+
+
+def test_read_only_file_system_raises_unavailable_and_still_serves(tmp_path):
+    with tiny_tmpfs(tmp_path / "mnt", 1 << 20) as mnt:
+        tier = DiskTier(mnt, 1 << 20)
+        tier.write(key(1), [b"a" * 5000])
+        remount_read_only(mnt)
+        with pytest.raises(TierUnavailable):
+            tier.write(key(2), [b"b" * 5000])
+        assert tier.read(key(1)) == b"a" * 5000
+        assert tier.used_bytes == 8192
+
+
+def test_parallel_reads(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 22, read_threads=4)
+    for i in range(16):
+        tier.write(key(i), [blob(50_000, i)])
+    outs = [bytearray(50_000) for _ in range(16)]
+    assert tier.read_many_into([key(i) for i in range(16)], outs) == [50_000] * 16
+    assert all(bytes(o) == blob(50_000, i) for i, o in enumerate(outs))
+
+
+def test_concurrent_writers(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 22)
+
+    def worker(w):
+        for i in range(30):
+            tier.write(key(w * 100 + i % 5), [bytes([w]) * 3000])
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(tier) == 20 and tier.used_bytes == 20 * 4096
+    for k in tier.keys():
+        w = int.from_bytes(k, "big") // 100
+        assert tier.read(k) == bytes([w]) * 3000
