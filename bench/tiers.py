@@ -218,8 +218,8 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
             store.put(k, chunk)
         store.flush()
         put_s = time.perf_counter() - t
-        in_host = [k for k in keys if store.host.contains(k.id)]
-        cold = [k for k in keys if not store.host.contains(k.id)]
+        in_host = [k for k in keys if store.first.contains(k.id)]
+        cold = [k for k in keys if not store.first.contains(k.id)]
 
         def host_get() -> float:
             t = time.perf_counter()
@@ -228,7 +228,7 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
             return time.perf_counter() - t
 
         host_s = _best(host_get, args.repeat)
-        _drop_cache(str(store.disk.path_of(k.id)) for k in cold)
+        _drop_cache(str(store.tiers[1].path_of(k.id)) for k in cold)
         t = time.perf_counter()
         got = store.get(cold)
         disk_s = time.perf_counter() - t

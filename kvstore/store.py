@@ -1,25 +1,30 @@
 """The Store: the facade the daemon, the connector and the benchmarks use.
 
-A put lands in host RAM synchronously and is copied behind to the local disk through a
-bounded queue; while a copy is queued its host pages cannot be evicted, and a put waits
-when the queue holds ``max_pending_bytes`` (backpressure: memory stays bounded). A read
-that misses host RAM but hits the disk is verified, delivered and promoted to host RAM.
-Lookups answer from the in-memory index and never do I/O. Every blob read is verified; a
-corrupt one is deleted, counted and treated as a miss.
+Tiers are ordered fastest first; the first (host RAM) takes every put synchronously, and
+each replica tier (local disk, and later the shared tiers) receives a copy written behind
+through its own queue and workers. While a chunk has copies queued its host pages cannot
+be evicted, and a put waits while ``max_pending_bytes`` of chunks are queued
+(backpressure: memory stays bounded). A read is served by the fastest tier holding the
+chunk; a hit below the first tier is promoted into it. Lookups answer from the in-memory
+index and never do I/O. Every blob read is verified; a corrupt replica is deleted, counted,
+and the next replica is tried.
 
-Thread-safe: one lock guards the index and the policies; copies and disk I/O run outside it.
+Each tier has its own eviction policy. A chunk is evictable from a tier unless it is pinned
+or (first tier only) it still has copies queued. Thread-safe: one lock guards the index,
+the policies and the counters; copies and tier I/O run outside it.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from kvstore.blob import (
@@ -69,6 +74,7 @@ class StoreStats:
     puts: int = 0
     hits: int = 0
     misses: int = 0
+    pinned: int = 0
     write_behind_pending_bytes: int = 0
     write_behind_queue: int = 0
     write_behind_dropped: int = 0
@@ -77,68 +83,104 @@ class StoreStats:
 @dataclass
 class _Entry:
     size: int  # blob bytes
-    in_host: bool = False
-    on_disk: bool = False
-    pending: int = 0  # copies to disk queued; host pages are not evictable meanwhile
+    replicas: set[str] = field(default_factory=set)
+    pending: int = 0  # queued copies to replica tiers
+    pinned_until: float = 0.0
     waiters: list[threading.Event] = field(default_factory=list)
-    disk_error: Exception | None = None
+    copy_error: Exception | None = None
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def tiers_from_config(config: StoreConfig) -> list[Tier]:
+    """The tiers a configuration describes, fastest first."""
+    h = config.host
+    tiers: list[Tier] = [HostTier(h.capacity_bytes, h.page_bytes, h.prefault, h.shm_path)]
+    if config.disk.enabled:
+        d = config.disk
+        tiers.append(DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads))
+    return tiers
 
 
 class Store:
-    def __init__(self, config: StoreConfig | None = None) -> None:
+    def __init__(self, config: StoreConfig | None = None, extra_tiers: Sequence[Tier] = ()) -> None:
+        """``extra_tiers`` are appended after the configured ones (slower media, tests)."""
         self.config = config = config or StoreConfig()
-        wb = config.write_behind
-        self.max_pending_bytes = wb.max_pending_bytes or config.host.capacity_bytes // 4
-        if config.disk.enabled and self.max_pending_bytes > config.host.capacity_bytes // 2:
+        self.tiers: list[Tier] = tiers_from_config(config) + list(extra_tiers)
+        self.first = self.tiers[0]
+        self._by_name = {t.name: t for t in self.tiers}
+        if len(self._by_name) != len(self.tiers):
+            raise ValueError(f"tier names must be unique: {[t.name for t in self.tiers]}")
+        self.replica_tiers = self.tiers[1:]
+        self.max_pending_bytes = config.write_behind.max_pending_bytes or config.host.capacity_bytes // 4
+        if self.replica_tiers and self.max_pending_bytes > config.host.capacity_bytes // 2:
             raise ValueError("write_behind.max_pending_bytes must be at most half of host.capacity_bytes")
         self.codec = get_codec(config.codec)
-        self.host = HostTier(
-            config.host.capacity_bytes, config.host.page_bytes, config.host.prefault, config.host.shm_path
-        )
-        self.disk: DiskTier | None = None
+        self._verify = {t.name: True for t in self.tiers}
+        self._verify[self.first.name] = config.host.verify_payload
         if config.disk.enabled:
-            d = config.disk
-            self.disk = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads)
+            self._verify["nvme"] = config.disk.verify_payload
         self._lock = threading.RLock()
-        self._drained = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._index: dict[bytes, _Entry] = {}
-        self._policies = {self.host.name: make_policy(config.eviction_policy, self.host.capacity_bytes)}
-        self._stats = {self.host.name: TierStats(self.host.name, self.host.capacity_bytes)}
-        self._verify = {self.host.name: config.host.verify_payload}
+        self._pins: list[tuple[float, bytes]] = []
+        self._policies = {t.name: make_policy(config.eviction_policy, t.capacity_bytes) for t in self.tiers}
+        self._stats = {t.name: TierStats(t.name, t.capacity_bytes) for t in self.tiers}
         self._puts = self._hits = self._misses = self._dropped = 0
         self._pending_bytes = 0
         self._closed = False
-        self._queue: queue.Queue[tuple[bytes, _Entry, int] | None] = queue.Queue()
+        self._queues: dict[str, queue.Queue] = {}
         self._workers: list[threading.Thread] = []
-        self._readers = ThreadPoolExecutor(max(1, config.disk.read_threads), thread_name_prefix="store-get")
-        if self.disk is not None:
-            self._policies[self.disk.name] = make_policy(config.eviction_policy, self.disk.capacity_bytes)
-            self._stats[self.disk.name] = TierStats(self.disk.name, self.disk.capacity_bytes)
-            self._verify[self.disk.name] = config.disk.verify_payload
-            self._recover_disk()
-            for i in range(max(1, wb.workers)):
-                t = threading.Thread(target=self._write_behind_loop, name=f"write-behind-{i}", daemon=True)
+        self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
+        for tier in self.replica_tiers:
+            self._recover(tier)
+            self._queues[tier.name] = queue.Queue()
+            for i in range(max(1, config.write_behind.workers)):
+                t = threading.Thread(target=self._copy_loop, args=(tier,), name=f"copy-{tier.name}-{i}", daemon=True)
                 t.start()
                 self._workers.append(t)
 
-    # -- recovery ---------------------------------------------------------------------------
+    # -- recovery -----------------------------------------------------------------------------
 
-    def _recover_disk(self) -> None:
-        policy = self._policies[self.disk.name]
-        for key in self.disk.keys():
-            size = self.disk.size_of(key)
+    def _recover(self, tier: Tier) -> None:
+        found = 0
+        for key_id in tier.keys():
+            size = tier.size_of(key_id)
             if size is None:
                 continue
-            self._index[key] = _Entry(size=size, on_disk=True)
-            policy.on_insert(key, self.disk.footprint(size))
-        self._evict_to_fit(self.disk, 0)
-        if self._index:
-            log.info("recovered %d chunks (%d bytes) from %s", len(self._index), self.disk.used_bytes, self.disk.root)
+            entry = self._index.setdefault(key_id, _Entry(size=size))
+            if entry.size != size:
+                continue  # another tier holds a different encoding; keep the first seen
+            entry.replicas.add(tier.name)
+            self._sync_policies(key_id, entry)
+            found += 1
+        with self._lock:
+            self._evict_to_fit(tier, 0)
+        if found:
+            log.info("%s: recovered %d chunks (%d bytes)", tier.name, found, tier.used_bytes)
 
-    # -- validation -------------------------------------------------------------------------
+    # -- policy membership ------------------------------------------------------------------------
+
+    def _evictable_from(self, tier_name: str, entry: _Entry) -> bool:
+        if tier_name not in entry.replicas or entry.pinned_until > time.monotonic():
+            return False
+        return not (tier_name == self.first.name and entry.pending)
+
+    def _sync_policies(self, key_id: bytes, entry: _Entry, parent: bytes | None = None) -> None:
+        """Make each tier's policy track the key exactly when it is evictable there (lock held)."""
+        for name, policy in self._policies.items():
+            want = self._evictable_from(name, entry)
+            if want and key_id not in policy:
+                policy.on_insert(key_id, self._by_name[name].footprint(entry.size), parent)
+            elif not want and key_id in policy:
+                policy.on_remove(key_id)
+
+    # -- validation ---------------------------------------------------------------------------
 
     @staticmethod
-    def _check_chunk(key: ChunkKey, kv: torch.Tensor) -> None:
+    def _check_chunk(key: ChunkKey, kv) -> None:
         ns = key.namespace
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"chunk must be a torch.Tensor, got {type(kv).__name__}")
@@ -147,7 +189,11 @@ class Store:
         if tuple(kv.shape) != ns.chunk_shape:
             raise ValueError(f"chunk shape {tuple(kv.shape)} does not match namespace chunk shape {ns.chunk_shape}")
 
-    # -- put --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("store is closed")
+
+    # -- put ----------------------------------------------------------------------------------
 
     def put(
         self,
@@ -158,7 +204,7 @@ class Store:
         durable: bool = False,
         codec: str | None = None,
     ) -> None:
-        """Store one chunk. Returns once it is in host RAM, or on disk too if ``durable``."""
+        """Store one chunk. Returns once it is in host RAM, or in every replica tier if ``durable``."""
         self._check_chunk(key, kv)
         chosen = get_codec(codec) if codec else self.codec
         kv = kv.detach().to("cpu").contiguous()
@@ -167,151 +213,160 @@ class Store:
         self.put_blob(key.id, [header, payload], parent=parent.id if parent else None, durable=durable)
 
     def put_blob(self, key_id: bytes, parts: Sequence, *, parent: bytes | None = None, durable: bool = False) -> None:
-        """Store an already encoded blob (header + payload, possibly in pieces)."""
+        """Store an already encoded, already verified blob (header + payload, possibly in pieces)."""
         size = sum(memoryview(p).nbytes for p in parts)
-        waiter = threading.Event() if durable and self.disk is not None else None
+        waiter = threading.Event() if durable and self.replica_tiers else None
         with self._lock:
             self._check_open()
             self._puts += 1
             entry = self._index.get(key_id)
-            if entry is not None and entry.in_host and entry.size == size:
-                if key_id in self._policies[self.host.name]:
-                    self._policies[self.host.name].on_hit(key_id)  # same prefix, same chunk
+            if entry is not None and self.first.name in entry.replicas and entry.size == size:
+                if key_id in self._policies[self.first.name]:
+                    self._policies[self.first.name].on_hit(key_id)  # same prefix, same chunk
             else:
-                self._reserve_write_behind(size)
-                entry = self._write_host(key_id, parts, size, parent)
-            if self.disk is not None and not entry.on_disk:
-                if not entry.pending:
-                    self._queue_disk_copy(key_id, entry)
-                if waiter is not None:
+                self._wait_for_queue_room(size)
+                entry = self._write_first(key_id, parts, size, parent)
+            missing = [t for t in self.replica_tiers if t.name not in entry.replicas]
+            if missing and not entry.pending:
+                self._queue_copies(key_id, entry, missing)
+            if waiter is not None:
+                if entry.pending:
                     entry.waiters.append(waiter)
-            elif waiter is not None:
-                waiter.set()
+                else:
+                    waiter.set()
         if waiter is not None:
             waiter.wait()
-            if entry.disk_error is not None:
-                raise entry.disk_error
+            if entry.copy_error is not None:
+                raise entry.copy_error
 
-    def _reserve_write_behind(self, size: int) -> None:
-        """Backpressure: wait (releasing the lock) until the queue has room for ``size`` bytes."""
-        if self.disk is None:
+    def _wait_for_queue_room(self, size: int) -> None:
+        """Backpressure: wait (releasing the lock) until the queues have room for ``size`` bytes."""
+        if not self.replica_tiers:
             return
-        limit = self.max_pending_bytes
-        while self._pending_bytes > 0 and self._pending_bytes + size > limit:
-            self._drained.wait()
+        while self._pending_bytes > 0 and self._pending_bytes + size > self.max_pending_bytes:
+            self._changed.wait()
             self._check_open()
 
-    def _write_host(self, key_id: bytes, parts, size: int, parent: bytes | None) -> _Entry:
-        """Copy a blob into host RAM, evicting as needed (caller holds the lock)."""
-        policy = self._policies[self.host.name]
-        self._evict_to_fit(self.host, self.host.footprint(size), exclude=key_id)
-        self.host.write(key_id, parts)
-        self._stats[self.host.name].bytes_written += size
+    def _write_first(self, key_id: bytes, parts, size: int, parent: bytes | None) -> _Entry:
+        """Copy a blob into the first tier, evicting as needed (lock held)."""
+        tier = self.first
+        self._evict_to_fit(tier, tier.footprint(size), exclude=key_id)
+        tier.write(key_id, parts)
+        self._stats[tier.name].bytes_written += size
         entry = self._index.get(key_id)
         if entry is None:
             entry = self._index[key_id] = _Entry(size=size)
-        elif entry.on_disk and entry.size != size:
-            self._drop_replica(key_id, entry, self.disk)  # re-encoded: the old disk copy is stale
-        policy.on_remove(key_id)
-        entry.size, entry.in_host = size, True
-        if not entry.pending:
-            policy.on_insert(key_id, self.host.footprint(size), parent)
+        elif entry.size != size:
+            for name in list(entry.replicas):  # re-encoded: other copies are stale
+                if name != tier.name:
+                    self._drop_replica(key_id, entry, self._by_name[name])
+            entry.size = size
+        entry.replicas.add(tier.name)
+        self._sync_policies(key_id, entry, parent)
         return entry
 
-    def _queue_disk_copy(self, key_id: bytes, entry: _Entry) -> None:
-        entry.pending += 1
-        entry.disk_error = None
-        self._policies[self.host.name].on_remove(key_id)  # pinned in host until copied
+    def _queue_copies(self, key_id: bytes, entry: _Entry, tiers: list[Tier]) -> None:
+        entry.copy_error = None
         self._pending_bytes += entry.size
-        self._queue.put((key_id, entry, entry.size))
+        entry.pending += len(tiers)
+        self._sync_policies(key_id, entry)
+        for tier in tiers:
+            self._queues[tier.name].put((key_id, entry, entry.size))
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        while self._pins and self._pins[0][0] <= now:
+            _, key_id = heapq.heappop(self._pins)
+            entry = self._index.get(key_id)
+            if entry is not None:
+                self._sync_policies(key_id, entry)
 
     def _evict_to_fit(self, tier: Tier, need: int, exclude: bytes | None = None) -> None:
-        """Evict from ``tier`` until ``need`` more bytes fit (caller holds the lock)."""
+        """Evict from ``tier`` until ``need`` more bytes fit (lock held)."""
+        self._expire_pins()
         policy = self._policies[tier.name]
         while tier.capacity_bytes - tier.used_bytes < need:
             try:
                 victim = policy.evict()
             except LookupError:
-                if tier is self.host and self._pending_bytes > 0:
-                    self._drained.wait()  # everything evictable is waiting for the disk
+                if tier is self.first and self._pending_bytes > 0:
+                    self._changed.wait()  # everything evictable is waiting for its copies
+                    self._expire_pins()
                     continue
-                raise TierFull(f"{tier.name}: cannot make room for {need} bytes") from None
+                raise TierFull(f"{tier.name}: cannot make room for {need} bytes (the rest is pinned or in use)") from None
             if victim == exclude:
                 continue
-            entry = self._index.get(victim)
             self._stats[tier.name].evictions += 1
+            entry = self._index.get(victim)
             if entry is None:
                 tier.delete(victim)
-                continue
-            self._drop_replica(victim, entry, tier)
+            else:
+                self._drop_replica(victim, entry, tier)
 
     def _drop_replica(self, key_id: bytes, entry: _Entry, tier: Tier) -> None:
         """Remove one tier's copy; forget the chunk when no copy is left (lock held)."""
         tier.delete(key_id)
-        self._policies[tier.name].on_remove(key_id)
-        if tier is self.host:
-            entry.in_host = False
-        else:
-            entry.on_disk = False
-        if not entry.in_host and not entry.on_disk and not entry.pending:
-            self._index.pop(key_id, None)
+        entry.replicas.discard(tier.name)
+        self._sync_policies(key_id, entry)
+        if not entry.replicas and not entry.pending and self._index.get(key_id) is entry:
+            del self._index[key_id]
 
-    # -- write-behind -------------------------------------------------------------------------
+    # -- write-behind ---------------------------------------------------------------------------
 
-    def _write_behind_loop(self) -> None:
+    def _copy_loop(self, tier: Tier) -> None:
+        q = self._queues[tier.name]
         while True:
-            item = self._queue.get()
+            item = q.get()
             if item is None:
                 return
-            self._copy_to_disk(*item)
+            self._copy(tier, *item)
 
-    def _copy_to_disk(self, key_id: bytes, entry: _Entry, size: int) -> None:
+    def _copy(self, tier: Tier, key_id: bytes, entry: _Entry, size: int) -> None:
         error: Exception | None = None
         written = False
-        with self.host.pinned(key_id) as views:
+        with self.first.pinned(key_id) as views:
             if views is not None and sum(len(v) for v in views) == size:
                 try:
                     with self._lock:
-                        self._evict_to_fit(self.disk, self.disk.footprint(size), exclude=key_id)
-                    self.disk.write(key_id, views)
+                        self._evict_to_fit(tier, tier.footprint(size), exclude=key_id)
+                    tier.write(key_id, views)
                     written = True
                 except (TierError, OSError) as exc:
                     error = exc
         with self._lock:
-            self._pending_bytes -= size
             entry.pending -= 1
+            if entry.pending == 0:
+                self._pending_bytes -= size
             current = self._index.get(key_id)
             if written and current is entry and entry.size == size:
-                self._stats[self.disk.name].bytes_written += size
-                entry.on_disk = True
-                disk_policy = self._policies[self.disk.name]
-                disk_policy.on_remove(key_id)
-                disk_policy.on_insert(key_id, self.disk.footprint(size))
+                self._stats[tier.name].bytes_written += size
+                entry.replicas.add(tier.name)
             elif written and current is None:
-                self.disk.delete(key_id)  # deleted while queued
+                tier.delete(key_id)  # deleted while queued
             elif error is not None:
-                self._stats[self.disk.name].errors += 1
+                self._stats[tier.name].errors += 1
                 self._dropped += 1
-                entry.disk_error = error
-                log.warning("write-behind of %s failed: %s", key_id.hex(), error)
-            if current is entry and entry.pending == 0:
-                if entry.in_host:
-                    self._policies[self.host.name].on_insert(key_id, self.host.footprint(entry.size))
-                elif not entry.on_disk:
-                    self._index.pop(key_id, None)
+                entry.copy_error = error
+                log.warning("%s: copy of %s failed: %s", tier.name, key_id.hex(), error)
+            if current is entry:
+                self._sync_policies(key_id, entry)
+                if not entry.replicas and not entry.pending:
+                    del self._index[key_id]
             if entry.pending == 0:
                 for w in entry.waiters:
                     w.set()
                 entry.waiters.clear()
-            self._drained.notify_all()
+            self._changed.notify_all()
 
     def flush(self) -> None:
-        """Wait until every queued disk copy is written (or has failed)."""
+        """Wait until every queued copy is written (or has failed)."""
         with self._lock:
             while self._pending_bytes > 0:
-                self._drained.wait()
+                self._changed.wait()
 
-    # -- lookup and get -------------------------------------------------------------------------
+    # -- lookup, pin, prefetch ------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys are stored in some tier (index only, no I/O)."""
@@ -324,74 +379,125 @@ class Store:
     def contains(self, key: ChunkKey) -> bool:
         return key.id in self._index
 
+    def pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
+        """Keep present chunks from eviction in every tier for ``ttl_s`` seconds (extends,
+        never shortens, an earlier pin). Returns how many were present."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        until = time.monotonic() + ttl_s
+        pinned = 0
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key.id)
+                if entry is None:
+                    continue
+                pinned += 1
+                if until > entry.pinned_until:
+                    entry.pinned_until = until
+                    heapq.heappush(self._pins, (until, key.id))
+                self._sync_policies(key.id, entry)
+        return pinned
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> int:
+        """End pins early; returns how many of the keys were pinned."""
+        now = time.monotonic()
+        count = 0
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key.id)
+                if entry is not None and entry.pinned_until > now:
+                    entry.pinned_until = 0.0
+                    self._sync_policies(key.id, entry)
+                    count += 1
+        return count
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> list[Future]:
+        """Start promoting chunks held only below the first tier; returns the futures."""
+        with self._lock:
+            todo = [k for k in keys if (e := self._index.get(k.id)) is not None and self.first.name not in e.replicas]
+        return [self._readers.submit(self.get_blob, k) for k in todo]
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def _tiers_holding(self, key_id: bytes) -> list[Tier]:
+        with self._lock:
+            entry = self._index.get(key_id)
+            return [] if entry is None else [t for t in self.tiers if t.name in entry.replicas]
+
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> bool:
         """Load a chunk into ``out`` (a contiguous CPU tensor of the chunk's shape and dtype).
 
-        Returns False on a miss, including a corrupt replica that was just dropped.
+        Returns False on a miss; a corrupt or failing replica is skipped for the next one.
         """
         self._check_chunk(key, out)
         if not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError("out must be a contiguous CPU tensor")
+        return self._read(key, out) is not None
+
+    def get_blob(self, key: ChunkKey) -> bytes | None:
+        """The verified blob (header + encoded payload) of a chunk, or None on a miss."""
+        return self._read(key, None)
+
+    def read_from(self, tier_name: str, key: ChunkKey, out: torch.Tensor | None) -> bytes | bool:
+        """Read one chunk from one named tier (for fetchers that pick the tier themselves).
+
+        Returns True (``out`` filled) or the blob (``out`` None); False on a miss there.
+        Raises CorruptBlob or TierError; the caller decides what to do next.
+        """
+        result = self._read_tier(self._by_name[tier_name], key, out)
+        return False if result is None else result
+
+    def _read(self, key: ChunkKey, out: torch.Tensor | None):
         key_id = key.id
         for tier in self._tiers_holding(key_id):
             try:
-                if self._read_from(tier, key, out):
-                    return True
+                result = self._read_tier(tier, key, out)
             except CorruptBlob as exc:
                 self._on_corrupt(key_id, tier, exc)
+                continue
             except TierError as exc:
                 with self._lock:
                     self._stats[tier.name].errors += 1
                 log.warning("%s: read of %s failed: %s", tier.name, key, exc)
+                continue
+            if result is not None:
+                return result
         with self._lock:
             self._misses += 1
             for name, policy in self._policies.items():
                 policy.on_miss(key_id)
                 self._stats[name].misses += 1
-        return False
+        return None
 
-    def _tiers_holding(self, key_id: bytes) -> list[Tier]:
-        with self._lock:
-            entry = self._index.get(key_id)
-            if entry is None:
-                return []
-            tiers: list[Tier] = [self.host] if entry.in_host else []
-            if entry.on_disk:
-                tiers.append(self.disk)
-            return tiers
-
-    def _read_from(self, tier: Tier, key: ChunkKey, out: torch.Tensor) -> bool:
+    def _read_tier(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
+        """Read and verify one replica; True/blob bytes on success, None if it vanished."""
         key_id = key.id
         size = tier.size_of(key_id)
         if size is None:
-            return False
+            return None
         header_buf = bytearray(HEADER_BYTES)
-        raw_len = out.numel() * out.element_size()
-        direct = size == HEADER_BYTES + raw_len
+        direct = out is not None and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
         got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
         if got is None:
-            return False
+            return None
         if got != size:
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = decode_header(header_buf)
         if header.key_id != key_id:
             raise CorruptBlob(f"{tier.name}: blob names another key")
-        if header.dtype != out.dtype or header.shape != tuple(out.shape):
+        if header.dtype != _torch_dtype(key.namespace.dtype) or header.shape != key.namespace.chunk_shape:
             raise CorruptBlob(f"{tier.name}: blob holds {header.dtype}{list(header.shape)}")
         if header.payload_len != size - HEADER_BYTES:
             raise CorruptBlob(f"{tier.name}: payload length {header.payload_len} != {size - HEADER_BYTES}")
         if self._verify[tier.name] and payload_checksum(payload_buf) != header.payload_checksum:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
-        codec = codec_by_id(header.codec_id)
-        if not (direct and codec.codec_id == 0):
-            codec.decode_into(payload_buf, out)
-        self._on_hit(key, tier, size, header_buf, payload_buf)
-        return True
+        if out is not None and not (direct and header.codec_id == 0):
+            codec_by_id(header.codec_id).decode_into(payload_buf, out)
+        self._on_hit(key_id, tier, size, header_buf, payload_buf)
+        return True if out is not None else bytes(header_buf) + bytes(payload_buf)
 
-    def _on_hit(self, key: ChunkKey, tier: Tier, size: int, header_buf, payload_buf) -> None:
-        key_id = key.id
-        promote = False
+    def _on_hit(self, key_id: bytes, tier: Tier, size: int, header_buf, payload_buf) -> None:
         with self._lock:
             self._hits += 1
             stats = self._stats[tier.name]
@@ -400,15 +506,14 @@ class Store:
             entry = self._index.get(key_id)
             if entry is None:
                 return
-            for name, policy in self._policies.items():
+            for policy in self._policies.values():
                 if key_id in policy:
                     policy.on_hit(key_id)
-            promote = tier is not self.host and not entry.in_host
-            if promote:
+            if tier is not self.first and self.first.name not in entry.replicas and entry.size == size:
                 try:
-                    self._write_host(key_id, [header_buf, payload_buf], size, None)
+                    self._write_first(key_id, [header_buf, payload_buf], size, None)
                 except TierFull:
-                    pass  # host RAM is pinned full by queued copies: serve without promoting
+                    pass  # the first tier is full of pinned or queued chunks: serve without promoting
 
     def _on_corrupt(self, key_id: bytes, tier: Tier, exc: Exception) -> None:
         log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
@@ -433,7 +538,7 @@ class Store:
             fut.cancel()
         return result
 
-    # -- delete, stats, close ---------------------------------------------------------------------
+    # -- delete, stats, close -----------------------------------------------------------------
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks from every tier; returns how many were present."""
@@ -444,59 +549,50 @@ class Store:
                 if entry is None:
                     continue
                 removed += 1
-                for tier in (self.host, self.disk):
-                    if tier is not None:
-                        tier.delete(key.id)
-                        self._policies[tier.name].on_remove(key.id)
+                for name in list(entry.replicas):
+                    self._by_name[name].delete(key.id)
+                entry.replicas.clear()
+                entry.pinned_until = 0.0
+                self._sync_policies(key.id, entry)
         return removed
 
     def stats(self) -> StoreStats:
         with self._lock:
-            tiers = {}
-            for tier in (self.host, self.disk):
-                if tier is None:
-                    continue
-                s = self._stats[tier.name]
-                tiers[tier.name] = TierStats(**{**s.__dict__, "used_bytes": tier.used_bytes, "chunks": len(tier)})
+            now = time.monotonic()
             return StoreStats(
-                tiers=tiers,
+                tiers={
+                    t.name: TierStats(**{**self._stats[t.name].__dict__, "used_bytes": t.used_bytes, "chunks": len(t)})
+                    for t in self.tiers
+                },
                 chunks=len(self._index),
                 puts=self._puts,
                 hits=self._hits,
                 misses=self._misses,
+                pinned=sum(1 for e in self._index.values() if e.pinned_until > now),
                 write_behind_pending_bytes=self._pending_bytes,
-                write_behind_queue=self._queue.qsize(),
+                write_behind_queue=sum(q.qsize() for q in self._queues.values()),
                 write_behind_dropped=self._dropped,
             )
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed("store is closed")
-
     def close(self) -> None:
-        """Flush queued disk copies, stop workers and release the tiers."""
+        """Flush queued copies, stop the workers and release the tiers."""
         if self._closed:
             return
-        if self.disk is not None:
-            self.flush()
+        self.flush()
         with self._lock:
             self._closed = True
-            self._drained.notify_all()
-        for _ in self._workers:
-            self._queue.put(None)
+            self._changed.notify_all()
+        for tier in self.replica_tiers:
+            for _ in range(max(1, self.config.write_behind.workers)):
+                self._queues[tier.name].put(None)
         for t in self._workers:
             t.join()
         self._readers.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
-        self.host.close()
+        for tier in reversed(self.tiers):
+            tier.close()
 
     def __enter__(self) -> "Store":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)

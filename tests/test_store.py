@@ -80,7 +80,7 @@ def test_durable_put_is_on_disk_when_it_returns(tmp_path):
     with Store(config(tmp_path)) as store:
         for k, v in zip(keys, values):
             store.put(k, v, durable=True)
-            assert store.disk.contains(k.id)
+            assert store.tiers[1].contains(k.id)
         assert len(disk_files(tmp_path)) == 3
 
 
@@ -147,10 +147,10 @@ def test_promotion_on_read(tmp_path):
         for k, v in zip(keys, values):
             store.put(k, v)
         store.flush()
-        assert not store.host.contains(keys[0].id) and store.disk.contains(keys[0].id)
+        assert not store.first.contains(keys[0].id) and store.tiers[1].contains(keys[0].id)
         out = torch.empty_like(values[0])
         assert store.get_into(keys[0], out) and torch.equal(out, values[0])
-        assert store.host.contains(keys[0].id)
+        assert store.first.contains(keys[0].id)
         stats = store.stats()
         assert stats.tiers["nvme"].hits == 1 and stats.tiers["host"].evictions > 0
         assert store.get_into(keys[0], out)
@@ -178,7 +178,7 @@ def test_write_behind_backpressure_bounds_pending_bytes(tmp_path):
         assert 0 < peak <= limit
         store.flush()
         assert store.stats().write_behind_pending_bytes == 0
-        assert store.host.used_bytes <= store.host.capacity_bytes
+        assert store.first.used_bytes <= store.first.capacity_bytes
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -198,7 +198,7 @@ def test_storm_never_exceeds_capacity_and_never_returns_wrong_data(tmp_path_fact
             else:
                 store.delete([keys[i]])
                 assert store.lookup([keys[i]]) == 0
-            for tier in (store.host, store.disk):
+            for tier in (store.first, store.tiers[1]):
                 assert tier.used_bytes <= tier.capacity_bytes
         store.flush()
         on_disk = sum(p.stat().st_size for p in disk_files(tmp_path))
@@ -289,3 +289,95 @@ def test_disk_disabled_store_works_in_ram(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
         assert "nvme" not in store.stats().tiers
     assert not (tmp_path / "data").exists()
+
+
+def test_pinned_chunks_are_not_evicted_until_unpinned_or_expired(tmp_path):
+    cfg = config(tmp_path, host=12 * PAGE, pending=2 * PAGE)
+    cfg.disk.enabled = False
+    keys, values = chunks(20)
+    with Store(cfg) as store:
+        store.put(keys[0], values[0])
+        assert store.pin(keys[:1] + keys[5:6], ttl_s=60) == 1
+        for k, v in zip(keys[1:], values[1:]):
+            store.put(k, v)
+        assert store.contains(keys[0]) and store.stats().pinned == 1
+        assert store.unpin(keys[:1]) == 1
+        for k, v in zip(keys[1:], values[1:]):
+            store.put(k, v)
+        assert not store.contains(keys[0])
+        store.put(keys[0], values[0])
+        store.pin(keys[:1], ttl_s=0.05)
+        time.sleep(0.1)
+        for k, v in zip(keys[1:], values[1:]):
+            store.put(k, v)
+        assert not store.contains(keys[0])
+        with pytest.raises(ValueError):
+            store.pin(keys, ttl_s=0)
+
+
+def test_host_full_of_pinned_chunks_is_a_clear_error(tmp_path):
+    cfg = config(tmp_path, host=4 * PAGE)
+    cfg.disk.enabled = False
+    keys, values = chunks(8)
+    with Store(cfg) as store:
+        for k, v in zip(keys[:4], values[:4]):
+            store.put(k, v)
+        store.pin(keys[:4], ttl_s=60)
+        with pytest.raises(Exception, match="pinned"):
+            store.put(keys[5], values[5])
+        assert len(store.get(keys[:4])) == 4
+
+
+def test_prefetch_promotes_to_host_and_get_blob_returns_verified_bytes(tmp_path):
+    from kvstore.blob import verify_blob
+
+    keys, values = chunks(30)
+    with Store(config(tmp_path, host=16 * PAGE, pending=4 * PAGE)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        store.flush()
+        cold = [k for k in keys if not store.first.contains(k.id)]
+        assert cold
+        for fut in store.prefetch(cold[:3]):
+            fut.result()
+        assert all(store.first.contains(k.id) for k in cold[:3])
+        header, payload = verify_blob(store.get_blob(keys[0]), keys[0])
+        assert bytes(payload) == values[0].view(torch.uint8).numpy().tobytes()
+        assert store.get_blob(chunks(1, seed=99)[0][0]) is None
+
+
+def test_replicas_on_extra_tiers_and_fallback_when_one_is_corrupt(tmp_path):
+    from tiers.nvme import DiskTier
+
+    second = DiskTier(tmp_path / "pfs", 1 << 20, name="pfs")
+    keys, values = chunks(4)
+    with Store(config(tmp_path), extra_tiers=[second]) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+        assert all(store.tiers[1].contains(k.id) and second.contains(k.id) for k in keys)
+        store.first.delete(keys[0].id)
+        with store._lock:
+            store._index[keys[0].id].replicas.discard("host")
+        path = store.tiers[1].path_of(keys[0].id)
+        raw = bytearray(path.read_bytes())
+        raw[200] ^= 1
+        path.write_bytes(bytes(raw))
+        out = torch.empty_like(values[0])
+        assert store.get_into(keys[0], out) and torch.equal(out, values[0])
+        stats = store.stats()
+        assert stats.tiers["nvme"].corruptions == 1 and stats.tiers["pfs"].hits == 1
+        assert store.delete(keys) == 4
+        assert len(second) == 0 and len(store.tiers[1]) == 0
+
+
+def test_restart_recovers_from_every_persistent_tier(tmp_path):
+    from tiers.nvme import DiskTier
+
+    keys, values = chunks(3)
+    with Store(config(tmp_path), extra_tiers=[DiskTier(tmp_path / "pfs", 1 << 20, name="pfs")]) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+    (tmp_path / "data").rename(tmp_path / "gone")
+    with Store(config(tmp_path), extra_tiers=[DiskTier(tmp_path / "pfs", 1 << 20, name="pfs")]) as store:
+        assert store.lookup(keys) == 3
+        assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
