@@ -35,7 +35,7 @@ def parse_size(value: int | str) -> int:
         if value < 0:
             raise ConfigError(f"size must not be negative, got {value}")
         return value
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*(?:/s)?\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot parse size {value!r}; use bytes or a unit like KiB, MiB, GiB, MB, GB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -58,6 +58,7 @@ class HostTierConfig:
     # Host RAM is our own process memory: verifying payload checksums there costs bandwidth and
     # guards only against memory corruption. Headers are always verified.
     verify_payload: bool = False
+    fetch_workers: int = 1
 
 
 @dataclass
@@ -68,9 +69,12 @@ class DiskTierConfig:
     path: str = field(default_factory=default_data_dir)
     capacity_bytes: int = 8 << 30
     fsync: bool = False
-    o_direct: bool = True
+    o_direct: bool = False
     read_threads: int = 4
     verify_payload: bool = True
+    fetch_workers: int = 4
+    # Emulate a slower device: cap the tier's bandwidth (bytes/s, e.g. "200MB/s"); 0 = no cap.
+    read_bytes_per_s: int = 0
 
 
 @dataclass
@@ -90,10 +94,13 @@ class StoreConfig:
     write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
     eviction_policy: str = "default"
     codec: str = "raw"
+    promote_on_read: bool = True
+    # A chunk in flight on one tier for longer than this may be fetched from another replica.
+    fetch_stall_s: float = 0.5
 
 
 def _is_size_field(f: dataclasses.Field) -> bool:
-    return f.name.endswith("_bytes")
+    return f.name.endswith(("_bytes", "_bytes_per_s"))
 
 
 def _build(cls, data: dict, where: str):

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -39,11 +39,13 @@ from kvstore.blob import (
 from kvstore.codecs import codec_by_id, get_codec
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import StoreConfig
+from kvstore.fetch import FetchJob
 from kvstore.keys import ChunkKey
 from kvstore.policies import make_policy
 from tiers.base import Tier, TierError, TierFull
 from tiers.host import HostTier
 from tiers.nvme import DiskTier
+from tiers.throttle import ThrottledTier
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class TierStats:
     evictions: int = 0
     corruptions: int = 0
     errors: int = 0
+    read_gbps: float = 0.0  # EWMA of recent reads' bandwidth
 
 
 @dataclass
@@ -94,19 +97,38 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+EWMA_ALPHA = 0.2
+
+
 def tiers_from_config(config: StoreConfig) -> list[Tier]:
-    """The tiers a configuration describes, fastest first."""
+    """The tiers a configuration describes, fastest first, with any bandwidth caps applied."""
     h = config.host
     tiers: list[Tier] = [HostTier(h.capacity_bytes, h.page_bytes, h.prefault, h.shm_path)]
     if config.disk.enabled:
         d = config.disk
-        tiers.append(DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads))
+        disk: Tier = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads)
+        if d.read_bytes_per_s:
+            disk = ThrottledTier(disk, d.read_bytes_per_s)
+        tiers.append(disk)
     return tiers
 
 
+def fetch_workers_from_config(config: StoreConfig) -> dict[str, int]:
+    workers = {"host": config.host.fetch_workers}
+    if config.disk.enabled:
+        workers["nvme"] = config.disk.fetch_workers
+    return workers
+
+
 class Store:
-    def __init__(self, config: StoreConfig | None = None, extra_tiers: Sequence[Tier] = ()) -> None:
-        """``extra_tiers`` are appended after the configured ones (slower media, tests)."""
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        extra_tiers: Sequence[Tier] = (),
+        extra_fetch_workers: dict[str, int] | None = None,
+    ) -> None:
+        """``extra_tiers`` are appended after the configured ones (slower media, tests), with
+        ``extra_fetch_workers[name]`` fetch workers each (default 4)."""
         self.config = config = config or StoreConfig()
         self.tiers: list[Tier] = tiers_from_config(config) + list(extra_tiers)
         self.first = self.tiers[0]
@@ -134,6 +156,11 @@ class Store:
         self._queues: dict[str, queue.Queue] = {}
         self._workers: list[threading.Thread] = []
         self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
+        workers = {t.name: 4 for t in self.tiers} | fetch_workers_from_config(config) | (extra_fetch_workers or {})
+        self.fetch_workers = {t.name: max(1, workers[t.name]) for t in self.tiers}
+        self._fetch_pools = {
+            name: ThreadPoolExecutor(n, thread_name_prefix=f"fetch-{name}") for name, n in self.fetch_workers.items()
+        }
         for tier in self.replica_tiers:
             self._recover(tier)
             self._queues[tier.name] = queue.Queue()
@@ -478,7 +505,9 @@ class Store:
         header_buf = bytearray(HEADER_BYTES)
         direct = out is not None and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
+        started = time.perf_counter()
         got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
+        elapsed = time.perf_counter() - started
         if got is None:
             return None
         if got != size:
@@ -494,22 +523,25 @@ class Store:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
         if out is not None and not (direct and header.codec_id == 0):
             codec_by_id(header.codec_id).decode_into(payload_buf, out)
-        self._on_hit(key_id, tier, size, header_buf, payload_buf)
+        self._on_hit(key_id, tier, size, elapsed, header_buf, payload_buf)
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
 
-    def _on_hit(self, key_id: bytes, tier: Tier, size: int, header_buf, payload_buf) -> None:
+    def _on_hit(self, key_id: bytes, tier: Tier, size: int, elapsed: float, header_buf, payload_buf) -> None:
         with self._lock:
             self._hits += 1
             stats = self._stats[tier.name]
             stats.hits += 1
             stats.bytes_read += size
+            gbps = size / max(elapsed, 1e-9) / 1e9
+            stats.read_gbps = gbps if stats.read_gbps == 0 else (1 - EWMA_ALPHA) * stats.read_gbps + EWMA_ALPHA * gbps
             entry = self._index.get(key_id)
             if entry is None:
                 return
             for policy in self._policies.values():
                 if key_id in policy:
                     policy.on_hit(key_id)
-            if tier is not self.first and self.first.name not in entry.replicas and entry.size == size:
+            promote = self.config.promote_on_read and tier is not self.first
+            if promote and self.first.name not in entry.replicas and entry.size == size:
                 try:
                     self._write_first(key_id, [header_buf, payload_buf], size, None)
                 except TierFull:
@@ -525,18 +557,80 @@ class Store:
             else:
                 tier.delete(key_id)
 
+    def replicas(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
+        """The tiers holding each of the leading present keys (index only)."""
+        with self._lock:
+            out = []
+            for key in keys:
+                entry = self._index.get(key.id)
+                if entry is None or not entry.replicas:
+                    break
+                out.append(frozenset(entry.replicas))
+            return out
+
+    def stream(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[torch.Tensor] | None = None,
+        tiers: Sequence[str] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Free-tier fetch of the leading present chunks, yielded in order as they arrive.
+
+        Each tier's workers take the earliest chunk their tier holds, so all tiers holding
+        replicas read at once. ``outs`` are filled when given (a chunk taken over from a
+        stalled tier arrives in a fresh tensor instead); ``tiers`` restricts the tiers used.
+        Stops before the first chunk no replica can deliver.
+        """
+        replicas = self.replicas(keys)
+        if tiers is not None:
+            allowed = set(tiers)
+            unknown = allowed - set(self._by_name)
+            if unknown:
+                raise ValueError(f"unknown tiers {sorted(unknown)}; known: {sorted(self._by_name)}")
+            replicas = [r & allowed for r in replicas]
+            replicas = replicas[: next((i for i, r in enumerate(replicas) if not r), len(replicas))]
+        n = len(replicas)
+        if outs is None:
+            outs = [torch.empty(k.namespace.chunk_shape, dtype=_torch_dtype(k.namespace.dtype)) for k in keys[:n]]
+        else:
+            for k, o in zip(keys, outs):
+                self._check_chunk(k, o)
+        job = FetchJob(replicas, outs[:n], lambda tier, i, out: self._fetch_one(tier, keys[i], out), self.config.fetch_stall_s)
+        for tier in job.tiers():
+            for _ in range(self.fetch_workers[tier]):
+                self._fetch_pools[tier].submit(job.work, tier)
+        try:
+            yield from job.results()
+        finally:
+            job.cancel()
+
+    def _fetch_one(self, tier_name: str, key: ChunkKey, out: torch.Tensor) -> bool:
+        tier = self._by_name[tier_name]
+        try:
+            return self._read_tier(tier, key, out) is not None
+        except CorruptBlob as exc:
+            self._on_corrupt(key.id, tier, exc)
+        except TierError as exc:
+            with self._lock:
+                self._stats[tier.name].errors += 1
+            log.warning("%s: read of %s failed: %s", tier.name, key, exc)
+        return False
+
     def get(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         """The leading chunks of ``keys`` that can be loaded, in order (stops at the first miss)."""
-        outs = [torch.empty(k.namespace.chunk_shape, dtype=_torch_dtype(k.namespace.dtype)) for k in keys]
-        futures = [self._readers.submit(self.get_into, k, o) for k, o in zip(keys, outs)]
-        result = []
-        for fut, out in zip(futures, outs):
-            if not fut.result():
-                break
-            result.append(out)
-        for fut in futures[len(result):]:
-            fut.cancel()
-        return result
+        return list(self.stream(keys))
+
+    def drop(self, keys: Sequence[ChunkKey], tier_name: str) -> int:
+        """Remove one tier's copies of ``keys`` (other replicas stay); returns how many were there."""
+        tier = self._by_name[tier_name]
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key.id)
+                if entry is not None and tier_name in entry.replicas:
+                    self._drop_replica(key.id, entry, tier)
+                    dropped += 1
+        return dropped
 
     # -- delete, stats, close -----------------------------------------------------------------
 
@@ -588,6 +682,8 @@ class Store:
         for t in self._workers:
             t.join()
         self._readers.shutdown(wait=True)
+        for pool in self._fetch_pools.values():
+            pool.shutdown(wait=True)
         for tier in reversed(self.tiers):
             tier.close()
 

@@ -1,0 +1,122 @@
+"""Free-tier fetching: read N ordered chunks from whichever replica's tier is idle.
+
+A fetch is a queue of chunks. Every tier that holds some of them runs its own workers
+(as many as its useful queue depth); an idle worker claims the earliest chunk that is not
+yet fetched and that its tier holds, so fast and slow tiers all stay busy and the
+aggregate bandwidth approaches the sum of theirs. Chunks are delivered in order as soon as
+their predecessors are in. A replica that fails (error, corruption, vanished) is crossed
+off for that chunk and another tier takes it; a chunk in flight for longer than
+``stall_s`` may be taken over by another tier's worker (the first to finish wins). When
+no replica of a chunk can deliver, the fetch ends there: later chunks are useless to a
+prefix cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+
+@dataclass
+class _Chunk:
+    replicas: frozenset[str]
+    out: torch.Tensor
+    in_flight: dict[str, float] = field(default_factory=dict)  # tier -> claim time
+    failed: set[str] = field(default_factory=set)
+    result: torch.Tensor | None = None
+
+
+ReadFn = Callable[[str, int, torch.Tensor], bool]
+
+
+class FetchJob:
+    """One ordered fetch. ``read(tier, index, out)`` reads chunk ``index`` from ``tier``
+    into ``out`` and returns whether it succeeded (it records failures itself)."""
+
+    def __init__(self, replicas: Sequence[frozenset[str]], outs: Sequence[torch.Tensor], read: ReadFn, stall_s: float) -> None:
+        self._chunks = [_Chunk(r, o) for r, o in zip(replicas, outs)]
+        self._read = read
+        self.stall_s = stall_s
+        self._cond = threading.Condition()
+        self._first_open = 0  # every chunk before this one is done
+        self._end = len(self._chunks)  # chunks from here on are abandoned
+        self.reads_by_tier: dict[str, int] = {}
+
+    def tiers(self) -> set[str]:
+        return set().union(*(c.replicas for c in self._chunks)) if self._chunks else set()
+
+    def _claimable(self, tier: str, now: float) -> tuple[int, bool] | None:
+        """The earliest chunk ``tier`` may take, and whether taking it is a takeover."""
+        for i in range(self._first_open, self._end):
+            c = self._chunks[i]
+            if c.result is not None or tier not in c.replicas or tier in c.failed or tier in c.in_flight:
+                continue
+            if not c.in_flight:
+                return i, False
+            if now - min(c.in_flight.values()) > self.stall_s:
+                return i, True
+        return None
+
+    def _may_need(self, tier: str) -> bool:
+        """Whether ``tier`` could still be asked for work (so its worker should wait, not exit)."""
+        for i in range(self._first_open, self._end):
+            c = self._chunks[i]
+            if c.result is None and tier in c.replicas and tier not in c.failed and tier not in c.in_flight and c.in_flight:
+                return True
+        return False
+
+    def work(self, tier: str) -> None:
+        """One worker of ``tier``: claim, read, repeat until nothing is left for this tier."""
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    claim = self._claimable(tier, now)
+                    if claim is not None or not self._may_need(tier):
+                        break
+                    self._cond.wait(timeout=self.stall_s / 4)
+                if claim is None:
+                    return
+                index, takeover = claim
+                chunk = self._chunks[index]
+                chunk.in_flight[tier] = now
+            # A takeover reads into its own buffer: the stalled reader may still be writing `out`.
+            target = torch.empty_like(chunk.out) if takeover else chunk.out
+            ok = False
+            try:
+                ok = self._read(tier, index, target)
+            finally:
+                with self._cond:
+                    chunk.in_flight.pop(tier, None)
+                    if ok and chunk.result is None:
+                        chunk.result = target
+                        self.reads_by_tier[tier] = self.reads_by_tier.get(tier, 0) + 1
+                    elif not ok:
+                        chunk.failed.add(tier)
+                        if chunk.result is None and not chunk.in_flight and chunk.failed >= chunk.replicas:
+                            self._end = min(self._end, index)
+                    self._cond.notify_all()
+
+    def results(self) -> Iterator[torch.Tensor]:
+        """Chunks in order, each as soon as it and all before it are in."""
+        i = 0
+        while True:
+            with self._cond:
+                while i < self._end and self._chunks[i].result is None:
+                    self._cond.wait()
+                if i >= self._end:
+                    return
+                self._first_open = i + 1
+                result = self._chunks[i].result
+            yield result
+            i += 1
+
+    def cancel(self) -> None:
+        """Stop handing out work (a consumer that no longer wants the rest)."""
+        with self._cond:
+            self._end = min(self._end, self._first_open)
+            self._cond.notify_all()

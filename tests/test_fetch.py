@@ -1,0 +1,187 @@
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
+from kvstore.fetch import FetchJob
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
+from tiers.nvme import DiskTier
+from tiers.throttle import ThrottledTier
+
+PAGE = 4096
+NS = Namespace("fetch-test", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB chunks
+
+
+def run_job(job, tiers, workers=2):
+    pool = ThreadPoolExecutor(len(tiers) * workers)
+    for t in tiers:
+        for _ in range(workers):
+            pool.submit(job.work, t)
+    out = list(job.results())
+    pool.shutdown(wait=True)
+    return out
+
+
+def test_job_delivers_in_order_and_uses_every_tier():
+    n = 40
+    outs = [torch.zeros(1) for _ in range(n)]
+    seen = []
+
+    def read(tier, i, out):
+        time.sleep(0.002 if tier == "fast" else 0.006)
+        out.fill_(i)
+        seen.append(tier)
+        return True
+
+    job = FetchJob([frozenset({"fast", "slow"})] * n, outs, read, stall_s=5)
+    got = run_job(job, ["fast", "slow"])
+    assert [int(t.item()) for t in got] == list(range(n))
+    assert job.reads_by_tier["fast"] > job.reads_by_tier["slow"] > 0
+    assert sum(job.reads_by_tier.values()) == n
+
+
+def test_job_respects_which_tier_holds_what():
+    replicas = [frozenset({"a"}), frozenset({"b"}), frozenset({"a", "b"}), frozenset({"b"})]
+    calls = []
+
+    def read(tier, i, out):
+        calls.append((tier, i))
+        assert tier in replicas[i]
+        out.fill_(i)
+        return True
+
+    got = run_job(FetchJob(replicas, [torch.zeros(1) for _ in replicas], read, 5), ["a", "b"])
+    assert len(got) == 4
+
+
+def test_failed_replica_is_retried_elsewhere_and_all_failed_ends_the_prefix():
+    def read(tier, i, out):
+        out.fill_(i)
+        return not (tier == "a" and i == 1) and i != 3
+
+    outs = [torch.zeros(1) for _ in range(6)]
+    job = FetchJob([frozenset({"a", "b"})] * 6, outs, read, 5)
+    got = run_job(job, ["a", "b"])
+    assert [int(t.item()) for t in got] == [0, 1, 2]
+
+
+def test_stalled_tier_loses_its_chunk_to_another_replica():
+    release = threading.Event()
+
+    def read(tier, i, out):
+        if tier == "stuck":
+            release.wait(5)
+            return False
+        out.fill_(i)
+        return True
+
+    replicas = [frozenset({"stuck"}), frozenset({"stuck", "ok"})]
+    outs = [torch.zeros(1), torch.zeros(1)]
+    job = FetchJob(replicas, outs, read, stall_s=0.05)
+    pool = ThreadPoolExecutor(2)
+    pool.submit(job.work, "stuck")
+    pool.submit(job.work, "ok")
+    time.sleep(0.01)
+    results = job.results()
+    # chunk 0 only lives on the stuck tier: once it fails, nothing after it is delivered
+    release.set()
+    assert list(results) == []
+    pool.shutdown(wait=True)
+
+    release.clear()
+    job = FetchJob([frozenset({"stuck", "ok"})] * 3, [torch.zeros(1) for _ in range(3)], read, stall_s=0.05)
+    pool = ThreadPoolExecutor(2)
+    pool.submit(job.work, "stuck")
+    pool.submit(job.work, "ok")
+    got = list(job.results())
+    release.set()
+    pool.shutdown(wait=True)
+    assert [int(t.item()) for t in got] == [0, 1, 2]
+    assert job.reads_by_tier == {"ok": 3}
+
+
+def make_store(tmp_path, caps=(None, None), stall_s=0.5):
+    cfg = StoreConfig(
+        host=HostTierConfig(capacity_bytes=256 * PAGE, page_bytes=PAGE, prefault=False),
+        disk=DiskTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=1 << 24),
+        write_behind=WriteBehindConfig(max_pending_bytes=64 * PAGE),
+        promote_on_read=False,
+        fetch_stall_s=stall_s,
+    )
+    pfs: object = DiskTier(tmp_path / "pfs", 1 << 24, name="pfs")
+    if caps[1]:
+        pfs = ThrottledTier(pfs, caps[1])
+    store = Store(cfg, extra_tiers=[pfs], extra_fetch_workers={"pfs": 2})
+    if caps[0]:
+        store.tiers[1] = store._by_name["nvme"] = ThrottledTier(store.tiers[1], caps[0])
+    return store
+
+
+def put_replicated(store, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 1000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
+    values = [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
+    for k, v in zip(keys, values):
+        store.put(k, v, durable=True)
+    store.drop(keys, "host")
+    return keys, values
+
+
+def test_store_stream_reads_from_both_lower_tiers(tmp_path):
+    with make_store(tmp_path, caps=(20e6, 30e6)) as store:
+        keys, values = put_replicated(store, 24)
+        assert all(r == {"nvme", "pfs"} for r in store.replicas(keys))
+        got = list(store.stream(keys))
+        assert len(got) == 24 and all(torch.equal(a, b) for a, b in zip(got, values))
+        stats = store.stats().tiers
+        assert stats["nvme"].hits > 0 and stats["pfs"].hits > 0
+        assert stats["nvme"].hits + stats["pfs"].hits == 24
+        assert stats["nvme"].read_gbps > 0 and stats["pfs"].read_gbps > 0
+        only = list(store.stream(keys, tiers=["pfs"]))
+        assert len(only) == 24 and store.stats().tiers["pfs"].hits == stats["pfs"].hits + 24
+        with pytest.raises(ValueError, match="unknown tiers"):
+            list(store.stream(keys, tiers=["tape"]))
+
+
+def test_tier_disappearing_mid_read_is_invisible_to_the_caller(tmp_path):
+    with make_store(tmp_path, caps=(5e6, None)) as store:
+        keys, values = put_replicated(store, 16)
+        stream = store.stream(keys)
+        first = next(stream)
+        shutil.rmtree(tmp_path / "pfs")
+        rest = list(stream)
+        got = [first] + rest
+        assert len(got) == 16 and all(torch.equal(a, b) for a, b in zip(got, values))
+
+
+def test_corrupt_replica_is_dropped_and_the_other_used(tmp_path):
+    def corrupt(tier_name, key):
+        path = store._by_name[tier_name].path_of(key.id)
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0x10
+        path.write_bytes(bytes(raw))
+
+    with make_store(tmp_path) as store:
+        keys, values = put_replicated(store, 4)
+        corrupt("nvme", keys[1])
+        assert len(list(store.stream(keys, tiers=["nvme"]))) == 1
+        assert store.stats().tiers["nvme"].corruptions == 1
+        got = store.get(keys)
+        assert len(got) == 4 and torch.equal(got[1], values[1])
+        assert store.replicas(keys)[1] == {"pfs"}
+        corrupt("pfs", keys[1])
+        assert len(store.get(keys)) == 1  # no good replica of chunk 1 is left
+        assert store.stats().tiers["pfs"].corruptions == 1
+        assert store.lookup(keys) == 1
+
+
+def test_slow_tier_loses_chunks_to_the_fast_one(tmp_path):
+    with make_store(tmp_path, caps=(None, 2e5), stall_s=0.02) as store:
+        keys, values = put_replicated(store, 8)
+        got = store.get(keys)
+        assert len(got) == 8 and all(torch.equal(a, b) for a, b in zip(got, values))
