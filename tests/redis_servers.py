@@ -7,6 +7,7 @@ Import the fixtures into a test module: ``from redis_servers import redis_url, .
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -18,9 +19,6 @@ import pytest
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-needs_redis = pytest.mark.skipif(
-    REDIS_SERVER is None or REDIS_CLI is None, reason="redis-server/redis-cli not installed"
-)
 
 
 def _port_is_free(port: int) -> bool:
@@ -107,17 +105,39 @@ def start_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
     return servers
 
 
+_shared: dict[str, list] = {}  # name -> [resource, users]
+
+
+@contextlib.contextmanager
+def _shared_resource(name: str, start, stop):
+    """Start a resource once for all test modules that import its fixture (each import makes
+    its own session fixture); stop it when the last of them finishes."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    if name not in _shared:
+        _shared[name] = [start(Path(tempfile.mkdtemp(prefix=f"{name}-"))), 0]
+    entry = _shared[name]
+    entry[1] += 1
+    try:
+        yield entry[0]
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _shared[name]
+            stop(entry[0])
+
+
+def _stop_all(servers: list[RedisServer]) -> None:
+    for s in servers:
+        s.stop()
+    shutil.rmtree(servers[0].workdir.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """A standalone server shared by the session (tests use distinct key prefixes)."""
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
-    with tempfile.TemporaryDirectory(prefix="redis-") as tmp:
-        server = RedisServer(Path(tmp)).start()
-        try:
-            yield server
-        finally:
-            server.stop()
+    with _shared_resource("redis", lambda d: [RedisServer(d / "server").start()], _stop_all) as servers:
+        yield servers[0]
 
 
 @pytest.fixture
@@ -135,12 +155,5 @@ def own_redis_server(tmp_path):
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A 3-primary Redis Cluster shared by the session; yields the node servers."""
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
-    with tempfile.TemporaryDirectory(prefix="redis-cluster-") as tmp:
-        servers = start_cluster(Path(tmp))
-        try:
-            yield servers
-        finally:
-            for s in servers:
-                s.stop()
+    with _shared_resource("redis-cluster", start_cluster, _stop_all) as servers:
+        yield servers
