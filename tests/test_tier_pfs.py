@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
 from tiers.base import TierFull
 from tiers.pfs import PfsTier
 
@@ -172,3 +175,21 @@ def test_writer_processes_and_a_reader_process_share_the_mount(tmp_path):
     assert [p.wait() for p in procs] == [0, 0]
     assert reader.read(key(5)) == blob(200_000, 11)
     assert files(tmp_path, ".tmp") == []
+
+
+def test_a_second_store_on_the_mount_serves_what_the_first_stored(tmp_path):
+    ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)
+    keys = chunk_keys(list(range(5 * ns.chunk_tokens)), ns)
+    values = [torch.randn(ns.chunk_shape).to(torch.float16) for _ in keys]
+    config = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=4096, prefault=False),
+                         disk=DiskTierConfig(enabled=False))
+    with Store(config, extra_tiers=[PfsTier(tmp_path / "pfs", 1 << 20)]) as first:
+        for k, v in zip(keys, values):
+            first.put(k, v, durable=True)
+        truncated = first.tiers[1].path_of(keys[4].id)
+    os.truncate(truncated, 100)
+    with Store(config, extra_tiers=[PfsTier(tmp_path / "pfs", 1 << 20)]) as second:
+        assert second.lookup(keys) == 5  # recovered from a scan of the mount
+        got = second.get(keys)
+        assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, values))
+        assert second.stats().tiers["pfs"].corruptions == 1 and not truncated.exists()

@@ -2,7 +2,11 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
 from redis_servers import own_redis_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
 from tiers.base import TierFull, TierUnavailable
 from tiers.redis import RedisTier
@@ -154,3 +158,22 @@ def test_cluster_round_trip_across_slots(redis_cluster):
     assert sorted(other.keys()) == sorted([key(i) for i in range(30)] + [key(100 + i) for i in range(30)])
     assert other.used_bytes == 30 * 3000 + 30 * 2000
     assert other.delete(key(3)) and tier.read_into(key(3), bytearray(3000)) is None
+
+
+def test_a_second_store_on_the_server_serves_what_the_first_stored(redis_server):
+    ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)
+    keys = chunk_keys(list(range(5 * ns.chunk_tokens)), ns)
+    values = [torch.randn(ns.chunk_shape).to(torch.float16) for _ in keys]
+    config = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=4096, prefault=False),
+                         disk=DiskTierConfig(enabled=False))
+    p = prefix()
+    with Store(config, extra_tiers=[RedisTier(redis_server.url, 1 << 20, key_prefix=p)]) as first:
+        for k, v in zip(keys, values):
+            first.put(k, v, durable=True)
+        first.tiers[1].delete(keys[4].id)  # as if Redis had evicted it
+    with Store(config, extra_tiers=[RedisTier(redis_server.url, 1 << 20, key_prefix=p)]) as second:
+        assert second.lookup(keys) == 4  # recovered from a SCAN of the prefix
+        redis_server.cli("DEL", f"{p}{keys[3].id.hex()}")  # evicted by Redis behind the view's back
+        got = second.get(keys)
+        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, values))
+        assert second.stats().tiers["redis"].errors == 0
