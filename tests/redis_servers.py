@@ -157,3 +157,16 @@ def redis_cluster():
     """A 3-primary Redis Cluster shared by the session; yields the node servers."""
     with _shared_resource("redis-cluster", start_cluster, _stop_all) as servers:
         yield servers
+
+
+@pytest.fixture
+def own_redis_cluster(tmp_path):
+    """A 3-primary Redis Cluster for one test (nodes killed and restarted)."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    servers = start_cluster(tmp_path / "cluster")
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

@@ -1,4 +1,5 @@
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from redis_servers import own_redis_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from redis_servers import own_redis_cluster, own_redis_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
 from tiers.base import TierFull, TierUnavailable
 from tiers.redis import RedisTier
 
@@ -177,3 +178,22 @@ def test_a_second_store_on_the_server_serves_what_the_first_stored(redis_server)
         got = second.get(keys)
         assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, values))
         assert second.stats().tiers["redis"].errors == 0
+
+
+def test_cluster_node_down_raises_unavailable_then_recovers(own_redis_cluster):
+    tier = RedisTier(own_redis_cluster[0].url, 1 << 20, cluster=True, socket_timeout_s=1.0, connect_timeout_s=0.5)
+    keys = [key(i) for i in range(20)]
+    tier.write_many([(k, [b"v" * 100]) for k in keys])
+    own_redis_cluster[1].stop()
+    with pytest.raises(TierUnavailable, match="unreachable"):
+        tier.read_many(keys)  # some of the keys live on the dead node
+    own_redis_cluster[1].start()  # same port and node id; its values are gone
+    deadline = time.monotonic() + 30
+    while True:  # the cluster takes a moment to accept the node again
+        try:
+            got = tier.read_many(keys)
+            break
+        except TierUnavailable:
+            assert time.monotonic() < deadline, "cluster did not recover"
+            time.sleep(0.2)
+    assert 0 < sum(v == b"v" * 100 for v in got) < 20 and all(v in (None, b"v" * 100) for v in got)
