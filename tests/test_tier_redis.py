@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
+
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
