@@ -1,0 +1,172 @@
+"""Real Redis servers for tests: a standalone server and a 3-node Redis Cluster, each
+started by the test session on free loopback ports in temporary directories and killed at
+the end. Tests that need them skip, with the reason, when redis-server is not installed.
+
+Import the fixtures into a test module: ``from redis_servers import redis_url, ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for cluster nodes the bus port (port + 10000) is free too."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster or (port + 10000 < 65536 and _port_is_free(port + 10000)):
+            return port
+    raise RuntimeError("no free port pair found")
+
+
+class RedisServer:
+    """One redis-server process; ``stop`` kills it, ``start`` brings it back on the same port."""
+
+    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False, args: tuple[str, ...] = ()):
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.cluster = cluster
+        self.port = port or free_port(cluster)
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+               "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.args]
+        if self.cluster:
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"]
+        log = open(self.workdir / "server.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 10
+        while self.cli("PING", check=False).strip() != "PONG":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start: see {self.workdir}/server.log")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def cli(self, *args: str, check: bool = True) -> str:
+        result = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+                                capture_output=True, text=True, timeout=10)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"redis-cli {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
+
+
+def start_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
+    """``nodes`` primaries, no replicas, all 16384 slots assigned and the cluster state ok."""
+    servers = []
+    try:
+        for i in range(nodes):
+            servers.append(RedisServer(workdir / f"node{i}", cluster=True).start())
+        subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in servers],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 20
+        while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("cluster did not reach state ok")
+            time.sleep(0.1)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+_shared: dict[str, list] = {}  # name -> [resource, users]
+
+
+@contextlib.contextmanager
+def _shared_resource(name: str, start, stop):
+    """Start a resource once for all test modules that import its fixture (each import makes
+    its own session fixture); stop it when the last of them finishes."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    if name not in _shared:
+        _shared[name] = [start(Path(tempfile.mkdtemp(prefix=f"{name}-"))), 0]
+    entry = _shared[name]
+    entry[1] += 1
+    try:
+        yield entry[0]
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _shared[name]
+            stop(entry[0])
+
+
+def _stop_all(servers: list[RedisServer]) -> None:
+    for s in servers:
+        s.stop()
+    shutil.rmtree(servers[0].workdir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A standalone server shared by the session (tests use distinct key prefixes)."""
+    with _shared_resource("redis", lambda d: [RedisServer(d / "server").start()], _stop_all) as servers:
+        yield servers[0]
+
+
+@pytest.fixture
+def own_redis_server(tmp_path):
+    """A standalone server for one test (kill/restart, memory limits)."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A 3-primary Redis Cluster shared by the session; yields the node servers."""
+    with _shared_resource("redis-cluster", start_cluster, _stop_all) as servers:
+        yield servers
+
+
+@pytest.fixture
+def own_redis_cluster(tmp_path):
+    """A 3-primary Redis Cluster for one test (nodes killed and restarted)."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    servers = start_cluster(tmp_path / "cluster")
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
