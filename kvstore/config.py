@@ -78,6 +78,61 @@ class DiskTierConfig:
 
 
 @dataclass
+class PfsTierConfig:
+    """A parallel file system shared by many daemons (Lustre, GPFS, NFS, 3FS): a directory."""
+
+    enabled: bool = False
+    path: str = ""
+    capacity_bytes: int = 64 << 30  # this daemon's budget against its view of the directory
+    fsync: bool = False
+    read_threads: int = 8
+    fetch_workers: int = 4
+    verify_payload: bool = True
+    read_bytes_per_s: int = 0
+
+
+@dataclass
+class RedisTierConfig:
+    """Redis (standalone or Cluster) as a shared remote tier; also hosts the shared index."""
+
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    key_prefix: str = "kvs:"
+    capacity_bytes: int = 4 << 30  # this daemon's budget against the values it knows of
+    socket_timeout_s: float = 2.0
+    connect_timeout_s: float = 1.0
+    max_connections: int = 16
+    fetch_workers: int = 4
+    verify_payload: bool = True
+    read_bytes_per_s: int = 0
+    reconnect_s: float = 5.0  # while Redis is unreachable, retry connecting this often
+
+
+@dataclass
+class GpuTierConfig:
+    """Device memory on the engine's GPU; skipped with one log line where there is no CUDA."""
+
+    enabled: bool = False
+    capacity_bytes: int = 4 << 30
+    page_bytes: int = 2 << 20
+    device: str = "cuda"
+    fetch_workers: int = 2
+
+
+@dataclass
+class SharedIndexConfig:
+    """Which chunks exist in which shared tier, kept in Redis so every daemon sees every chunk."""
+
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    key_prefix: str = "kvs:idx:"
+    socket_timeout_s: float = 1.0
+    reconnect_s: float = 5.0
+
+
+@dataclass
 class WriteBehindConfig:
     """Copies of new chunks travel to lower tiers through a bounded queue."""
 
@@ -90,8 +145,15 @@ class WriteBehindConfig:
 @dataclass
 class StoreConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    pfs: PfsTierConfig = field(default_factory=PfsTierConfig)
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    shared_index: SharedIndexConfig = field(default_factory=SharedIndexConfig)
     write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
+    # Tiers that receive a copy of every new chunk, written behind; unset = every enabled
+    # tier below host RAM. Names: gpu, nvme, pfs, redis.
+    replicate_to: list[str] | None = None
     eviction_policy: str = "default"
     codec: str = "raw"
     promote_on_read: bool = True
@@ -132,11 +194,16 @@ def _check_type(value, hint, path):
     for t in allowed:
         if t is type(None) and value is None:
             return value
+        if typing.get_origin(t) is list:
+            (item,) = typing.get_args(t)
+            if isinstance(value, list) and all(isinstance(v, item) for v in value):
+                return list(value)
+            continue
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if t is not type(None) and isinstance(value, t) and not (t is int and isinstance(value, bool)):
             return value
-    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    names = " or ".join(str(t) if typing.get_origin(t) else getattr(t, "__name__", str(t)) for t in allowed)
     raise ConfigError(f"{path}: expected {names}, got {value!r}")
 
 

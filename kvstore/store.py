@@ -43,9 +43,7 @@ from kvstore.fetch import FetchJob
 from kvstore.keys import ChunkKey
 from kvstore.policies import make_policy
 from tiers.base import Tier, TierError, TierFull
-from tiers.host import HostTier
-from tiers.nvme import DiskTier
-from tiers.throttle import ThrottledTier
+from kvstore.tier_setup import SharedIndexClient, TierSetup, build_tiers
 
 log = logging.getLogger(__name__)
 
@@ -100,26 +98,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 EWMA_ALPHA = 0.2
 
 
-def tiers_from_config(config: StoreConfig) -> list[Tier]:
-    """The tiers a configuration describes, fastest first, with any bandwidth caps applied."""
-    h = config.host
-    tiers: list[Tier] = [HostTier(h.capacity_bytes, h.page_bytes, h.prefault, h.shm_path)]
-    if config.disk.enabled:
-        d = config.disk
-        disk: Tier = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads)
-        if d.read_bytes_per_s:
-            disk = ThrottledTier(disk, d.read_bytes_per_s)
-        tiers.append(disk)
-    return tiers
-
-
-def fetch_workers_from_config(config: StoreConfig) -> dict[str, int]:
-    workers = {"host": config.host.fetch_workers}
-    if config.disk.enabled:
-        workers["nvme"] = config.disk.fetch_workers
-    return workers
-
-
 class Store:
     def __init__(
         self,
@@ -130,20 +108,29 @@ class Store:
         """``extra_tiers`` are appended after the configured ones (slower media, tests), with
         ``extra_fetch_workers[name]`` fetch workers each (default 4)."""
         self.config = config = config or StoreConfig()
-        self.tiers: list[Tier] = tiers_from_config(config) + list(extra_tiers)
+        setups = build_tiers(config) + [
+            TierSetup(t, (extra_fetch_workers or {}).get(t.name, 4)) for t in extra_tiers
+        ]
+        self.tiers: list[Tier] = [s.tier for s in setups]
         self.first = self.tiers[0]
         self._by_name = {t.name: t for t in self.tiers}
         if len(self._by_name) != len(self.tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in self.tiers]}")
-        self.replica_tiers = self.tiers[1:]
+        if config.replicate_to is None:
+            self.replica_tiers = self.tiers[1:]
+        else:
+            unknown = set(config.replicate_to) - {"gpu", "nvme", "pfs", "redis"} - set(self._by_name)
+            if unknown:
+                raise ValueError(f"replicate_to names unknown tiers {sorted(unknown)}")
+            self.replica_tiers = [t for t in self.tiers[1:] if t.name in config.replicate_to]
         self.max_pending_bytes = config.write_behind.max_pending_bytes or config.host.capacity_bytes // 4
         if self.replica_tiers and self.max_pending_bytes > config.host.capacity_bytes // 2:
             raise ValueError("write_behind.max_pending_bytes must be at most half of host.capacity_bytes")
         self.codec = get_codec(config.codec)
-        self._verify = {t.name: True for t in self.tiers}
-        self._verify[self.first.name] = config.host.verify_payload
-        if config.disk.enabled:
-            self._verify["nvme"] = config.disk.verify_payload
+        self._verify = {s.tier.name: s.verify_payload for s in setups}
+        self.fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
+        self.shared_tiers = [t for t in self.tiers if t.shared]
+        self.shared_index = SharedIndexClient(config) if config.shared_index.enabled else None
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._index: dict[bytes, _Entry] = {}
@@ -155,19 +142,29 @@ class Store:
         self._closed = False
         self._queues: dict[str, queue.Queue] = {}
         self._workers: list[threading.Thread] = []
+        self._index_updates: queue.Queue = queue.Queue()
         self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
-        workers = {t.name: 4 for t in self.tiers} | fetch_workers_from_config(config) | (extra_fetch_workers or {})
-        self.fetch_workers = {t.name: max(1, workers[t.name]) for t in self.tiers}
         self._fetch_pools = {
             name: ThreadPoolExecutor(n, thread_name_prefix=f"fetch-{name}") for name, n in self.fetch_workers.items()
         }
+        for tier in self.tiers[1:]:
+            if not (tier.shared and self.shared_index is not None):
+                self._recover(tier)  # with a shared index, shared tiers are found by lookups
         for tier in self.replica_tiers:
-            self._recover(tier)
             self._queues[tier.name] = queue.Queue()
             for i in range(max(1, config.write_behind.workers)):
-                t = threading.Thread(target=self._copy_loop, args=(tier,), name=f"copy-{tier.name}-{i}", daemon=True)
-                t.start()
-                self._workers.append(t)
+                self._start(self._copy_loop, f"copy-{tier.name}-{i}", tier)
+        if self.shared_index is not None:
+            self._start(self._index_loop, "shared-index")
+        log.info(
+            "store: %s",
+            ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers),
+        )
+
+    def _start(self, target, name: str, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._workers.append(t)
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -328,13 +325,23 @@ class Store:
             self._stats[tier.name].evictions += 1
             entry = self._index.get(victim)
             if entry is None:
-                tier.delete(victim)
+                self._delete_from(tier, victim)
             else:
                 self._drop_replica(victim, entry, tier)
 
+    def _delete_from(self, tier: Tier, key_id: bytes) -> None:
+        """Delete one copy; a tier that cannot be reached keeps it (counted, not raised)."""
+        try:
+            tier.delete(key_id)
+        except TierError as exc:
+            self._stats[tier.name].errors += 1
+            log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
+        if tier.shared and self.shared_index is not None:
+            self._index_updates.put(("remove", tier.name, key_id, 0))
+
     def _drop_replica(self, key_id: bytes, entry: _Entry, tier: Tier) -> None:
         """Remove one tier's copy; forget the chunk when no copy is left (lock held)."""
-        tier.delete(key_id)
+        self._delete_from(tier, key_id)
         entry.replicas.discard(tier.name)
         self._sync_policies(key_id, entry)
         if not entry.replicas and not entry.pending and self._index.get(key_id) is entry:
@@ -370,8 +377,10 @@ class Store:
             if written and current is entry and entry.size == size:
                 self._stats[tier.name].bytes_written += size
                 entry.replicas.add(tier.name)
+                if tier.shared and self.shared_index is not None:
+                    self._index_updates.put(("add", tier.name, key_id, size))
             elif written and current is None:
-                tier.delete(key_id)  # deleted while queued
+                self._delete_from(tier, key_id)  # deleted while queued
             elif error is not None:
                 self._stats[tier.name].errors += 1
                 self._dropped += 1
@@ -387,6 +396,18 @@ class Store:
                 entry.waiters.clear()
             self._changed.notify_all()
 
+    def _index_loop(self) -> None:
+        """Apply shared-index updates in the background: they are hints, never on a hot path."""
+        while True:
+            item = self._index_updates.get()
+            if item is None:
+                return
+            op, tier_name, key_id, size = item
+            if op == "add":
+                self.shared_index.add(tier_name, [key_id], [size])
+            else:
+                self.shared_index.remove(tier_name, [key_id])
+
     def flush(self) -> None:
         """Wait until every queued copy is written (or has failed)."""
         with self._lock:
@@ -395,16 +416,66 @@ class Store:
 
     # -- lookup, pin, prefetch ------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading keys are stored in some tier (index only, no I/O)."""
+    def _first_missing(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
             for i, key in enumerate(keys):
                 if key.id not in self._index:
                     return i
             return len(keys)
 
+    def _discover(self, keys: Sequence[ChunkKey]) -> None:
+        """Find chunks other daemons put in the shared tiers, for keys this index lacks.
+
+        With a shared index this is one Redis round trip; without, one existence check per
+        key and shared tier, stopping at the first key no shared tier holds.
+        """
+        if not self.shared_tiers or not keys:
+            return
+        ids = [k.id for k in keys]
+        found: dict[bytes, dict[str, int]] = {}
+        if self.shared_index is not None:
+            names = {t.name for t in self.shared_tiers}
+            for key_id, where in self.shared_index.lookup(ids).items():
+                where = {n: size for n, size in where.items() if n in names}
+                if where:
+                    found[key_id] = where
+        else:
+            for key_id in ids:
+                where = {}
+                for tier in self.shared_tiers:
+                    try:
+                        size = tier.size_of(key_id)
+                    except TierError:
+                        size = None
+                    if size is not None:
+                        where[tier.name] = size
+                if not where:
+                    break
+                found[key_id] = where
+        if not found:
+            return
+        with self._lock:
+            for key_id, where in found.items():
+                entry = self._index.get(key_id)
+                for name, size in where.items():
+                    if entry is None:
+                        entry = self._index[key_id] = _Entry(size=size)
+                    if size == entry.size:
+                        entry.replicas.add(name)
+                if entry is not None:
+                    self._sync_policies(key_id, entry)
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys are stored in some tier. Answered from the index: the
+        local one, then (for keys it lacks) the shared tiers' index; never chunk I/O."""
+        i = self._first_missing(keys)
+        if i < len(keys) and self.shared_tiers:
+            self._discover(keys[i:])
+            i += self._first_missing(keys[i:])
+        return i
+
     def contains(self, key: ChunkKey) -> bool:
-        return key.id in self._index
+        return self.lookup([key]) == 1
 
     def pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
         """Keep present chunks from eviction in every tier for ``ttl_s`` seconds (extends,
@@ -501,16 +572,21 @@ class Store:
         key_id = key.id
         size = tier.size_of(key_id)
         if size is None:
-            return None
+            return self._vanished(key_id, tier)
         header_buf = bytearray(HEADER_BYTES)
         direct = out is not None and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
         started = time.perf_counter()
-        got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
+        try:
+            got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
+        except ValueError:
+            return self._vanished(key_id, tier)  # replaced by a larger value meanwhile
         elapsed = time.perf_counter() - started
         if got is None:
-            return None
+            return self._vanished(key_id, tier)
         if got != size:
+            if tier.size_of(key_id) != size:
+                return self._vanished(key_id, tier)  # replaced meanwhile (another daemon)
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = decode_header(header_buf)
         if header.key_id != key_id:
@@ -525,6 +601,19 @@ class Store:
             codec_by_id(header.codec_id).decode_into(payload_buf, out)
         self._on_hit(key_id, tier, size, elapsed, header_buf, payload_buf)
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
+
+    def _vanished(self, key_id: bytes, tier: Tier) -> None:
+        """The tier no longer has the value (evicted by Redis, deleted by another daemon)."""
+        with self._lock:
+            entry = self._index.get(key_id)
+            if entry is not None and tier.name in entry.replicas:
+                entry.replicas.discard(tier.name)
+                self._sync_policies(key_id, entry)
+                if not entry.replicas and not entry.pending:
+                    del self._index[key_id]
+        if tier.shared and self.shared_index is not None:
+            self._index_updates.put(("remove", tier.name, key_id, 0))
+        return None
 
     def _on_hit(self, key_id: bytes, tier: Tier, size: int, elapsed: float, header_buf, payload_buf) -> None:
         with self._lock:
@@ -555,10 +644,11 @@ class Store:
             if entry is not None:
                 self._drop_replica(key_id, entry, tier)
             else:
-                tier.delete(key_id)
+                self._delete_from(tier, key_id)
 
     def replicas(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
         """The tiers holding each of the leading present keys (index only)."""
+        self.lookup(keys)
         with self._lock:
             out = []
             for key in keys:
@@ -644,7 +734,7 @@ class Store:
                     continue
                 removed += 1
                 for name in list(entry.replicas):
-                    self._by_name[name].delete(key.id)
+                    self._delete_from(self._by_name[name], key.id)
                 entry.replicas.clear()
                 entry.pinned_until = 0.0
                 self._sync_policies(key.id, entry)
@@ -679,6 +769,8 @@ class Store:
         for tier in self.replica_tiers:
             for _ in range(max(1, self.config.write_behind.workers)):
                 self._queues[tier.name].put(None)
+        if self.shared_index is not None:
+            self._index_updates.put(None)
         for t in self._workers:
             t.join()
         self._readers.shutdown(wait=True)
@@ -686,6 +778,8 @@ class Store:
             pool.shutdown(wait=True)
         for tier in reversed(self.tiers):
             tier.close()
+        if self.shared_index is not None:
+            self.shared_index.close()
 
     def __enter__(self) -> "Store":
         return self

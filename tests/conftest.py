@@ -7,3 +7,5 @@ triton is imported anywhere.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["redis_servers"]

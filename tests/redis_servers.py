@@ -2,12 +2,12 @@
 started by the test session on free loopback ports in temporary directories and killed at
 the end. Tests that need them skip, with the reason, when redis-server is not installed.
 
-Import the fixtures into a test module: ``from redis_servers import redis_url, ...``.
+tests/conftest.py registers this module as a plugin, so its fixtures are available to
+every test module and the session-scoped servers start once per session.
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import socket
 import subprocess
@@ -105,26 +105,9 @@ def start_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
     return servers
 
 
-_shared: dict[str, list] = {}  # name -> [resource, users]
-
-
-@contextlib.contextmanager
-def _shared_resource(name: str, start, stop):
-    """Start a resource once for all test modules that import its fixture (each import makes
-    its own session fixture); stop it when the last of them finishes."""
+def _require_redis() -> None:
     if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
-    if name not in _shared:
-        _shared[name] = [start(Path(tempfile.mkdtemp(prefix=f"{name}-"))), 0]
-    entry = _shared[name]
-    entry[1] += 1
-    try:
-        yield entry[0]
-    finally:
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _shared[name]
-            stop(entry[0])
+        pytest.skip("redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
 
 
 def _stop_all(servers: list[RedisServer]) -> None:
@@ -136,15 +119,18 @@ def _stop_all(servers: list[RedisServer]) -> None:
 @pytest.fixture(scope="session")
 def redis_server():
     """A standalone server shared by the session (tests use distinct key prefixes)."""
-    with _shared_resource("redis", lambda d: [RedisServer(d / "server").start()], _stop_all) as servers:
+    _require_redis()
+    servers = [RedisServer(Path(tempfile.mkdtemp(prefix="redis-")) / "server").start()]
+    try:
         yield servers[0]
+    finally:
+        _stop_all(servers)
 
 
 @pytest.fixture
 def own_redis_server(tmp_path):
     """A standalone server for one test (kill/restart, memory limits)."""
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
+    _require_redis()
     server = RedisServer(tmp_path / "redis").start()
     try:
         yield server
@@ -155,15 +141,18 @@ def own_redis_server(tmp_path):
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A 3-primary Redis Cluster shared by the session; yields the node servers."""
-    with _shared_resource("redis-cluster", start_cluster, _stop_all) as servers:
+    _require_redis()
+    servers = start_cluster(Path(tempfile.mkdtemp(prefix="redis-cluster-")))
+    try:
         yield servers
+    finally:
+        _stop_all(servers)
 
 
 @pytest.fixture
 def own_redis_cluster(tmp_path):
     """A 3-primary Redis Cluster for one test (nodes killed and restarted)."""
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
+    _require_redis()
     servers = start_cluster(tmp_path / "cluster")
     try:
         yield servers

@@ -5,7 +5,6 @@ import pytest
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
 from kvstore.shared_index import SharedIndex
-from redis_servers import own_redis_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
 from tiers.base import TierUnavailable
 
 _prefixes = itertools.count()

@@ -10,7 +10,6 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from redis_servers import own_redis_cluster, own_redis_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
 from tiers.base import TierFull, TierUnavailable
 from tiers.redis import RedisTier
 

@@ -26,6 +26,10 @@ class TierUnavailable(TierError):
 
 
 class Tier(ABC):
+    # Whether other daemons read and write this medium too (a PFS, Redis): their chunks may
+    # appear and vanish at any time, so a miss there is normal and the index is only a view.
+    shared: bool = False
+
     def __init__(self, name: str, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"tier {name!r}: capacity_bytes must be positive, got {capacity_bytes}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -119,12 +120,16 @@ class DiskTier(Tier):
             self._sizes[key] = length
             self._used += need
 
+    def temp_path(self, final: Path) -> Path:
+        """A name no other writer uses, beside the final one (so the rename stays in one directory)."""
+        return final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
     def _write_file(self, key: bytes, views: list[memoryview], length: int) -> None:
         final = self.path_of(key)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        tmp = self.temp_path(final)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise self._error(exc) from exc
         try:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tiers.base import TierUnavailable
-from tiers.nvme import SUFFIX, TMP_SUFFIX, DiskTier, _read_fully, _round_up, _skip, _unlink_quietly
+from tiers.nvme import SUFFIX, TMP_SUFFIX, DiskTier, _read_fully, _round_up, _unlink_quietly
 
 try:
     import kvikio
@@ -43,6 +43,8 @@ except ImportError:  # optional: only useful where a GPU and GPUDirect Storage a
 
 
 class PfsTier(DiskTier):
+    shared = True
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -102,29 +104,6 @@ class PfsTier(DiskTier):
     def temp_path(self, final: Path) -> Path:
         """A temporary name no other thread, process or host can pick."""
         return final.with_name(f"{final.name}.{self._host}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-
-    def _write_file(self, key: bytes, views: list[memoryview], length: int) -> None:
-        final = self.path_of(key)
-        tmp = self.temp_path(final)
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            raise self._error(exc) from exc
-        try:
-            written = 0
-            while written < length:
-                written += os.writev(fd, _skip(views, written)[:1024])
-            if self.fsync:
-                os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, final)
-        except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            _unlink_quietly(tmp)
-            raise self._error(exc) from exc
 
     # -- reads ----------------------------------------------------------------------------------
 

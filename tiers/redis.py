@@ -80,6 +80,8 @@ def _copy_into(data: bytes, out, name: str) -> int:
 
 
 class RedisTier(Tier):
+    shared = True
+
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
@@ -192,9 +194,12 @@ class RedisTier(Tier):
     # -- the rest of the interface -------------------------------------------------------------------
 
     def delete(self, key: bytes) -> bool:
+        """Forget the value, then delete it from Redis. If Redis is unreachable the value may
+        outlive the delete; it is still the right bytes for its key (keys name content)."""
+        known = self._forget(key)
         with unavailable_on_failure(f"{self.name}: delete"):
             removed = self._client.delete(self.redis_key(key))
-        return self._forget(key) or bool(removed)
+        return known or bool(removed)
 
     def size_of(self, key: bytes) -> int | None:
         """The view's size, or one STRLEN when the view does not know the key."""

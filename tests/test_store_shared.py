@@ -1,0 +1,125 @@
+"""The store over shared tiers (PFS directory, Redis) as several daemons would use them."""
+
+import pytest
+import torch
+
+pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
+
+from kvstore.config import (  # noqa: E402
+    DiskTierConfig,
+    HostTierConfig,
+    PfsTierConfig,
+    RedisTierConfig,
+    SharedIndexConfig,
+    StoreConfig,
+    WriteBehindConfig,
+)
+from kvstore.keys import Namespace, chunk_keys  # noqa: E402
+from kvstore.store import Store  # noqa: E402
+
+PAGE = 4096
+NS = Namespace("shared-test", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
+
+
+def daemon_config(tmp_path, name, redis_url=None, shared_index=True, prefix="t", pfs=True) -> StoreConfig:
+    """One daemon's store: its own host RAM and local disk, the shared PFS directory and Redis."""
+    cfg = StoreConfig(
+        host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
+        disk=DiskTierConfig(path=str(tmp_path / name / "nvme"), capacity_bytes=1 << 22),
+        pfs=PfsTierConfig(enabled=pfs, path=str(tmp_path / "pfs"), capacity_bytes=1 << 22),
+        write_behind=WriteBehindConfig(max_pending_bytes=16 * PAGE),
+    )
+    if redis_url:
+        cfg.redis = RedisTierConfig(enabled=True, url=redis_url, key_prefix=f"{prefix}:v:", capacity_bytes=1 << 22,
+                                    reconnect_s=0.2)
+        cfg.shared_index = SharedIndexConfig(enabled=shared_index, url=redis_url, key_prefix=f"{prefix}:i:",
+                                             reconnect_s=0.2)
+    return cfg
+
+
+def chunks(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 9999, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
+    return keys, [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
+
+
+@pytest.mark.parametrize("shared_index", [True, False])
+def test_chunk_put_through_one_daemon_is_found_and_read_through_another(tmp_path, redis_server, shared_index):
+    prefix = f"two-{shared_index}"
+    keys, values = chunks(5)
+    with Store(daemon_config(tmp_path, "a", redis_server.url, shared_index, prefix)) as a, \
+            Store(daemon_config(tmp_path, "b", redis_server.url, shared_index, prefix)) as b:
+        for k, v in zip(keys, values):
+            a.put(k, v, durable=True)
+        a.flush()
+        assert a.replicas(keys) == [frozenset({"host", "nvme", "pfs", "redis"})] * 5
+        if shared_index:
+            import time
+
+            deadline = time.monotonic() + 5  # index updates are applied in the background
+            while b.lookup(keys) < 5 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert b.lookup(keys) == 5
+        assert b.replicas(keys) == [frozenset({"pfs", "redis"})] * 5
+        got = b.get(keys)
+        assert len(got) == 5 and all(torch.equal(x, y) for x, y in zip(got, values))
+        assert b.stats().tiers["nvme"].hits == 0
+
+
+def test_delete_on_one_daemon_is_a_clean_miss_on_the_other(tmp_path, redis_server):
+    keys, values = chunks(2, seed=1)
+    b_config = daemon_config(tmp_path, "b", redis_server.url, True, "del")
+    b_config.promote_on_read = False  # b keeps no private copy in its host RAM
+    with Store(daemon_config(tmp_path, "a", redis_server.url, True, "del")) as a, Store(b_config) as b:
+        for k, v in zip(keys, values):
+            a.put(k, v, durable=True)
+        assert len(b.get(keys)) == 2
+        a.delete(keys[1:])
+        got = b.get(keys)  # b still had both in its index: the vanished copies are a clean miss
+        assert len(got) == 1 and torch.equal(got[0], values[0])
+
+
+def test_redis_down_at_start_then_back(tmp_path, own_redis_server):
+    import time
+
+    own_redis_server.stop()
+    keys, values = chunks(3, seed=2)
+    cfg = daemon_config(tmp_path, "a", own_redis_server.url, True, "late", pfs=False)
+    with Store(cfg) as store:
+        store.put(keys[0], values[0])
+        store.flush()
+        assert store.stats().tiers["redis"].errors >= 1
+        assert len(store.get(keys[:1])) == 1
+        own_redis_server.start()
+        time.sleep(0.3)
+        store.put(keys[1], values[1], durable=True)
+        assert "redis" in store.replicas(keys[1:2])[0]
+
+
+def test_redis_killed_mid_read_is_invisible_to_the_caller(tmp_path, own_redis_server):
+    keys, values = chunks(8, seed=3)
+    cfg = daemon_config(tmp_path, "a", own_redis_server.url, False, "kill")
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+        store.drop(keys, "host")
+        stream = store.stream(keys)
+        first = next(stream)
+        own_redis_server.stop()
+        got = [first] + list(stream)
+        assert len(got) == 8 and all(torch.equal(x, y) for x, y in zip(got, values))
+        store.delete(keys)  # Redis still down: deletes elsewhere go on
+        assert store.lookup(keys) == 0
+
+
+def test_replicate_to_limits_the_copies(tmp_path):
+    cfg = daemon_config(tmp_path, "a")
+    cfg.replicate_to = ["pfs"]
+    keys, values = chunks(2, seed=4)
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v, durable=True)
+        assert store.replicas(keys) == [frozenset({"host", "pfs"})] * 2
+    cfg.replicate_to = ["tape"]
+    with pytest.raises(ValueError, match="unknown tiers"):
+        Store(cfg)

@@ -1,0 +1,88 @@
+"""A tier whose medium may be down when the store starts (e.g. Redis): it is built on
+first use and, while that fails, retried at most every ``retry_s`` seconds.
+
+Until the medium is reached, reads and writes raise ``TierUnavailable`` (the store counts
+the error and uses other replicas) and the tier looks empty. Once built, the inner tier
+handles later outages itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from tiers.base import Buffer, Tier, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class ReconnectingTier(Tier):
+    def __init__(self, name: str, capacity_bytes: int, factory: Callable[[], Tier], shared: bool, retry_s: float = 5.0) -> None:
+        super().__init__(name, capacity_bytes)
+        self.shared = shared
+        self._factory = factory
+        self._retry_s = retry_s
+        self._inner: Tier | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+        self.connect()
+
+    def connect(self) -> Tier | None:
+        """The inner tier, building it now if it is not built and a retry is due."""
+        if self._inner is not None:
+            return self._inner
+        with self._lock:
+            if self._inner is None and time.monotonic() >= self._next_try:
+                try:
+                    self._inner = self._factory()
+                    log.info("%s: connected", self.name)
+                except TierUnavailable as exc:
+                    self._next_try = time.monotonic() + self._retry_s
+                    log.warning("%s: unavailable, retrying every %.0f s: %s", self.name, self._retry_s, exc)
+        return self._inner
+
+    def _require(self) -> Tier:
+        inner = self.connect()
+        if inner is None:
+            raise TierUnavailable(f"{self.name}: not connected")
+        return inner
+
+    def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
+        self._require().write(key, parts)
+
+    def read(self, key: bytes):
+        return self._require().read(key)
+
+    def read_into(self, key: bytes, out) -> int | None:
+        return self._require().read_into(key, out)
+
+    def delete(self, key: bytes) -> bool:
+        return self._require().delete(key)
+
+    def contains(self, key: bytes) -> bool:
+        inner = self.connect()
+        return inner is not None and inner.contains(key)
+
+    def size_of(self, key: bytes) -> int | None:
+        inner = self.connect()
+        return None if inner is None else inner.size_of(key)
+
+    def keys(self) -> Iterator[bytes]:
+        inner = self.connect()
+        return iter(()) if inner is None else inner.keys()
+
+    @property
+    def used_bytes(self) -> int:
+        return 0 if self._inner is None else self._inner.used_bytes
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes if self._inner is None else self._inner.footprint(nbytes)
+
+    def __len__(self) -> int:
+        return 0 if self._inner is None else len(self._inner)
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
