@@ -21,12 +21,18 @@ import time
 import torch
 
 from bench.cli import UsageError
-from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig, load_config, parse_size
+from kvstore.config import (
+    DiskTierConfig,
+    HostTierConfig,
+    PfsTierConfig,
+    RedisTierConfig,
+    StoreConfig,
+    WriteBehindConfig,
+    load_config,
+    parse_size,
+)
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from tiers.base import Tier
-from tiers.nvme import DiskTier
-from tiers.throttle import ThrottledTier
 
 GB = 1e9
 
@@ -40,7 +46,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--pfs-dir", help="directory standing in for the shared file system (default: temporary)")
-    p.add_argument("--emulate", help="bandwidth caps per replica tier in order, e.g. 200MB/s,300MB/s")
+    p.add_argument("--redis", help="Redis URL: adds a Redis tier (e.g. redis://127.0.0.1:6379/0)")
+    p.add_argument("--emulate", help="bandwidth caps per replica tier in order (nvme, pfs, redis), e.g. 200MB/s,300MB/s")
     p.add_argument("--repeat", type=int, default=2, help="runs per figure; the best is kept")
     p.add_argument("--json", help="write the results as JSON here")
     p.set_defaults(func=run)
@@ -63,31 +70,32 @@ def _drop_caches(store: Store, keys) -> None:
 
 
 def build_store(args, root: str, caps: list[int]) -> Store:
+    """Host RAM plus the replica tiers: local disk, a PFS directory, and Redis if given."""
     cfg = load_config(args.config) if args.config else StoreConfig()
     chunk_bytes = args.layers * 2 * args.tokens * args.kv_heads * args.head_dim * 2
+    budget = 4 * args.chunks * chunk_bytes
     cfg.host = HostTierConfig(capacity_bytes=max(cfg.host.capacity_bytes, 8 * chunk_bytes), prefault=False)
     if not args.config:
-        cfg.disk = DiskTierConfig(path=os.path.join(root, "nvme"), capacity_bytes=4 * args.chunks * chunk_bytes)
+        cfg.disk = DiskTierConfig(path=os.path.join(root, "nvme"), capacity_bytes=budget)
     cfg.disk.enabled = True
+    cfg.pfs = PfsTierConfig(enabled=True, path=args.pfs_dir or os.path.join(root, "pfs"), capacity_bytes=budget)
+    if args.redis:
+        cfg.redis = RedisTierConfig(enabled=True, url=args.redis, key_prefix=f"kvbench:{os.getpid()}:",
+                                    capacity_bytes=budget)
     cfg.write_behind = WriteBehindConfig(max_pending_bytes=cfg.host.capacity_bytes // 4)
     cfg.promote_on_read = False
-    workers = {}
-    if caps:
-        cfg.disk.read_bytes_per_s = caps[0]
-        cfg.disk.fetch_workers = 2
-    pfs: Tier = DiskTier(args.pfs_dir or os.path.join(root, "pfs"), 4 * args.chunks * chunk_bytes, name="pfs")
-    if len(caps) > 1:
-        pfs = ThrottledTier(pfs, caps[1])
-        workers["pfs"] = 2
-    return Store(cfg, extra_tiers=[pfs], extra_fetch_workers=workers)
+    for tier_cfg, cap in zip((cfg.disk, cfg.pfs, cfg.redis), caps):
+        tier_cfg.read_bytes_per_s = cap
+        tier_cfg.fetch_workers = 2
+    return Store(cfg)
 
 
 def run(args) -> int:
     if args.chunks <= 0 or args.repeat <= 0:
         raise UsageError("--chunks and --repeat must be positive")
     caps = _caps(args.emulate)
-    if len(caps) > 2:
-        raise UsageError("--emulate takes at most one cap per replica tier (nvme, pfs)")
+    if len(caps) > 2 + bool(args.redis):
+        raise UsageError("--emulate takes at most one cap per replica tier (nvme, pfs, and redis if given)")
     root = tempfile.mkdtemp(prefix="kvbench-fetch-")
     try:
         report = _measure(args, root, caps)
@@ -123,6 +131,8 @@ def _measure(args, root: str, caps: list[int]) -> dict:
             store.put(k, chunk, durable=True)
         store.drop(keys, store.first.name)
         replica_tiers = [t.name for t in store.tiers[1:]]
+        if store.stats().write_behind_dropped:
+            raise RuntimeError("some copies failed; see the log")
         total = len(keys) * chunk.numel() * chunk.element_size()
         single = {name: total / _timed_read(store, keys, [name], args.repeat, not caps) / GB for name in replica_tiers}
         before = {n: s.hits for n, s in store.stats().tiers.items()}
