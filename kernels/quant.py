@@ -3,6 +3,10 @@
 - int8: symmetric, one fp32 scale per row (per token and head): ``x ~= q * scale``.
 - int4: asymmetric, one fp32 scale and zero point per group of ``group_size`` values:
   ``x ~= q * scale + zero`` with ``q`` in 0..15, two values per byte (low nibble first).
+
+Both round to nearest (ties to even), so a dequantised value is within half a step of its
+input, ``|x - x'| <= scale / 2``, plus the output dtype's own rounding. The Triton kernels
+return the same quantised bytes, scales and zeros as the references run on CPU, bit for bit.
 """
 
 from __future__ import annotations
