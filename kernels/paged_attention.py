@@ -14,6 +14,9 @@ import torch
 from kernels._triton import next_pow2, require_triton, tl, triton, use_triton
 
 _LOG2E = math.log2(math.e)
+# Cached tokens per loop step: several 16-token blocks in flight per step hide memory latency
+# better than one; any block size works because each token finds its own block.
+_TILE_TOKENS = 64
 
 
 def paged_decode_attention_torch(
@@ -139,7 +142,7 @@ def paged_decode_attention_triton(
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PAD_G=max(16, next_pow2(group)), PAD_D=max(16, next_pow2(head_dim)),
-        TILE_N=max(16, next_pow2(block_size)),
+        TILE_N=max(_TILE_TOKENS, next_pow2(block_size)),
         PRECISION=precision,
     )
     return out

@@ -54,8 +54,9 @@ def test_reference_matches_dense_sdpa():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_triton_matches_reference(dtype, group):
-    # 1 token, a partial block, an exact multiple of the block size, several blocks and a partial one
-    query, k_cache, v_cache, tables, lens = make_case(dtype, group, context_lens=[1, 7, 8, 18])
+    # 1 token, a partial block, an exact multiple of the block size, and several 64-token loop
+    # steps ending in a partial block
+    query, k_cache, v_cache, tables, lens = make_case(dtype, group, context_lens=[1, 7, 8, 150])
     got = paged_decode_attention_triton(query, k_cache, v_cache, tables, lens, 0.3)
     want = paged_decode_attention_torch(query, k_cache, v_cache, tables, lens, 0.3)
     assert got.dtype == dtype
@@ -64,9 +65,10 @@ def test_triton_matches_reference(dtype, group):
 
 @pytest.mark.parametrize("block_size, head_dim", [(16, 32), (5, 24)])
 def test_triton_block_sizes_and_head_dims(block_size, head_dim):
-    """One block per tile (16), and a block size and head dim that are not powers of two."""
+    """SmolLM2's block size, and a block size (loop steps straddle blocks) and head dim that
+    are not powers of two."""
     query, k_cache, v_cache, tables, lens = make_case(
-        torch.float32, 3, context_lens=[21, 3], block_size=block_size, head_dim=head_dim
+        torch.float32, 3, context_lens=[150, 3], block_size=block_size, head_dim=head_dim
     )
     got = paged_decode_attention_triton(query, k_cache, v_cache, tables, lens, head_dim**-0.5)
     want = paged_decode_attention_torch(query, k_cache, v_cache, tables, lens, head_dim**-0.5)
