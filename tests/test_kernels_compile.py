@@ -35,13 +35,20 @@ SCRIPT = textwrap.dedent(
         target = GPUTarget("cuda", 90, 32)
         return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options).asm["ptx"]
 
+    partials = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32")
     ptx = compile_sm90(
-        paged_attention._paged_decode_kernel,
-        dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", tables_ptr="*i32", lens_ptr="*i32"),
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, PAD_G=16, PAD_D=128, TILE_N=64, PRECISION="tf32"),
+        paged_attention._paged_decode_split_kernel,
+        dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", lens_ptr="*i32", **partials),
+        dict(Q_HEADS=32, SPLITS=4, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, PAD_G=16, PAD_D=128, TILE_N=16,
+             PRECISION="tf32"),
         floats=("qk_scale",),
     )
     assert "mma.sync" in ptx and "tf32" in ptx, "attention dots should use tf32 tensor cores"
+    compile_sm90(
+        paged_attention._paged_decode_combine_kernel,
+        dict(out_ptr="*bf16", **partials),
+        dict(Q_HEADS=32, SPLITS=4, HEAD_DIM=128, PAD_S=4, PAD_D=128),
+    )
     compile_sm90(
         cache_write._cache_write_kernel,
         dict(key_ptr="*fp16", value_ptr="*fp16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slots_ptr="*i64"),

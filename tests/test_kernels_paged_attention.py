@@ -1,6 +1,8 @@
 """Paged decode attention: the reference against dense attention, the Triton kernel (under
 the interpreter, tiny shapes) against the reference."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,8 +56,8 @@ def test_reference_matches_dense_sdpa():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_triton_matches_reference(dtype, group):
-    # 1 token, a partial block, an exact multiple of the block size, and several 64-token loop
-    # steps ending in a partial block
+    # 1 token, a partial block, an exact multiple of the block size, and two loop steps (128
+    # tokens each at head_dim 16) ending in a partial block
     query, k_cache, v_cache, tables, lens = make_case(dtype, group, context_lens=[1, 7, 8, 150])
     got = paged_decode_attention_triton(query, k_cache, v_cache, tables, lens, 0.3)
     want = paged_decode_attention_torch(query, k_cache, v_cache, tables, lens, 0.3)
@@ -90,3 +92,27 @@ def test_triton_empty_context_gives_zeros_like_reference():
     want = paged_decode_attention_torch(query, k_cache, v_cache, tables, lens, 0.5)
     torch.testing.assert_close(got, want)
     assert not got[0].any()
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_triton_split_contexts_combine_to_the_reference(monkeypatch, splits):
+    """Flash-decoding splits, including splits that start past a short context (empty)."""
+    import kernels.paged_attention as paged_attention
+
+    monkeypatch.setattr(paged_attention, "_num_splits", lambda *args: splits)
+    # head_dim 32: 64-token loop steps, so 152 table tokens make up to 3 splits
+    query, k_cache, v_cache, tables, lens = make_case(torch.float16, 3, context_lens=[150, 7, 0, 64], head_dim=32)
+    got = paged_decode_attention_triton(query, k_cache, v_cache, tables, lens, 0.3)
+    want = paged_decode_attention_torch(query, k_cache, v_cache, tables, lens, 0.3)
+    torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
+def test_split_count_fills_the_gpu_only_when_needed(monkeypatch):
+    import kernels.paged_attention as paged_attention
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert paged_attention._num_splits(1, 3, 8192, cuda) == 32  # capped: 256 tokens per split at least
+    assert paged_attention._num_splits(1, 3, 100_000, cuda) == 64  # capped: at most 64 splits
+    assert paged_attention._num_splits(128, 8, 8192, cuda) == 1  # the batch fills the GPU
+    assert paged_attention._num_splits(1, 3, 8192, torch.device("cpu")) == 1

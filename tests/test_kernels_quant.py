@@ -57,7 +57,7 @@ def test_int4_triton_matches_reference(dtype, group_size):
     assert_dequantised_close(got, dequantize_int4_torch(packed, scale, zero, group_size, dtype), dtype)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     rows=st.integers(1, 20),
     values=st.lists(st.floats(-1e4, 1e4, width=32), min_size=32, max_size=32),
