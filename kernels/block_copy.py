@@ -66,9 +66,11 @@ def _block_copy_triton(kv_cache: torch.Tensor, chunk: torch.Tensor, block_ids: t
     require_triton()
     layers, _, _, block_size, heads, dim = kv_cache.shape
     block_elems = block_size * heads * dim
+    n = block_ids.numel()
+    if chunk.shape != (layers, 2, n * block_size, heads, dim):
+        raise ValueError(f"chunk shape {tuple(chunk.shape)} is not {(layers, 2, n * block_size, heads, dim)}")
     if kv_cache.stride()[3:] != (heads * dim, dim, 1) or chunk.stride()[2:] != (heads * dim, dim, 1):
         raise ValueError("kv_cache and chunk must be contiguous in their last three dimensions")
-    n = block_ids.numel()
     if n == 0:
         return
     tile = min(_COPY_TILE, next_pow2(block_elems))

@@ -41,7 +41,7 @@ if triton is not None:
         slot = tl.load(slots_ptr + t).to(tl.int64)
         heads = tl.arange(0, PAD_H)[:, None]
         dims = tl.arange(0, PAD_D)[None, :]
-        mask = (heads < KV_HEADS) & (dims < HEAD_DIM) & (heads * 0 + slot >= 0)  # a tensor mask, not a scalar
+        mask = (heads < KV_HEADS) & (dims < HEAD_DIM) & (heads * 0 + slot >= 0)  # the interpreter needs a tensor here
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)

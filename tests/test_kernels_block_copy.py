@@ -67,3 +67,8 @@ def test_rejects_non_contiguous_blocks():
     kv = cache(torch.float32).transpose(4, 5)
     with pytest.raises(ValueError, match="contiguous"):
         gather_blocks_triton(kv, torch.tensor([0]))
+
+
+def test_rejects_a_chunk_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="chunk shape"):
+        scatter_blocks_triton(torch.zeros(LAYERS, 2, BLOCK_SIZE, HEADS, DIM), cache(torch.float32), torch.tensor([0, 1]))
