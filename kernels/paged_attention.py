@@ -55,11 +55,12 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
         qk_scale,  # softmax scale * log2(e): the kernel works in base 2
         split_tokens,  # cached tokens per split, a multiple of TILE_N
+        splits,  # a runtime value: a constexpr would compile a variant per batch size
         stride_qb, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
         stride_tb,
-        Q_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+        Q_HEADS: tl.constexpr,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         PAD_G: tl.constexpr, PAD_D: tl.constexpr, TILE_N: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -107,35 +108,35 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
-        part = (b * Q_HEADS + q_heads) * SPLITS + split  # [B, q_heads, SPLITS] partial layout
+        part = (b * Q_HEADS + q_heads) * splits + split  # partials are [B, q_heads, splits]
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
     @triton.jit
     def _paged_decode_combine_kernel(
-        m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
-        Q_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, splits,
+        Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAD_S: tl.constexpr, PAD_D: tl.constexpr,
     ):
         """Program (sequence, query head): rescale every split to the common max and normalise.
-        Empty splits (``l == 0``) weigh nothing; an empty context yields zeros, as the reference."""
+        Empty splits (``denom == 0``) weigh nothing; an empty context yields zeros, as the reference."""
         b = tl.program_id(0)
         head = tl.program_id(1)
-        splits = tl.arange(0, PAD_S)
+        split = tl.arange(0, PAD_S)
         dims = tl.arange(0, PAD_D)
-        split_ok = splits < SPLITS
-        part = (b * Q_HEADS + head) * SPLITS + splits
+        split_ok = split < splits
+        part = (b * Q_HEADS + head) * splits + split
         m = tl.load(m_ptr + part, mask=split_ok, other=float("-inf"))
-        l = tl.load(l_ptr + part, mask=split_ok, other=0.0)
+        denom = tl.load(l_ptr + part, mask=split_ok, other=0.0)
         acc = tl.load(
             acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
             mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0,
         )
         m_max = tl.max(m, axis=0)
         m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: avoid -inf - -inf
-        weight = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
-        total = tl.sum(weight * l, axis=0)
+        weight = tl.where(denom > 0, tl.exp2(m - m_max), 0.0)
+        total = tl.sum(weight * denom, axis=0)
         out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(
             out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
@@ -191,24 +192,23 @@ def paged_decode_attention_triton(
     split_tokens = triton.cdiv(triton.cdiv(max_tokens, splits), tile) * tile
     splits = triton.cdiv(max_tokens, split_tokens)  # no split starts past every context
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=query.device)
-    l = torch.empty_like(m)
+    denom = torch.empty_like(m)
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=query.device)
     precision = "ieee" if torch.float32 in (k_cache.dtype, v_cache.dtype) else "tf32"
     _paged_decode_split_kernel[(batch, kv_heads, splits)](
-        query, k_cache, v_cache, block_tables, context_lens, m, l, acc,
-        scale * _LOG2E, split_tokens,
+        query, k_cache, v_cache, block_tables, context_lens, m, denom, acc,
+        scale * _LOG2E, split_tokens, splits,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        Q_HEADS=q_heads, SPLITS=splits,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PAD_G=max(16, next_pow2(group)), PAD_D=pad_d, TILE_N=tile,
         PRECISION=precision,
     )
     _paged_decode_combine_kernel[(batch, q_heads)](
-        m, l, acc, out, out.stride(0), out.stride(1),
-        Q_HEADS=q_heads, SPLITS=splits, HEAD_DIM=head_dim,
+        m, denom, acc, out, out.stride(0), out.stride(1), splits,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim,
         PAD_S=next_pow2(splits), PAD_D=next_pow2(head_dim),
     )
     return out

@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     ptx = compile_sm90(
         paged_attention._paged_decode_split_kernel,
         dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", lens_ptr="*i32", **partials),
-        dict(Q_HEADS=32, SPLITS=4, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, PAD_G=16, PAD_D=128, TILE_N=16,
+        dict(Q_HEADS=32, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, PAD_G=16, PAD_D=128, TILE_N=16,
              PRECISION="tf32"),
         floats=("qk_scale",),
     )
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
     compile_sm90(
         paged_attention._paged_decode_combine_kernel,
         dict(out_ptr="*bf16", **partials),
-        dict(Q_HEADS=32, SPLITS=4, HEAD_DIM=128, PAD_S=4, PAD_D=128),
+        dict(Q_HEADS=32, HEAD_DIM=128, PAD_S=4, PAD_D=128),
     )
     compile_sm90(
         cache_write._cache_write_kernel,
