@@ -118,7 +118,11 @@ def random_paged_cache(shape: ModelShape, dtype, context_lens: list[int], gen: t
     return cache[0], cache[1], tables.to(torch.int32), lens
 
 
-def check_shape(shape: ModelShape, dtype, device) -> list[Check]:
+# decode context lengths checked: ones that are and are not multiples of the block size
+CHECK_CONTEXTS = (1, 15, 16, 17, 100, 511, 1000, 1024)
+
+
+def check_shape(shape: ModelShape, dtype, device, contexts=CHECK_CONTEXTS) -> list[Check]:
     """Every Triton op against its reference on one model shape and dtype."""
     gen = torch.Generator(device=device).manual_seed(0)
     checks = []
@@ -126,10 +130,8 @@ def check_shape(shape: ModelShape, dtype, device) -> list[Check]:
     def record(op, err, tol):
         checks.append(Check(op, shape.name, str(dtype).removeprefix("torch."), err, tol, err <= tol))
 
-    # decode attention: lengths that are and are not multiples of the block size
-    lens = [1, 15, 16, 17, 100, 511, 1000, 1024]
-    k, v, tables, lens_t = random_paged_cache(shape, dtype, lens, gen, device)
-    query = torch.randn(len(lens), shape.q_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+    k, v, tables, lens_t = random_paged_cache(shape, dtype, list(contexts), gen, device)
+    query = torch.randn(len(contexts), shape.q_heads, shape.head_dim, generator=gen, device=device).to(dtype)
     scale = shape.head_dim**-0.5
     got = paged_attention.paged_decode_attention_triton(query, k, v, tables, lens_t, scale)
     want = paged_attention.paged_decode_attention_torch(query, k, v, tables, lens_t, scale)
