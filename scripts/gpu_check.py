@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in a checkout
 
 from kernels import block_copy, cache_write, paged_attention, quant  # noqa: E402
+from kernels._triton import use_triton  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ def check_shape(shape: ModelShape, dtype, device, contexts=CHECK_CONTEXTS) -> li
     got = paged_attention.paged_decode_attention_triton(query, k, v, tables, lens_t, scale)
     want = paged_attention.paged_decode_attention_torch(query, k, v, tables, lens_t, scale)
     record("paged_decode_attention", _max_err(got, want), ATTENTION_TOL[dtype])
+    # the engine calls the dispatchers: on these tensors they must pick Triton (1.0 = torch)
+    record("dispatch_picks_triton", 0.0 if use_triton(query, k, v, tables, lens_t) else 1.0, 0.0)
 
     # cache write of one prefill step with padding slots
     tokens = 64

@@ -57,4 +57,5 @@ def test_correctness_sweep_passes_on_a_tiny_model(gpu_check):
     tiny = gpu_check.ModelShape("tiny", layers=1, q_heads=3, kv_heads=1, head_dim=32, block_size=16)
     checks = gpu_check.check_shape(tiny, torch.float16, torch.device("cpu"), contexts=(1, 17, 90))
     assert {c.op for c in checks} >= {"paged_decode_attention", "gather_blocks", "scatter_blocks", "quantize_int4"}
-    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    failed = {c.op for c in checks if not c.ok}
+    assert failed == {"dispatch_picks_triton"}  # CPU tensors: the dispatchers rightly pick torch
