@@ -83,7 +83,9 @@ def _block_copy_triton(kv_cache: torch.Tensor, chunk: torch.Tensor, block_ids: t
     )
 
 
-def gather_blocks_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks_triton(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Triton: same contract as the reference."""
     layers, two, _, block_size, heads, dim = kv_cache.shape
     if out is None:

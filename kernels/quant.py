@@ -68,7 +68,9 @@ if triton is not None:
         return tl.where(y < 0, -r, r)
 
     @triton.jit
-    def _quantize_int8_kernel(x_ptr, q_ptr, scale_ptr, rows, DIM: tl.constexpr, BLOCK_R: tl.constexpr, PAD_D: tl.constexpr):
+    def _quantize_int8_kernel(
+        x_ptr, q_ptr, scale_ptr, rows, DIM: tl.constexpr, BLOCK_R: tl.constexpr, PAD_D: tl.constexpr
+    ):
         """A tile of ``BLOCK_R`` rows; IEEE divisions (``div_rn``) keep it bit-identical to torch on CPU."""
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, PAD_D)
@@ -82,7 +84,9 @@ if triton is not None:
         tl.store(scale_ptr + r, scale, mask=r < rows)
 
     @triton.jit
-    def _dequantize_int8_kernel(q_ptr, scale_ptr, out_ptr, rows, DIM: tl.constexpr, BLOCK_R: tl.constexpr, PAD_D: tl.constexpr):
+    def _dequantize_int8_kernel(
+        q_ptr, scale_ptr, out_ptr, rows, DIM: tl.constexpr, BLOCK_R: tl.constexpr, PAD_D: tl.constexpr
+    ):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, PAD_D)
         mask = (r < rows)[:, None] & (d < DIM)[None, :]
@@ -157,7 +161,9 @@ def quantize_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if flat.shape[0]:
         block, grid = _launch_rows(flat.shape[0])
-        _quantize_int8_kernel[grid](flat, q, scale, flat.shape[0], DIM=dim, BLOCK_R=block, PAD_D=next_pow2(dim), **_NO_FMA)
+        _quantize_int8_kernel[grid](
+            flat, q, scale, flat.shape[0], DIM=dim, BLOCK_R=block, PAD_D=next_pow2(dim), **_NO_FMA
+        )
     return q, scale
 
 

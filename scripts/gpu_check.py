@@ -13,6 +13,7 @@ Prints a table and writes every number to the JSON path. Exit status: 0 all chec
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -220,7 +221,9 @@ def measure_bandwidth(shape: ModelShape, dtype, batch: int, context: int, peak: 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", type=Path, help="where to write the results as JSON")
-    parser.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth in GB/s (else from the device)")
+    parser.add_argument(
+        "--peak-gbps", type=float, default=None, help="peak DRAM bandwidth in GB/s (else from the device)"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per bandwidth case")
     parser.add_argument("--quick", action="store_true", help="one bandwidth case per shape and dtype")
     return parser.parse_args(argv)
@@ -231,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible to torch; this script only runs on a GPU machine", file=sys.stderr)
         return 2
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         print("gpu_check: triton is not installed (pip install 'kvstore[gpu]')", file=sys.stderr)
         return 2
     device = torch.device("cuda")

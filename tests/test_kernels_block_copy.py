@@ -71,4 +71,5 @@ def test_rejects_non_contiguous_blocks():
 
 def test_rejects_a_chunk_of_the_wrong_shape():
     with pytest.raises(ValueError, match="chunk shape"):
-        scatter_blocks_triton(torch.zeros(LAYERS, 2, BLOCK_SIZE, HEADS, DIM), cache(torch.float32), torch.tensor([0, 1]))
+        one_block = torch.zeros(LAYERS, 2, BLOCK_SIZE, HEADS, DIM)
+        scatter_blocks_triton(one_block, cache(torch.float32), torch.tensor([0, 1]))
