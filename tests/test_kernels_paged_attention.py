@@ -53,8 +53,11 @@ def test_reference_matches_dense_sdpa():
         torch.testing.assert_close(out[b], dense, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 3, 4])
+# every dtype at SmolLM2's group of 3, every group size at fp16 (the full cross costs CPU time)
+@pytest.mark.parametrize(
+    "dtype, group",
+    [(torch.float32, 3), (torch.bfloat16, 3), (torch.float16, 1), (torch.float16, 3), (torch.float16, 4)],
+)
 def test_triton_matches_reference(dtype, group):
     # 1 token, a partial block, an exact multiple of the block size, and two loop steps (128
     # tokens each at head_dim 16) ending in a partial block
