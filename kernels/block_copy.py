@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import next_pow2, require_triton, tl, triton, use_triton
+
 
 def gather_blocks_torch(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: copy blocks ``block_ids`` (in order) of every layer into a chunk tensor."""
@@ -28,11 +30,86 @@ def scatter_blocks_torch(chunk: torch.Tensor, kv_cache: torch.Tensor, block_ids:
     kv_cache[:, :, block_ids.long()] = chunk.reshape(layers, two, n, block_size, heads, dim).to(kv_cache.dtype)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _block_copy_kernel(
+        cache_ptr, chunk_ptr, ids_ptr,
+        stride_cl, stride_ckv, stride_cb,
+        stride_xl, stride_xkv, stride_xt,
+        BLOCK_SIZE: tl.constexpr, BLOCK_ELEMS: tl.constexpr, TILE: tl.constexpr, TO_CHUNK: tl.constexpr,
+    ):
+        """Program (j, layer*2 + k/v, tile) copies one tile of block ``ids[j]`` of one layer half."""
+        j = tl.program_id(0)
+        layer = tl.program_id(1) // 2
+        half = tl.program_id(1) % 2
+        elems = tl.program_id(2) * TILE + tl.arange(0, TILE)
+        mask = elems < BLOCK_ELEMS
+        block = tl.load(ids_ptr + j).to(tl.int64)
+        cache_at = cache_ptr + layer.to(tl.int64) * stride_cl + half * stride_ckv + block * stride_cb + elems
+        chunk_at = (
+            chunk_ptr + layer.to(tl.int64) * stride_xl + half * stride_xkv
+            + j.to(tl.int64) * BLOCK_SIZE * stride_xt + elems
+        )
+        if TO_CHUNK:
+            tl.store(chunk_at, tl.load(cache_at, mask=mask).to(chunk_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(cache_at, tl.load(chunk_at, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+_COPY_TILE = 1024  # elements per program: several programs share a large block
+
+
+def _block_copy_triton(kv_cache: torch.Tensor, chunk: torch.Tensor, block_ids: torch.Tensor, to_chunk: bool) -> None:
+    """One launch for every layer, K and V, and block; each block is ``block_size * kv_heads *
+    head_dim`` contiguous elements on both sides, so it is copied as a flat range."""
+    require_triton()
+    layers, _, _, block_size, heads, dim = kv_cache.shape
+    block_elems = block_size * heads * dim
+    n = block_ids.numel()
+    if chunk.shape != (layers, 2, n * block_size, heads, dim):
+        raise ValueError(f"chunk shape {tuple(chunk.shape)} is not {(layers, 2, n * block_size, heads, dim)}")
+    if kv_cache.stride()[3:] != (heads * dim, dim, 1) or chunk.stride()[2:] != (heads * dim, dim, 1):
+        raise ValueError("kv_cache and chunk must be contiguous in their last three dimensions")
+    if n == 0:
+        return
+    tile = min(_COPY_TILE, next_pow2(block_elems))
+    grid = (n, layers * 2, triton.cdiv(block_elems, tile))
+    _block_copy_kernel[grid](
+        kv_cache, chunk, block_ids,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        chunk.stride(0), chunk.stride(1), chunk.stride(2),
+        BLOCK_SIZE=block_size, BLOCK_ELEMS=block_elems, TILE=tile, TO_CHUNK=to_chunk,
+    )
+
+
+def gather_blocks_triton(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton: same contract as the reference."""
+    layers, two, _, block_size, heads, dim = kv_cache.shape
+    if out is None:
+        out = kv_cache.new_empty((layers, two, block_ids.numel() * block_size, heads, dim))
+    _block_copy_triton(kv_cache, out, block_ids, to_chunk=True)
+    return out
+
+
+def scatter_blocks_triton(chunk: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Triton: same contract as the reference."""
+    _block_copy_triton(kv_cache, chunk, block_ids, to_chunk=False)
+
+
 def gather_blocks(kv_cache, block_ids, out=None):
     """Dispatch by device: the Triton kernel on CUDA, the torch reference elsewhere."""
+    tensors = (kv_cache, block_ids) if out is None else (kv_cache, block_ids, out)
+    if use_triton(*tensors):
+        return gather_blocks_triton(kv_cache, block_ids, out)
     return gather_blocks_torch(kv_cache, block_ids, out)
 
 
 def scatter_blocks(chunk, kv_cache, block_ids) -> None:
     """Dispatch by device: the Triton kernel on CUDA, the torch reference elsewhere."""
-    scatter_blocks_torch(chunk, kv_cache, block_ids)
+    if use_triton(chunk, kv_cache, block_ids):
+        scatter_blocks_triton(chunk, kv_cache, block_ids)
+    else:
+        scatter_blocks_torch(chunk, kv_cache, block_ids)

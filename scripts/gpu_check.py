@@ -1,0 +1,271 @@
+"""Check the compiled Triton kernels against their torch references on a GPU, then measure
+paged decode attention's memory bandwidth as a fraction of the GPU's peak.
+
+CI has no GPU, so the kernels only ever run there under the Triton interpreter; run this by
+hand where a GPU is lent:
+
+    python scripts/gpu_check.py results.json [--peak-gbps 4800] [--quick]
+
+Prints a table and writes every number to the JSON path. Exit status: 0 all checks pass,
+1 a kernel disagrees with its reference, 2 no CUDA GPU or no triton (nothing is run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in a checkout
+
+from kernels import block_copy, cache_write, paged_attention, quant  # noqa: E402
+from kernels._triton import use_triton  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+
+SHAPES = [
+    ModelShape("smollm2-135m", layers=30, q_heads=9, kv_heads=3, head_dim=64),
+    ModelShape("llama-8b", layers=32, q_heads=32, kv_heads=8, head_dim=128),
+]
+DTYPES = [torch.float16, torch.bfloat16]
+# (batch, context tokens) per decode step: the smallest reads 200 MB of KV, several times an
+# H100/H200 L2 cache, so the timing measures DRAM rather than cache or launch overhead
+BANDWIDTH_CASES = [(64, 4096), (128, 8192)]
+QUICK_BANDWIDTH_CASES = [(64, 4096)]
+# max |triton - reference| for attention outputs (the kernel's half-precision dots run in tf32:
+# half K/V are exact there, the scaled query and the probabilities are rounded to 10 bits);
+# copies and quantised bytes must be exact
+ATTENTION_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@dataclass
+class Check:
+    op: str
+    shape: str
+    dtype: str
+    max_abs_err: float
+    tolerance: float
+    ok: bool
+
+
+@dataclass
+class Bandwidth:
+    shape: str
+    dtype: str
+    batch: int
+    context: int
+    kv_bytes: int
+    time_s: float
+    gbps: float
+    fraction_of_peak: float | None
+
+
+def peak_gbps(props, override: float | None = None) -> tuple[float | None, str]:
+    """Peak DRAM bandwidth in GB/s and where it came from: the flag wins, else the device's
+    memory clock (kHz) and bus width (bits), double data rate; None when neither is known."""
+    if override:
+        return float(override), "--peak-gbps"
+    clock_khz = getattr(props, "memory_clock_rate", 0) or 0
+    bus_bits = getattr(props, "memory_bus_width", 0) or 0
+    if clock_khz and bus_bits:
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device properties (memory clock x bus width x 2)"
+    return None, "unknown (pass --peak-gbps)"
+
+
+def kv_bytes_read(context_lens: list[int], kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of K and V one decode step must read: every cached token of every sequence, once."""
+    return 2 * sum(context_lens) * kv_heads * head_dim * itemsize
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain fixed-width table of dict rows (same keys), floats to 4 significant digits."""
+    if not rows:
+        return "(none)"
+    cols = list(rows[0])
+    cell = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    width = [max(len(c), *(len(row[i]) for row in cell)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, width))]
+    lines.append("  ".join("-" * w for w in width))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, width)) for row in cell]
+    return "\n".join(lines)
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+
+
+def random_paged_cache(shape: ModelShape, dtype, context_lens: list[int], gen: torch.Generator, device):
+    """One layer's K and V caches with shuffled block tables covering ``context_lens``."""
+    bs = shape.block_size
+    per_seq = max(-(-n // bs) for n in context_lens)
+    num_blocks = len(context_lens) * per_seq
+    cache = torch.randn(2, num_blocks, bs, shape.kv_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen, device=device).reshape(len(context_lens), per_seq)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return cache[0], cache[1], tables.to(torch.int32), lens
+
+
+# decode context lengths checked: ones that are and are not multiples of the block size
+CHECK_CONTEXTS = (1, 15, 16, 17, 100, 511, 1000, 1024)
+
+
+def check_shape(shape: ModelShape, dtype, device, contexts=CHECK_CONTEXTS) -> list[Check]:
+    """Every Triton op against its reference on one model shape and dtype."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    checks = []
+
+    def record(op, err, tol):
+        checks.append(Check(op, shape.name, str(dtype).removeprefix("torch."), err, tol, err <= tol))
+
+    k, v, tables, lens_t = random_paged_cache(shape, dtype, list(contexts), gen, device)
+    query = torch.randn(len(contexts), shape.q_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+    scale = shape.head_dim**-0.5
+    got = paged_attention.paged_decode_attention_triton(query, k, v, tables, lens_t, scale)
+    want = paged_attention.paged_decode_attention_torch(query, k, v, tables, lens_t, scale)
+    record("paged_decode_attention", _max_err(got, want), ATTENTION_TOL[dtype])
+    # the engine calls the dispatchers: on these tensors they must pick Triton (1.0 = torch)
+    record("dispatch_picks_triton", 0.0 if use_triton(query, k, v, tables, lens_t) else 1.0, 0.0)
+
+    # cache write of one prefill step with padding slots
+    tokens = 64
+    key = torch.randn(tokens, shape.kv_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+    value = torch.randn_like(key)
+    slots = torch.randperm(k.shape[0] * shape.block_size, generator=gen, device=device)[:tokens]
+    slots[::7] = -1
+    caches = [torch.zeros_like(k) for _ in range(4)]
+    cache_write.reshape_and_cache_triton(key, value, caches[0], caches[1], slots)
+    cache_write.reshape_and_cache_torch(key, value, caches[2], caches[3], slots)
+    record("reshape_and_cache", max(_max_err(caches[0], caches[2]), _max_err(caches[1], caches[3])), 0.0)
+
+    # gather a 256-token chunk out of the all-layers cache, scatter it elsewhere
+    num_blocks, n = 64, 256 // shape.block_size
+    kv = torch.randn(
+        shape.layers, 2, num_blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=gen, device=device
+    ).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen, device=device)[:n].to(torch.int32)
+    chunk = block_copy.gather_blocks_triton(kv, ids)
+    record("gather_blocks", _max_err(chunk, block_copy.gather_blocks_torch(kv, ids)), 0.0)
+    dest = torch.randperm(num_blocks, generator=gen, device=device)[:n].to(torch.int32)
+    got_kv, want_kv = torch.zeros_like(kv), torch.zeros_like(kv)
+    block_copy.scatter_blocks_triton(chunk, got_kv, dest)
+    block_copy.scatter_blocks_torch(chunk, want_kv, dest)
+    record("scatter_blocks", _max_err(got_kv, want_kv), 0.0)
+
+    # quantisation of that chunk: the kernels promise the CPU reference's bytes exactly
+    # (torch on CUDA divides by a scalar as a reciprocal multiply, so it is not the yardstick)
+    cpu_chunk = chunk.cpu()
+    q, s = quant.quantize_int8_triton(chunk)
+    q_ref, s_ref = quant.quantize_int8_torch(cpu_chunk)
+    record("quantize_int8", max(_max_err(q.cpu(), q_ref), _max_err(s.cpu(), s_ref)), 0.0)
+    deq = quant.dequantize_int8_triton(q, s, dtype)
+    record("dequantize_int8", _max_err(deq.cpu(), quant.dequantize_int8_torch(q_ref, s_ref, dtype)), 0.0)
+    packed, s4, z4 = quant.quantize_int4_triton(chunk, 32)
+    p_ref, s4_ref, z4_ref = quant.quantize_int4_torch(cpu_chunk, 32)
+    err = max(_max_err(packed.cpu(), p_ref), _max_err(s4.cpu(), s4_ref), _max_err(z4.cpu(), z4_ref))
+    record("quantize_int4", err, 0.0)
+    deq4 = quant.dequantize_int4_triton(packed, s4, z4, 32, dtype)
+    record("dequantize_int4", _max_err(deq4.cpu(), quant.dequantize_int4_torch(p_ref, s4_ref, z4_ref, 32, dtype)), 0.0)
+    return checks
+
+
+def time_kernel(fn, warmup: int, iters: int, rounds: int = 5) -> float:
+    """Seconds per call: CUDA events around ``iters`` back-to-back calls (so the GPU queue stays
+    full and Python launch overhead hides behind the kernels), median over ``rounds``; the
+    warm-up calls absorb compilation."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def measure_bandwidth(shape: ModelShape, dtype, batch: int, context: int, peak: float | None, iters: int, device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    k, v, tables, lens = random_paged_cache(shape, dtype, [context] * batch, gen, device)
+    query = torch.randn(batch, shape.q_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+    scale = shape.head_dim**-0.5
+    seconds = time_kernel(
+        lambda: paged_attention.paged_decode_attention_triton(query, k, v, tables, lens, scale), 3, iters
+    )
+    nbytes = kv_bytes_read([context] * batch, shape.kv_heads, shape.head_dim, k.element_size())
+    gbps = nbytes / seconds / 1e9
+    return Bandwidth(
+        shape.name, str(dtype).removeprefix("torch."), batch, context, nbytes, seconds, gbps,
+        gbps / peak if peak else None,
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json_path", type=Path, help="where to write the results as JSON")
+    parser.add_argument(
+        "--peak-gbps", type=float, default=None, help="peak DRAM bandwidth in GB/s (else from the device)"
+    )
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per bandwidth case")
+    parser.add_argument("--quick", action="store_true", help="one bandwidth case per shape and dtype")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU is visible to torch; this script only runs on a GPU machine", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("triton") is None:
+        print("gpu_check: triton is not installed (pip install 'kvstore[gpu]')", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    peak, peak_source = peak_gbps(props, args.peak_gbps)
+    print(f"device: {props.name}; peak bandwidth: {peak if peak is None else round(peak, 1)} GB/s from {peak_source}")
+
+    checks = [c for shape in SHAPES for dtype in DTYPES for c in check_shape(shape, dtype, device)]
+    print("\ncorrectness (Triton vs torch reference)\n" + format_table([asdict(c) for c in checks]))
+
+    cases = QUICK_BANDWIDTH_CASES if args.quick else BANDWIDTH_CASES
+    bandwidth = [
+        measure_bandwidth(shape, dtype, batch, context, peak, args.iters, device)
+        for shape in SHAPES for dtype in DTYPES for batch, context in cases
+    ]
+    print("\npaged decode attention, one layer (KV bytes read / kernel time)\n"
+          + format_table([asdict(b) for b in bandwidth]))
+
+    ok = all(c.ok for c in checks)
+    result = {
+        "device": props.name,
+        "peak_gbps": peak,
+        "peak_source": peak_source,
+        "ok": ok,
+        "checks": [asdict(c) for c in checks],
+        "bandwidth": [asdict(b) for b in bandwidth],
+    }
+    args.json_path.write_text(json.dumps(result, indent=2))
+    print(f"\n{'all checks pass' if ok else 'SOME CHECKS FAILED'}; results written to {args.json_path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
