@@ -1,5 +1,7 @@
 """The store over shared tiers (PFS directory, Redis) as several daemons would use them."""
 
+import time
+
 import pytest
 import torch
 
@@ -54,8 +56,6 @@ def test_chunk_put_through_one_daemon_is_found_and_read_through_another(tmp_path
         a.flush()
         assert a.replicas(keys) == [frozenset({"host", "nvme", "pfs", "redis"})] * 5
         if shared_index:
-            import time
-
             deadline = time.monotonic() + 5  # index updates are applied in the background
             while b.lookup(keys) < 5 and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -80,8 +80,6 @@ def test_delete_on_one_daemon_is_a_clean_miss_on_the_other(tmp_path, redis_serve
 
 
 def test_redis_down_at_start_then_back(tmp_path, own_redis_server):
-    import time
-
     own_redis_server.stop()
     keys, values = chunks(3, seed=2)
     cfg = daemon_config(tmp_path, "a", own_redis_server.url, True, "late", pfs=False)
@@ -123,3 +121,22 @@ def test_replicate_to_limits_the_copies(tmp_path):
     cfg.replicate_to = ["tape"]
     with pytest.raises(ValueError, match="unknown tiers"):
         Store(cfg)
+
+
+def test_two_daemons_share_chunks_through_a_redis_cluster(tmp_path, redis_cluster):
+    url = redis_cluster[0].url
+    keys, values = chunks(6, seed=5)
+    configs = []
+    for name in ("a", "b"):
+        cfg = daemon_config(tmp_path, name, url, True, "cl", pfs=False)
+        cfg.redis.cluster = cfg.shared_index.cluster = True
+        configs.append(cfg)
+    with Store(configs[0]) as a, Store(configs[1]) as b:
+        for k, v in zip(keys, values):
+            a.put(k, v, durable=True)
+        deadline = time.monotonic() + 5
+        while b.lookup(keys) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.replicas(keys) == [frozenset({"redis"})] * 6
+        got = b.get(keys)
+        assert len(got) == 6 and all(torch.equal(x, y) for x, y in zip(got, values))
