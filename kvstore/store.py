@@ -337,7 +337,7 @@ class Store:
             self._stats[tier.name].errors += 1
             log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
         if tier.shared and self.shared_index is not None:
-            self._index_updates.put(("remove", tier.name, key_id, 0))
+            self._index_updates.put((tier.name, key_id))
 
     def _drop_replica(self, key_id: bytes, entry: _Entry, tier: Tier) -> None:
         """Remove one tier's copy; forget the chunk when no copy is left (lock held)."""
@@ -367,6 +367,8 @@ class Store:
                         self._evict_to_fit(tier, tier.footprint(size), exclude=key_id)
                     tier.write(key_id, views)
                     written = True
+                    if tier.shared and self.shared_index is not None:
+                        self.shared_index.add(tier.name, [key_id], [size])  # visible before durable returns
                 except (TierError, OSError) as exc:
                     error = exc
         with self._lock:
@@ -377,8 +379,6 @@ class Store:
             if written and current is entry and entry.size == size:
                 self._stats[tier.name].bytes_written += size
                 entry.replicas.add(tier.name)
-                if tier.shared and self.shared_index is not None:
-                    self._index_updates.put(("add", tier.name, key_id, size))
             elif written and current is None:
                 self._delete_from(tier, key_id)  # deleted while queued
             elif error is not None:
@@ -397,16 +397,13 @@ class Store:
             self._changed.notify_all()
 
     def _index_loop(self) -> None:
-        """Apply shared-index updates in the background: they are hints, never on a hot path."""
+        """Apply shared-index removals in the background (they happen under the store lock)."""
         while True:
             item = self._index_updates.get()
             if item is None:
                 return
-            op, tier_name, key_id, size = item
-            if op == "add":
-                self.shared_index.add(tier_name, [key_id], [size])
-            else:
-                self.shared_index.remove(tier_name, [key_id])
+            tier_name, key_id = item
+            self.shared_index.remove(tier_name, [key_id])
 
     def flush(self) -> None:
         """Wait until every queued copy is written (or has failed)."""
@@ -612,7 +609,7 @@ class Store:
                 if not entry.replicas and not entry.pending:
                     del self._index[key_id]
         if tier.shared and self.shared_index is not None:
-            self._index_updates.put(("remove", tier.name, key_id, 0))
+            self._index_updates.put((tier.name, key_id))
         return None
 
     def _on_hit(self, key_id: bytes, tier: Tier, size: int, elapsed: float, header_buf, payload_buf) -> None:
