@@ -18,23 +18,13 @@ on machines without a GPU; configurations never use it.
 
 from __future__ import annotations
 
-import threading
 import warnings
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
-from tiers.base import Buffer, Tier, TierFull, TierUnavailable
-
-
-@dataclass
-class _Value:
-    pages: list[int]
-    length: int
-    runs: list[tuple[int, int]]  # (pool offset, length) in value order
-    readers: int = 0
-    dead: bool = False
+from tiers.base import Buffer, Tier, TierUnavailable
+from tiers.pages import PageTable, segments
 
 
 def _bytes_tensor(part) -> torch.Tensor:
@@ -47,21 +37,6 @@ def _bytes_tensor(part) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only sources (bytes) are only ever read
         return torch.frombuffer(view, dtype=torch.uint8)
-
-
-def _segments(runs: list[tuple[int, int]], sizes: list[int]) -> Iterator[tuple[int, int, int, int]]:
-    """Pair a value's page runs with a list of buffers filled in order:
-    (pool offset, buffer index, offset in that buffer, length) pieces."""
-    index = offset = 0
-    for start, length in runs:
-        done = 0
-        while done < length:
-            while offset == sizes[index]:
-                index, offset = index + 1, 0
-            take = min(length - done, sizes[index] - offset)
-            yield start + done, index, offset, take
-            done += take
-            offset += take
 
 
 class GpuTier(Tier):
@@ -78,92 +53,43 @@ class GpuTier(Tier):
             raise TierUnavailable(f"{name}: no CUDA device is available (torch {torch.__version__}); the GPU tier is off")
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: device must be a CUDA device, got {device!r}")
-        if page_bytes <= 0:
-            raise ValueError(f"{name}: page_bytes must be positive, got {page_bytes}")
+        self.table = PageTable(name, capacity_bytes, page_bytes)
         self.page_bytes = page_bytes
-        self.num_pages = capacity_bytes // page_bytes
-        if self.num_pages == 0:
-            raise ValueError(f"{name}: capacity_bytes {capacity_bytes} is smaller than one page ({page_bytes})")
         try:
-            self._pool = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=self.device)
+            self._pool = torch.empty(self.table.pool_bytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError as exc:
-            raise TierUnavailable(f"{name}: cannot take {self.num_pages * page_bytes} bytes on {self.device}: {exc}") from exc
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields ascending pages
-        self._values: dict[bytes, _Value] = {}
-        self._lock = threading.Lock()
-
-    # -- pages ------------------------------------------------------------------------------------
+            raise TierUnavailable(f"{name}: cannot take {self.table.pool_bytes} bytes on {self.device}: {exc}") from exc
 
     def footprint(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // self.page_bytes)) * self.page_bytes
+        return self.table.footprint(nbytes)
 
     @property
     def used_bytes(self) -> int:
-        return (self.num_pages - len(self._free)) * self.page_bytes
+        return self.table.used_bytes
 
     @property
     def free_bytes(self) -> int:
-        return len(self._free) * self.page_bytes
-
-    def _runs(self, pages: list[int], length: int) -> list[tuple[int, int]]:
-        runs: list[tuple[int, int]] = []
-        for i, page in enumerate(pages):
-            take = min(self.page_bytes, length - i * self.page_bytes)
-            offset = page * self.page_bytes
-            if runs and runs[-1][0] + runs[-1][1] == offset:
-                runs[-1] = (runs[-1][0], runs[-1][1] + take)
-            else:
-                runs.append((offset, take))
-        return runs
-
-    def _retire(self, value: _Value) -> None:
-        """Mark a value gone; its pages return now, or when its last reader is done (lock held)."""
-        value.dead = True
-        if value.readers == 0:
-            self._free.extend(reversed(value.pages))
-            value.pages = []
+        return self.table.free_bytes
 
     # -- writes -------------------------------------------------------------------------------------
 
     def write(self, key: bytes, parts: Sequence[Buffer | torch.Tensor]) -> None:
         """Copy host buffers or tensors (any device) into free pages, then publish the value."""
         sources = [_bytes_tensor(p) for p in parts]
-        length = sum(s.numel() for s in sources)
-        npages = max(1, -(-length // self.page_bytes))
-        with self._lock:
-            if len(self._free) < npages:
-                raise TierFull(f"{self.name}: need {npages} pages, {len(self._free)} free")
-            pages = [self._free.pop() for _ in range(npages)]
-        value = _Value(pages=pages, length=length, runs=self._runs(pages, length))
-        sizes = [s.numel() for s in sources]
-        for start, i, offset, n in _segments(value.runs, sizes):
+        value = self.table.allocate(sum(s.numel() for s in sources))
+        for start, i, offset, n in segments(value.runs, [s.numel() for s in sources]):
             self._pool[start : start + n].copy_(sources[i][offset : offset + n])
-        with self._lock:
-            old = self._values.get(key)
-            self._values[key] = value
-            if old is not None:
-                self._retire(old)
+        self.table.publish(key, value)
 
     # -- reads ----------------------------------------------------------------------------------------
 
     def _copy_out(self, key: bytes, outs: list[torch.Tensor]) -> int | None:
-        with self._lock:
-            value = self._values.get(key)
+        with self.table.reading(key, capacity=sum(o.numel() for o in outs)) as value:
             if value is None:
                 return None
-            capacity = sum(o.numel() for o in outs)
-            if value.length > capacity:
-                raise ValueError(f"{self.name}: buffer of {capacity} bytes is too small for {value.length}")
-            value.readers += 1
-        try:
-            for start, i, offset, n in _segments(value.runs, [o.numel() for o in outs]):
+            for start, i, offset, n in segments(value.runs, [o.numel() for o in outs]):
                 outs[i][offset : offset + n].copy_(self._pool[start : start + n])
             return value.length
-        finally:
-            with self._lock:
-                value.readers -= 1
-                if value.dead and value.readers == 0:
-                    self._retire(value)
 
     def read_into(self, key: bytes, out) -> int | None:
         """Copy the value device -> host into ``out`` (one buffer or a list, filled in order)."""
@@ -186,28 +112,20 @@ class GpuTier(Tier):
     # -- the rest of the interface ------------------------------------------------------------------
 
     def delete(self, key: bytes) -> bool:
-        with self._lock:
-            value = self._values.pop(key, None)
-            if value is None:
-                return False
-            self._retire(value)
-            return True
+        return self.table.delete(key)
 
     def contains(self, key: bytes) -> bool:
-        return key in self._values
+        return key in self.table
 
     def size_of(self, key: bytes) -> int | None:
-        value = self._values.get(key)
-        return None if value is None else value.length
+        return self.table.size_of(key)
 
     def keys(self) -> Iterator[bytes]:
-        with self._lock:
-            return iter(list(self._values))
+        return iter(self.table.keys())
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self.table)
 
     def close(self) -> None:
-        with self._lock:
-            self._values.clear()
+        self.table.clear()
         self._pool = None
