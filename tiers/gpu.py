@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 import torch
 
 from tiers.base import Buffer, Tier, TierUnavailable
-from tiers.pages import PageTable, segments
+from tiers.pages import PagedTier, segments
 
 
 def _bytes_tensor(part) -> torch.Tensor:
@@ -39,7 +39,7 @@ def _bytes_tensor(part) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-class GpuTier(Tier):
+class GpuTier(PagedTier):
     def __init__(
         self,
         capacity_bytes: int,
@@ -47,29 +47,16 @@ class GpuTier(Tier):
         device: str = "cuda",
         name: str = "gpu",
     ) -> None:
-        super().__init__(name, capacity_bytes)
+        super().__init__(name, capacity_bytes, page_bytes)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise TierUnavailable(f"{name}: no CUDA device is available (torch {torch.__version__}); the GPU tier is off")
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: device must be a CUDA device, got {device!r}")
-        self.table = PageTable(name, capacity_bytes, page_bytes)
-        self.page_bytes = page_bytes
         try:
             self._pool = torch.empty(self.table.pool_bytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError as exc:
             raise TierUnavailable(f"{name}: cannot take {self.table.pool_bytes} bytes on {self.device}: {exc}") from exc
-
-    def footprint(self, nbytes: int) -> int:
-        return self.table.footprint(nbytes)
-
-    @property
-    def used_bytes(self) -> int:
-        return self.table.used_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self.table.free_bytes
 
     # -- writes -------------------------------------------------------------------------------------
 
@@ -108,23 +95,6 @@ class GpuTier(Tier):
         buf = bytearray(size)
         got = self.read_into(key, buf)
         return None if got is None else bytes(buf[:got])
-
-    # -- the rest of the interface ------------------------------------------------------------------
-
-    def delete(self, key: bytes) -> bool:
-        return self.table.delete(key)
-
-    def contains(self, key: bytes) -> bool:
-        return key in self.table
-
-    def size_of(self, key: bytes) -> int | None:
-        return self.table.size_of(key)
-
-    def keys(self) -> Iterator[bytes]:
-        return iter(self.table.keys())
-
-    def __len__(self) -> int:
-        return len(self.table)
 
     def close(self) -> None:
         self.table.clear()

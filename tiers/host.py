@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from tiers.base import Buffer, Tier
-from tiers.pages import PageTable, segments
+from tiers.pages import PagedTier, segments
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
 
@@ -25,7 +25,7 @@ def _byte_view(buf) -> np.ndarray:
     return buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
 
 
-class HostTier(Tier):
+class HostTier(PagedTier):
     def __init__(
         self,
         capacity_bytes: int,
@@ -34,11 +34,9 @@ class HostTier(Tier):
         shm_path: str | None = None,
         name: str = "host",
     ) -> None:
-        super().__init__(name, capacity_bytes)
         if page_bytes % mmap.PAGESIZE:
             raise ValueError(f"page_bytes must be a positive multiple of {mmap.PAGESIZE}, got {page_bytes}")
-        self.table = PageTable(name, capacity_bytes, page_bytes)
-        self.page_bytes = page_bytes
+        super().__init__(name, capacity_bytes, page_bytes)
         self.pool_bytes = self.table.pool_bytes
         self.shm_path = shm_path
         self._mmap = self._map_pool(shm_path)
@@ -64,17 +62,6 @@ class HostTier(Tier):
             self._mmap.madvise(MADV_POPULATE_WRITE)
         except OSError:
             self._pool[:: mmap.PAGESIZE] = 0
-
-    def footprint(self, nbytes: int) -> int:
-        return self.table.footprint(nbytes)
-
-    @property
-    def used_bytes(self) -> int:
-        return self.table.used_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self.table.free_bytes
 
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         views = [_byte_view(p) for p in parts]
@@ -105,21 +92,6 @@ class HostTier(Tier):
             for start, i, offset, n in segments(value.runs, [o.size for o in outs]):
                 np.copyto(outs[i][offset : offset + n], self._pool[start : start + n])
             return value.length
-
-    def delete(self, key: bytes) -> bool:
-        return self.table.delete(key)
-
-    def contains(self, key: bytes) -> bool:
-        return key in self.table
-
-    def size_of(self, key: bytes) -> int | None:
-        return self.table.size_of(key)
-
-    def keys(self) -> Iterator[bytes]:
-        return iter(self.table.keys())
-
-    def __len__(self) -> int:
-        return len(self.table)
 
     def close(self) -> None:
         self.table.clear()

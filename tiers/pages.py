@@ -6,7 +6,8 @@ value occupies any free pages (a stack free list: O(1), and runs stay mostly con
 the only waste being its last page's tail. Readers pin a value while they copy it, so a
 value deleted or replaced meanwhile gives its pages back only when its last reader is done.
 
-This module only does the bookkeeping; each tier owns its memory and does the copies.
+``PageTable`` only does the bookkeeping; ``PagedTier`` is the Tier side every paged tier
+shares, and each tier owns its memory and does the copies.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from tiers.base import TierFull
+from tiers.base import Tier, TierFull
 
 
 @dataclass
@@ -147,3 +148,38 @@ class PageTable:
     def clear(self) -> None:
         with self._lock:
             self._values.clear()
+
+
+class PagedTier(Tier):
+    """The parts of the Tier interface that only consult the page table."""
+
+    def __init__(self, name: str, capacity_bytes: int, page_bytes: int) -> None:
+        super().__init__(name, capacity_bytes)
+        self.table = PageTable(name, capacity_bytes, page_bytes)
+        self.page_bytes = page_bytes
+
+    def footprint(self, nbytes: int) -> int:
+        return self.table.footprint(nbytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.table.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.table.free_bytes
+
+    def delete(self, key: bytes) -> bool:
+        return self.table.delete(key)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.table
+
+    def size_of(self, key: bytes) -> int | None:
+        return self.table.size_of(key)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(self.table.keys())
+
+    def __len__(self) -> int:
+        return len(self.table)
