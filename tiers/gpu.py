@@ -19,11 +19,11 @@ on machines without a GPU; configurations never use it.
 from __future__ import annotations
 
 import warnings
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
-from tiers.base import Buffer, Tier, TierUnavailable
+from tiers.base import Buffer, TierUnavailable
 from tiers.pages import PagedTier, segments
 
 
@@ -47,12 +47,12 @@ class GpuTier(PagedTier):
         device: str = "cuda",
         name: str = "gpu",
     ) -> None:
-        super().__init__(name, capacity_bytes, page_bytes)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise TierUnavailable(f"{name}: no CUDA device is available (torch {torch.__version__}); the GPU tier is off")
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: device must be a CUDA device, got {device!r}")
+        super().__init__(name, capacity_bytes, page_bytes)
         try:
             self._pool = torch.empty(self.table.pool_bytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError as exc:

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from tiers.base import Buffer, Tier
+from tiers.base import Buffer
 from tiers.pages import PagedTier, segments
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
