@@ -195,19 +195,25 @@ class DiskTier(Tier):
                 if exc.errno != errno.EINVAL:
                     raise self._error(exc) from exc
                 self.o_direct = False  # this file system does not support O_DIRECT
-        try:
-            fd = os.open(self.path_of(key), os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
+        fd = self._open(key)
+        if fd is None:
             return None
-        except OSError as exc:
-            raise self._error(exc) from exc
         try:
             return _read_fully(fd, outs)
         except OSError as exc:
             raise self._error(exc) from exc
         finally:
             os.close(fd)
+
+    def _open(self, key: bytes) -> int | None:
+        """A read descriptor for the key's file; None (and forgotten) if the file is gone."""
+        try:
+            return os.open(self.path_of(key), os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            raise self._error(exc) from exc
 
     def _read_direct(self, key: bytes, size: int, outs: list[memoryview]) -> int:
         """O_DIRECT read into a reused, page-aligned per-thread staging buffer, then copy out."""

@@ -139,13 +139,9 @@ class PfsTier(DiskTier):
         this tier catch it), or None if there is no file, whatever the view said.
         """
         outs = [memoryview(o).cast("B") for o in (out if isinstance(out, (list, tuple)) else [out])]
-        try:
-            fd = os.open(self.path_of(key), os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
+        fd = self._open(key)
+        if fd is None:
             return None
-        except OSError as exc:
-            raise self._error(exc) from exc
         try:
             size = os.fstat(fd).st_size
             capacity = sum(len(o) for o in outs)
