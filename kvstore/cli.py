@@ -103,7 +103,12 @@ def cmd_serve(args) -> int:
         split_host_port(cfg.metrics)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     keep_large_blocks_in_heap()
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except RuntimeError as exc:
+        if "bind" in str(exc).lower():  # grpc: the address is taken or not ours
+            raise UsageError(f"cannot listen on {cfg.listen}: {exc}") from None
+        raise
     return 0
 
 
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, UsageError, FileNotFoundError, PermissionError, IsADirectoryError, ValueError) as exc:
+    except (ConfigError, UsageError, OSError, ValueError) as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
     except _unreachable_errors() as exc:

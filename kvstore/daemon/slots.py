@@ -28,6 +28,22 @@ ARENA_HEADER_BYTES = 4096
 NONCE_BYTES = 16
 
 
+PREFIX = "kvstore-slots-"
+
+
+def _remove_orphans(directory: str) -> None:
+    """Delete arenas left by daemons that died without cleaning up (kill -9)."""
+    for name in os.listdir(directory):
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX) :].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
 class SlotError(Exception):
     """A slot reference is unusable; ``kind`` picks the gRPC status."""
 
@@ -59,7 +75,8 @@ class SlotArena:
             raise ValueError(f"shm.slot_bytes must be a positive multiple of {mmap.PAGESIZE}")
         if self.slots <= 0:
             raise ValueError("shm.slots must be positive")
-        self.path = os.path.join(self.dir, f"kvstore-slots-{os.getpid()}-{secrets.token_hex(6)}")
+        _remove_orphans(self.dir)
+        self.path = os.path.join(self.dir, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, ARENA_HEADER_BYTES + self.slots * self.slot_bytes)

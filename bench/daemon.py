@@ -1,0 +1,230 @@
+"""``kvbench daemon``: put/get GB/s and latency through the daemon, against the machine's limits,
+in one run.
+
+- remote: the client's remote path (the bulk TCP side channel when the daemon offers it,
+  else gRPC bytes); limit: a raw loopback TCP socket moving the same bytes in the same run.
+- shm: the same-host shared-memory slots; limit: a plain memcpy of the same bytes between
+  reused buffers.
+
+Chunks are ``--chunk-bytes`` (fp16, one layer, one KV head, 256 tokens); each client cycles
+over its own ``--keys`` chunks. Without ``--addr`` the benchmark starts its own daemon with
+the host tier only (the disk tier's write-behind would measure the disk, not the daemon).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from bench.cli import UsageError
+from kvstore.client import Client
+from kvstore.config import parse_size
+from kvstore.daemon.malloc import keep_large_blocks_in_heap
+from kvstore.daemon.spawn import DaemonProcess
+from kvstore.keys import Namespace, chunk_keys
+
+GB = 1e9
+TOKENS = 256
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("daemon", help="daemon put/get GB/s, remote and shm, vs raw socket and memcpy")
+    p.add_argument("--addr", default=None, help="a running daemon (default: start one)")
+    p.add_argument("--auth-token-file", default=None)
+    p.add_argument("--clients", type=int, default=1, help="concurrent clients (threads, one Client each)")
+    p.add_argument("--chunk-bytes", default="4MiB", help="bytes per chunk (multiple of 1 KiB)")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
+    p.add_argument("--keys", type=int, default=16, help="distinct chunks per client")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run)
+
+
+def _namespace(chunk_bytes: int) -> Namespace:
+    if chunk_bytes <= 0 or chunk_bytes % (2 * 2 * TOKENS):
+        raise UsageError(f"--chunk-bytes must be a positive multiple of {2 * 2 * TOKENS}")
+    return Namespace("kvbench-daemon", 1, 1, chunk_bytes // (2 * 2 * TOKENS), "float16", TOKENS)
+
+
+def _summary(latencies: list[float], nbytes: int, elapsed: float) -> dict:
+    lat = np.array(latencies) if latencies else np.array([float("nan")])
+    return {
+        "gbps": nbytes / elapsed / GB if elapsed > 0 else 0.0,
+        "p50_s": float(np.percentile(lat, 50)),
+        "p99_s": float(np.percentile(lat, 99)),
+        "ops": len(latencies),
+    }
+
+
+def _measure(clients: list[Client], work, seconds: float) -> dict:
+    """Run ``work(client, index, deadline, latencies)`` in one thread per client."""
+    latencies: list[list[float]] = [[] for _ in clients]
+    done = [0] * len(clients)
+    barrier = threading.Barrier(len(clients) + 1)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        done[i] = work(clients[i], i, time.perf_counter() + seconds, latencies[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    return _summary([x for lat in latencies for x in lat], sum(done), elapsed)
+
+
+def _path(addr: str, transport: str, args, ns: Namespace) -> dict:
+    clients = [Client(addr, transport=transport, token_file=args.auth_token_file, timeout_s=60) for _ in range(args.clients)]
+    try:
+        used = clients[0].path
+        keys = [chunk_keys(list(range(i * 10**6, i * 10**6 + args.keys * TOKENS)), ns) for i in range(len(clients))]
+        chunk = torch.randn(ns.chunk_shape).to(torch.float16)
+        nbytes = chunk.numel() * 2
+
+        def put(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            n = 0
+            while time.perf_counter() < deadline or n < len(keys[i]):
+                t0 = time.perf_counter()
+                client.put(keys[i][n % len(keys[i])], chunk)
+                lat.append(time.perf_counter() - t0)
+                n += 1
+            return n * nbytes
+
+        def get(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            out = torch.empty_like(chunk)
+            out.view(-1).fill_(0)
+            n = 0
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                if not client.get_into(keys[i][n % len(keys[i])], out):
+                    raise RuntimeError("a chunk the benchmark stored is missing (host tier too small?)")
+                lat.append(time.perf_counter() - t0)
+                n += 1
+            return n * nbytes
+
+        p = _measure(clients, put, args.seconds)
+        g = _measure(clients, get, args.seconds)
+        return {
+            "transport": used, "put_gbps": p["gbps"], "put_p50_s": p["p50_s"], "put_p99_s": p["p99_s"],
+            "get_gbps": g["gbps"], "get_p50_s": g["p50_s"], "get_p99_s": g["p99_s"],
+            "put_ops": p["ops"], "get_ops": g["ops"],
+        }
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _socket_gbps(chunk_bytes: int, seconds: float, streams: int) -> float:
+    """Raw loopback TCP: ``streams`` connections each moving chunk after chunk, recv_into a reused buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = time.perf_counter() + seconds
+    received = [0] * streams
+
+    def sender(conn: socket.socket) -> None:
+        data = memoryview(np.ones(chunk_bytes, dtype=np.uint8))
+        try:
+            while time.perf_counter() < stop:
+                conn.sendall(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def receiver(i: int) -> None:
+        s = socket.create_connection(("127.0.0.1", port))
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        buf = memoryview(np.zeros(chunk_bytes, dtype=np.uint8))
+        while True:
+            n = s.recv_into(buf)
+            if n == 0:
+                break
+            received[i] += n
+        s.close()
+
+    receivers = [threading.Thread(target=receiver, args=(i,)) for i in range(streams)]
+    senders = []
+    start = time.perf_counter()
+    for r in receivers:
+        r.start()
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        senders.append(threading.Thread(target=sender, args=(conn,)))
+        senders[-1].start()
+    for t in senders + receivers:
+        t.join()
+    listener.close()
+    return sum(received) / (time.perf_counter() - start) / GB
+
+
+def _memcpy_gbps(chunk_bytes: int, seconds: float) -> float:
+    src = np.ones(chunk_bytes, dtype=np.uint8)
+    dst = np.zeros(chunk_bytes, dtype=np.uint8)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        np.copyto(dst, src)
+        n += 1
+    return n * chunk_bytes / (time.perf_counter() - start) / GB
+
+
+def run(args) -> int:
+    if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0:
+        raise UsageError("--clients, --seconds and --keys must be positive")
+    chunk_bytes = parse_size(args.chunk_bytes)
+    ns = _namespace(chunk_bytes)
+    keep_large_blocks_in_heap()
+    daemon = None
+    tmp = None
+    addr = args.addr
+    if addr is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvbench-daemon-")
+        host_bytes = max(64 << 20, 2 * args.clients * args.keys * (chunk_bytes + (256 << 10)))
+        config = os.path.join(tmp.name, "daemon.toml")
+        with open(config, "w") as f:
+            f.write(f'listen = "127.0.0.1:0"\n[store.host]\ncapacity_bytes = {host_bytes}\n'
+                    f'[store.disk]\nenabled = false\n[shm]\nslot_bytes = {-(-chunk_bytes // 4096) * 4096 + 4096}\n')
+        daemon = DaemonProcess(["--config", config])
+        addr = daemon.addr
+    try:
+        results = {
+            "chunk_bytes": chunk_bytes, "clients": args.clients, "seconds": args.seconds,
+            "remote": _path(addr, "remote", args, ns),
+            "shm": _path(addr, "shm", args, ns),
+            "socket_gbps": _socket_gbps(chunk_bytes, args.seconds, args.clients),
+            "memcpy_gbps": _memcpy_gbps(chunk_bytes, args.seconds),
+        }
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        if tmp is not None:
+            tmp.cleanup()
+    results["ratios"] = {
+        "remote_get_vs_socket": results["remote"]["get_gbps"] / results["socket_gbps"],
+        "remote_put_vs_socket": results["remote"]["put_gbps"] / results["socket_gbps"],
+        "shm_get_vs_memcpy": results["shm"]["get_gbps"] / results["memcpy_gbps"],
+        "shm_put_vs_memcpy": results["shm"]["put_gbps"] / results["memcpy_gbps"],
+    }
+    print(f"chunk {chunk_bytes} B, {args.clients} client(s), {args.seconds:g} s per figure")
+    for name in ("remote", "shm"):
+        r = results[name]
+        print(f"{name:6} ({r['transport']:4}) put {r['put_gbps']:6.2f} GB/s p50 {r['put_p50_s'] * 1e3:7.2f} ms "
+              f"p99 {r['put_p99_s'] * 1e3:7.2f} ms | get {r['get_gbps']:6.2f} GB/s p50 {r['get_p50_s'] * 1e3:7.2f} ms "
+              f"p99 {r['get_p99_s'] * 1e3:7.2f} ms")
+    print(f"limits: raw loopback socket {results['socket_gbps']:.2f} GB/s, memcpy {results['memcpy_gbps']:.2f} GB/s")
+    q = results["ratios"]
+    print(f"remote get {q['remote_get_vs_socket']:.2f}x socket, shm get {q['shm_get_vs_memcpy']:.2f}x memcpy")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

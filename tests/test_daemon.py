@@ -1,0 +1,173 @@
+"""The daemon as a real process, driven through the real client: round trips on every path,
+the index operations, stats, metrics, the CLI's stats/ping, and tenant isolation."""
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from kvstore.cli import main
+from kvstore.client import AsyncClient, Client
+from kvstore.daemon.spawn import DaemonProcess
+from kvstore.keys import Namespace, chunk_keys
+
+NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16
+BIG = Namespace("test-big", num_layers=4, num_kv_heads=2, head_dim=64, chunk_tokens=128, dtype="bfloat16")  # 256 KiB
+
+CONFIG = """
+[limits]
+max_chunk_bytes = "4MiB"
+max_keys_per_request = 64
+[shm]
+slots = 16
+slot_bytes = "512KiB"
+lease_ttl_s = 2.0
+[store.host]
+capacity_bytes = "64MiB"
+page_bytes = 4096
+[store.disk]
+capacity_bytes = "256MiB"
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    root = tmp_path_factory.mktemp("daemon")
+    (root / "daemon.toml").write_text(CONFIG)
+    with DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(root / "data"), "--metrics", "127.0.0.1:0"]) as proc:
+        yield proc
+
+
+def chunks(n, ns=NS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=gen).tolist(), ns)
+    dtype = getattr(torch, ns.dtype)
+    return keys, [torch.randn(ns.chunk_shape, generator=gen).to(dtype) for _ in keys]
+
+
+def same(a, b):
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_start_line_names_address_tiers_and_capacities(daemon):
+    line = next(line for line in daemon.log if "listening on" in line)
+    assert daemon.addr.startswith("127.0.0.1:")
+    assert "host 64MiB" in line and "nvme 256MiB" in line and "shm 16x512KiB" in line
+
+
+@pytest.mark.parametrize("transport,path", [("shm", "shm"), ("remote", "bulk"), ("grpc", "grpc")])
+@pytest.mark.parametrize("ns", [NS, BIG], ids=["1KiB", "256KiB"])
+def test_round_trip_is_bit_exact_on_every_path(daemon, transport, path, ns):
+    keys, values = chunks(5, ns, seed=hash((transport, ns.model_id)) % 1000)
+    values[0].view(-1)[0] = float("nan")
+    with Client(daemon.addr, transport=transport, piece_bytes=64 << 10) as client:
+        assert client.path == path
+        for i, (k, v) in enumerate(zip(keys, values)):
+            client.put(k, v, parent=keys[i - 1] if i else None, durable=i % 2 == 0)
+        assert client.lookup(keys) == 5
+        got = client.get(keys)
+        assert len(got) == 5 and all(same(a, b) for a, b in zip(got, values))
+        out = torch.empty_like(values[3])
+        assert client.get_into(keys[3], out) and same(out, values[3])
+        blob = client.get_blob(keys[2])
+        assert blob is not None and len(blob) == 128 + values[2].numel() * values[2].element_size()
+        client.put_blob(keys[2].id, [blob[:100], blob[100:]])  # pieces, by key id of a known namespace
+        assert client.get_into(keys[2], out) and same(out, values[2])
+
+
+def test_index_operations_match_the_store(daemon):
+    keys, values = chunks(6, seed=7)
+    with Client(daemon.addr) as client:
+        for i in (0, 1, 3):
+            client.put(keys[i], values[i])
+        assert client.lookup(keys) == 2
+        assert client.contains(keys[3]) and not client.contains(keys[2])
+        assert len(client.get(keys)) == 2  # stops at the first miss
+        assert client.get_blob(keys[2]) is None
+        assert not client.get_into(keys[2], torch.empty_like(values[2]))
+        assert client.pin(keys, ttl_s=30) == 3
+        assert client.unpin(keys[:2]) == 2
+        assert isinstance(client.prefetch(keys, wait=True), list)
+        assert client.delete(keys) == 3
+        assert client.lookup(keys) == 0
+        assert client.lookup([]) == 0 and client.get([]) == []
+
+
+def test_stats_metrics_and_cli(daemon, capsys):
+    keys, values = chunks(2, seed=11)
+    with Client(daemon.addr) as client:
+        client.put(keys[0], values[0], durable=True)
+        client.get(keys)  # one hit, one miss
+        stats = client.stats()
+    assert {"host", "nvme"} <= set(stats.tiers) and stats.hits >= 1 and stats.misses >= 1
+    assert stats.tiers["host"].capacity_bytes == 64 << 20
+
+    port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'kvstore_tier_hits_total{tier="host"}' in text
+    assert 'kvstore_tier_capacity_bytes{tier="nvme"}' in text
+    assert "kvstore_write_behind_queue" in text
+    assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
+    assert re.search(r'kvstore_namespace_misses_total\{model="test-model",namespace="[0-9a-f]{12}"\} [1-9]', text)
+
+    assert main(["stats", "--addr", daemon.addr]) == 0
+    out = capsys.readouterr().out
+    assert "hit rate" in out and re.search(r"^host\s+\d+\s+67108864", out, re.M)
+    assert main(["ping", "--addr", daemon.addr]) == 0
+    assert "SERVING" in capsys.readouterr().out
+
+
+def test_tenants_cannot_read_or_detect_each_others_chunks(daemon):
+    alice = Namespace("shared-model", 2, 2, 8, chunk_tokens=8, tenant="alice")
+    bob = Namespace("shared-model", 2, 2, 8, chunk_tokens=8, tenant="bob")
+    tokens = list(range(100, 100 + 3 * 8))
+    a_keys, b_keys = chunk_keys(tokens, alice), chunk_keys(tokens, bob)
+    value = torch.randn(alice.chunk_shape).half()
+    with Client(daemon.addr) as client:
+        for k in a_keys:
+            client.put(k, value)
+        assert client.lookup(a_keys) == 3
+        assert client.lookup(b_keys) == 0
+        assert not client.contains(b_keys[0])
+        assert client.get(b_keys) == [] and client.get_blob(b_keys[0]) is None
+        assert client.pin(b_keys, 10) == 0 and client.delete(b_keys) == 0
+        blob = client.get_blob(a_keys[0])
+        with pytest.raises(Exception, match="INVALID_ARGUMENT"):  # alice's blob under bob's key
+            client.put_blob(b_keys[0], [blob])
+        assert client.lookup(b_keys) == 0 and client.lookup(a_keys) == 3
+
+
+def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
+    with Client(daemon.addr, transport="shm", shm_slots=4) as client:
+        keys, values = chunks(1, seed=3)
+        client.put(keys[0], values[0])
+        before = client.stats_reply().shm_slots_free
+        client._shm = None  # forget the lease without releasing it, as a dead client would
+        with Client(daemon.addr, transport="grpc") as other:
+            deadline = time.monotonic() + 10
+            while other.stats_reply().shm_slots_free < before + 4:
+                assert time.monotonic() < deadline, "lease never expired"
+                time.sleep(0.2)
+
+
+def test_async_client_has_the_same_methods(daemon):
+    asyncio.run(_async_round_trip(daemon.addr))
+
+
+async def _async_round_trip(addr):
+    keys, values = chunks(3, seed=5)
+    async with AsyncClient(addr) as client:
+        for k, v in zip(keys, values):
+            await client.put(k, v)
+        assert await client.lookup(keys) == 3
+        got = await client.get(keys)
+        assert all(same(a, b) for a, b in zip(got, values))
+        out = torch.empty_like(values[1])
+        assert await client.get_into(keys[1], out) and same(out, values[1])
+        assert await client.contains(keys[0])
+        assert await client.delete(keys) == 3
+        assert (await client.stats()).chunks >= 0
