@@ -19,12 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.daemon.auth import TokenAuth, read_token_file
 from kvstore.daemon.bulk import BulkServer
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
-from kvstore.daemon.service import KVStoreService
+from kvstore.daemon.service import KVStoreService, register
 from kvstore.daemon.slots import SlotArena
 from kvstore.store import Store
 
@@ -93,7 +92,7 @@ class Daemon:
             maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams,
         )
         self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics, "")
-        pb_grpc.add_KVStoreServicer_to_server(self.service, self._server)
+        register(self.service, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
@@ -65,10 +66,53 @@ def _translate(exc: Exception) -> Fail:
     raise exc
 
 
+class Malformed:
+    """Stands in for a request that did not parse, so the handler can answer INVALID_ARGUMENT
+    (grpc's own answer to a deserializer error is a vague UNKNOWN)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _parse(request):
+    if isinstance(request, Malformed):
+        raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed or truncated message: {request.error}")
+    return request
+
+
+def _safe_parser(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError) as exc:
+            return Malformed(exc)
+
+    return parse
+
+
+def register(service: "KVStoreService", server: grpc.aio.Server) -> None:
+    """Add the service to ``server`` with parsers that never raise (see ``Malformed``)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["KVStore"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+    }
+    handlers = {
+        m.name: kinds[(m.client_streaming, m.server_streaming)](
+            getattr(service, m.name),
+            request_deserializer=_safe_parser(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in descriptor.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+
+
 async def _next(iterator):
     """The next message of a request stream, or None at its end."""
     try:
-        return await iterator.__anext__()
+        return _parse(await iterator.__anext__())
     except StopAsyncIteration:
         return None
 
@@ -81,7 +125,7 @@ def _timed(fn):
     async def wrapper(self, request, context):
         start = time.perf_counter()
         try:
-            return await fn(self, request, context)
+            return await fn(self, request if fn.__name__ == "Put" else _parse(request), context)
         except (Fail, SlotError, BulkError, CorruptBlob, TierError, StoreClosed, OSError, ValueError, TypeError) as exc:
             fail = _translate(exc)
             self.metrics.rpc_errors.labels(name, fail.code.name).inc()
@@ -221,6 +265,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.metrics.rpc_seconds.labels("Get").observe(time.perf_counter() - start)
 
     async def _get(self, request, context):
+        request = _parse(request)
         ns, keys = self._keys(request)
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
