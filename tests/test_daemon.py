@@ -1,16 +1,24 @@
 """The daemon as a real process, driven through the real client: round trips on every path,
-the index operations, stats, metrics, the CLI's stats/ping, and tenant isolation."""
+the index operations, stats, metrics, the CLI's stats/ping, token auth, tenant isolation and
+the benchmark's quick mode. The daemon requires a bearer token; ``connect`` supplies it."""
 
 import asyncio
+import json
 import re
+import socket
 import time
 import urllib.request
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.cli import main as kvbench
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli import main
-from kvstore.client import AsyncClient, Client
+from kvstore.client import AsyncClient, Client, DaemonError
+from kvstore.daemon.bulk import HELLO
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
@@ -33,13 +41,23 @@ capacity_bytes = "256MiB"
 """
 
 
+TOKEN = "s3cret-token"
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("daemon")
     (root / "daemon.toml").write_text(CONFIG)
+    (root / "token").write_text(TOKEN + "\n")
     with DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", "127.0.0.1:0",
-                        "--data-dir", str(root / "data"), "--metrics", "127.0.0.1:0"]) as proc:
+                        "--data-dir", str(root / "data"), "--metrics", "127.0.0.1:0",
+                        "--auth-token-file", str(root / "token")]) as proc:
+        proc.token_file = str(root / "token")
         yield proc
+
+
+def connect(daemon, **kw) -> Client:
+    return Client(daemon.addr, token=TOKEN, **kw)
 
 
 def chunks(n, ns=NS, seed=0):
@@ -64,7 +82,7 @@ def test_start_line_names_address_tiers_and_capacities(daemon):
 def test_round_trip_is_bit_exact_on_every_path(daemon, transport, path, ns):
     keys, values = chunks(5, ns, seed=hash((transport, ns.model_id)) % 1000)
     values[0].view(-1)[0] = float("nan")
-    with Client(daemon.addr, transport=transport, piece_bytes=64 << 10) as client:
+    with connect(daemon, transport=transport, piece_bytes=64 << 10) as client:
         assert client.path == path
         for i, (k, v) in enumerate(zip(keys, values)):
             client.put(k, v, parent=keys[i - 1] if i else None, durable=i % 2 == 0)
@@ -81,7 +99,7 @@ def test_round_trip_is_bit_exact_on_every_path(daemon, transport, path, ns):
 
 def test_index_operations_match_the_store(daemon):
     keys, values = chunks(6, seed=7)
-    with Client(daemon.addr) as client:
+    with connect(daemon) as client:
         for i in (0, 1, 3):
             client.put(keys[i], values[i])
         assert client.lookup(keys) == 2
@@ -99,7 +117,7 @@ def test_index_operations_match_the_store(daemon):
 
 def test_stats_metrics_and_cli(daemon, capsys):
     keys, values = chunks(2, seed=11)
-    with Client(daemon.addr) as client:
+    with connect(daemon) as client:
         client.put(keys[0], values[0], durable=True)
         client.get(keys)  # one hit, one miss
         stats = client.stats()
@@ -114,10 +132,11 @@ def test_stats_metrics_and_cli(daemon, capsys):
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
     assert re.search(r'kvstore_namespace_misses_total\{model="test-model",namespace="[0-9a-f]{12}"\} [1-9]', text)
 
-    assert main(["stats", "--addr", daemon.addr]) == 0
+    token = ["--auth-token-file", daemon.token_file]
+    assert main(["stats", "--addr", daemon.addr, *token]) == 0
     out = capsys.readouterr().out
     assert "hit rate" in out and re.search(r"^host\s+\d+\s+67108864", out, re.M)
-    assert main(["ping", "--addr", daemon.addr]) == 0
+    assert main(["ping", "--addr", daemon.addr, *token]) == 0
     assert "SERVING" in capsys.readouterr().out
 
 
@@ -127,7 +146,7 @@ def test_tenants_cannot_read_or_detect_each_others_chunks(daemon):
     tokens = list(range(100, 100 + 3 * 8))
     a_keys, b_keys = chunk_keys(tokens, alice), chunk_keys(tokens, bob)
     value = torch.randn(alice.chunk_shape).half()
-    with Client(daemon.addr) as client:
+    with connect(daemon) as client:
         for k in a_keys:
             client.put(k, value)
         assert client.lookup(a_keys) == 3
@@ -142,12 +161,12 @@ def test_tenants_cannot_read_or_detect_each_others_chunks(daemon):
 
 
 def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
-    with Client(daemon.addr, transport="shm", shm_slots=4) as client:
+    with connect(daemon, transport="shm", shm_slots=4) as client:
         keys, values = chunks(1, seed=3)
         client.put(keys[0], values[0])
         before = client.stats_reply().shm_slots_free
         client._shm = None  # forget the lease without releasing it, as a dead client would
-        with Client(daemon.addr, transport="grpc") as other:
+        with connect(daemon, transport="grpc") as other:
             deadline = time.monotonic() + 10
             while other.stats_reply().shm_slots_free < before + 4:
                 assert time.monotonic() < deadline, "lease never expired"
@@ -158,9 +177,49 @@ def test_async_client_has_the_same_methods(daemon):
     asyncio.run(_async_round_trip(daemon.addr))
 
 
+def test_every_rpc_needs_the_token(daemon):
+    keys, values = chunks(1, seed=13)
+    with connect(daemon) as client:
+        client.put(keys[0], values[0])
+    for kw in ({}, {"token": "wrong"}):
+        with Client(daemon.addr, retries=0, **kw) as client:
+            for call in (lambda: client.lookup(keys), lambda: client.get(keys), lambda: client.put(keys[0], values[0]),
+                         lambda: client.stats(), lambda: client.ping(), lambda: client.delete(keys)):
+                with pytest.raises(DaemonError) as info:
+                    call()
+                assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    channel = grpc.insecure_channel(daemon.addr)  # the standard health service too
+    with pytest.raises(grpc.RpcError) as info:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+    # the bulk side channel: a session exists only through an authenticated RPC, and its
+    # connection must present that session's one-time token
+    with connect(daemon) as client:
+        attach = client._rpc(client._stub.BulkAttach, pb.BulkAttachRequest())
+        assert client.contains(keys[0])
+    sock = socket.create_connection(("127.0.0.1", attach.port))
+    sock.sendall(HELLO.pack(attach.session ^ 1, attach.token))
+    assert sock.recv(1) == b""
+    assert main(["stats", "--addr", daemon.addr]) == 2  # the CLI: one line, exit 2
+
+
+def test_kvbench_daemon_quick_mode_writes_the_schema(daemon, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert kvbench(["daemon", "--addr", daemon.addr, "--auth-token-file", daemon.token_file, "--chunk-bytes", "64KiB",
+                    "--seconds", "0.2", "--keys", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for path in ("remote", "shm"):
+        assert {"put_gbps", "get_gbps", "get_p99_s", "put_p99_s", "get_p50_s"} <= set(result[path])
+        assert result[path]["get_gbps"] > 0 and result[path]["put_gbps"] > 0
+    assert result["remote"]["transport"] == "bulk" and result["shm"]["transport"] == "shm"
+    assert result["socket_gbps"] > 0 and result["memcpy_gbps"] > 0
+    assert "x socket" in capsys.readouterr().out
+
+
 async def _async_round_trip(addr):
     keys, values = chunks(3, seed=5)
-    async with AsyncClient(addr) as client:
+    async with AsyncClient(addr, token=TOKEN) as client:
         for k, v in zip(keys, values):
             await client.put(k, v)
         assert await client.lookup(keys) == 3
