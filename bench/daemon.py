@@ -7,7 +7,10 @@ in one run.
   reused buffers.
 
 Chunks are ``--chunk-bytes`` (fp16, one layer, one KV head, 256 tokens); each client cycles
-over its own ``--keys`` chunks. Without ``--addr`` the benchmark starts its own daemon with
+over its own ``--keys`` chunks. Put is one chunk per call. The get GB/s figure fetches
+``--batch`` consecutive chunks per call (how the connector loads a prefix: the daemon reads
+the next chunk while the previous one travels); latencies are per call, and a single-chunk
+``get_into`` loop is reported beside it (``get_one_*``). Without ``--addr`` the benchmark starts its own daemon with
 the host tier only (the disk tier's write-behind would measure the disk, not the daemon).
 """
 
@@ -42,6 +45,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chunk-bytes", default="4MiB", help="bytes per chunk (multiple of 1 KiB)")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
     p.add_argument("--keys", type=int, default=16, help="distinct chunks per client")
+    p.add_argument("--batch", type=int, default=8,
+                   help="chunks per get call for the GB/s figure (a prefix is fetched in one call)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -100,9 +105,22 @@ def _path(addr: str, transport: str, args, ns: Namespace) -> dict:
                 n += 1
             return n * nbytes
 
+        batch = min(args.batch, args.keys)
+
         def get(client: Client, i: int, deadline: float, lat: list[float]) -> int:
-            out = torch.empty_like(chunk)
-            out.view(-1).fill_(0)
+            n = 0
+            while time.perf_counter() < deadline:
+                start = (n * batch) % (len(keys[i]) - batch + 1)
+                t0 = time.perf_counter()
+                got = client.get(keys[i][start : start + batch])
+                lat.append(time.perf_counter() - t0)
+                if len(got) != batch:
+                    raise RuntimeError("a chunk the benchmark stored is missing (host tier too small?)")
+                n += 1
+            return n * batch * nbytes
+
+        def get_one(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            out = torch.zeros_like(chunk)
             n = 0
             while time.perf_counter() < deadline:
                 t0 = time.perf_counter()
@@ -114,9 +132,11 @@ def _path(addr: str, transport: str, args, ns: Namespace) -> dict:
 
         p = _measure(clients, put, args.seconds)
         g = _measure(clients, get, args.seconds)
+        g1 = _measure(clients, get_one, args.seconds / 2)
         return {
             "transport": used, "put_gbps": p["gbps"], "put_p50_s": p["p50_s"], "put_p99_s": p["p99_s"],
-            "get_gbps": g["gbps"], "get_p50_s": g["p50_s"], "get_p99_s": g["p99_s"],
+            "get_gbps": g["gbps"], "get_p50_s": g["p50_s"], "get_p99_s": g["p99_s"], "get_batch": batch,
+            "get_one_gbps": g1["gbps"], "get_one_p50_s": g1["p50_s"], "get_one_p99_s": g1["p99_s"],
             "put_ops": p["ops"], "get_ops": g["ops"],
         }
     finally:
@@ -179,8 +199,8 @@ def _memcpy_gbps(chunk_bytes: int, seconds: float) -> float:
 
 
 def run(args) -> int:
-    if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0:
-        raise UsageError("--clients, --seconds and --keys must be positive")
+    if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0 or args.batch <= 0:
+        raise UsageError("--clients, --seconds, --keys and --batch must be positive")
     chunk_bytes = parse_size(args.chunk_bytes)
     ns = _namespace(chunk_bytes)
     keep_large_blocks_in_heap()
@@ -219,8 +239,9 @@ def run(args) -> int:
     for name in ("remote", "shm"):
         r = results[name]
         print(f"{name:6} ({r['transport']:4}) put {r['put_gbps']:6.2f} GB/s p50 {r['put_p50_s'] * 1e3:7.2f} ms "
-              f"p99 {r['put_p99_s'] * 1e3:7.2f} ms | get {r['get_gbps']:6.2f} GB/s p50 {r['get_p50_s'] * 1e3:7.2f} ms "
-              f"p99 {r['get_p99_s'] * 1e3:7.2f} ms")
+              f"p99 {r['put_p99_s'] * 1e3:7.2f} ms | get x{r['get_batch']} {r['get_gbps']:6.2f} GB/s "
+              f"p50 {r['get_p50_s'] * 1e3:7.2f} ms p99 {r['get_p99_s'] * 1e3:7.2f} ms | get x1 "
+              f"{r['get_one_gbps']:6.2f} GB/s p50 {r['get_one_p50_s'] * 1e3:7.2f} ms p99 {r['get_one_p99_s'] * 1e3:7.2f} ms")
     print(f"limits: raw loopback socket {results['socket_gbps']:.2f} GB/s, memcpy {results['memcpy_gbps']:.2f} GB/s")
     q = results["ratios"]
     print(f"remote get {q['remote_get_vs_socket']:.2f}x socket, shm get {q['shm_get_vs_memcpy']:.2f}x memcpy")

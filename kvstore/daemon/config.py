@@ -57,6 +57,8 @@ class DaemonConfig:
     io_threads: int = 8
     # SIGTERM/SIGINT: in-flight RPCs get this long, then write-behind is flushed.
     shutdown_grace_s: float = 10.0
+    # ... and then the write-behind queues get this long to reach the disk before we give up.
+    flush_timeout_s: float = 120.0
     shm: ShmConfig = field(default_factory=ShmConfig)
     bulk: BulkConfig = field(default_factory=BulkConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

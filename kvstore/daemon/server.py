@@ -4,13 +4,17 @@ services, the shared-memory slot arena, the bulk side channel and the metrics en
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the server stops accepting and gives
 in-flight RPCs ``shutdown_grace_s``, then the Store flushes its write-behind queues and
 closes its tiers, so every chunk acknowledged as durable, and every queued copy, is on disk.
+A flush that takes longer than ``flush_timeout_s`` (a stalled disk) is abandoned with an
+error and exit code 1, so shutdown is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -139,11 +143,19 @@ class Daemon:
             self._expiry.cancel()
         if self.bulk is not None:
             await self.bulk.close()
+        await asyncio.to_thread(self._executor.shutdown, True)  # Store calls of cancelled RPCs finish
         if self.store is not None:
             pending = self.store.stats().write_behind_pending_bytes
             log.info("flushing %d bytes of write-behind, closing tiers", pending)
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
-        self._executor.shutdown(wait=True)
+            closer = threading.Thread(target=self.store.close, name="store-close", daemon=True)
+            closer.start()
+            await asyncio.to_thread(closer.join, self.config.flush_timeout_s)
+            if closer.is_alive():  # a stalled disk: do not hang forever
+                left = self.store.stats().write_behind_pending_bytes
+                log.error("write-behind not flushed after %.0f s (%d bytes unwritten); exiting anyway",
+                          self.config.flush_timeout_s, left)
+                logging.shutdown()
+                os._exit(1)
         if self.arena is not None:
             self.arena.close()
         if self.metrics is not None:
@@ -155,8 +167,14 @@ async def serve(config: DaemonConfig) -> None:
     """Run a daemon until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.info("already shutting down")
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     daemon = Daemon(config)
     try:
         await daemon.start()
