@@ -7,7 +7,8 @@ in one run.
   reused buffers.
 
 Chunks are ``--chunk-bytes`` (fp16, one layer, one KV head, 256 tokens); each client cycles
-over its own ``--keys`` chunks. Put is one chunk per call. The get GB/s figure fetches
+over its own ``--keys`` chunks. Put is one chunk per call, always a new key (a put of a
+present key is a no-op in the Store), so the host tier evicts once full. The get GB/s figure fetches
 ``--batch`` consecutive chunks per call (how the connector loads a prefix: the daemon reads
 the next chunk while the previous one travels); latencies are per call, and a single-chunk
 ``get_into`` loop is reported beside it (``get_one_*``). Without ``--addr`` the benchmark starts its own daemon with
@@ -16,6 +17,7 @@ the host tier only (the disk tier's write-behind would measure the disk, not the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -31,7 +33,7 @@ from kvstore.client import Client
 from kvstore.config import parse_size
 from kvstore.daemon.malloc import keep_large_blocks_in_heap
 from kvstore.daemon.spawn import DaemonProcess
-from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys import ChunkKey, Namespace
 
 GB = 1e9
 TOKENS = 256
@@ -92,16 +94,20 @@ def _path(addr: str, transport: str, args, ns: Namespace) -> dict:
     clients = [Client(addr, transport=transport, token_file=args.auth_token_file, timeout_s=60) for _ in range(args.clients)]
     try:
         used = clients[0].path
-        keys = [chunk_keys(list(range(i * 10**6, i * 10**6 + args.keys * TOKENS)), ns) for i in range(len(clients))]
+        keys: list[list[ChunkKey]] = [[] for _ in clients]
         chunk = torch.randn(ns.chunk_shape).to(torch.float16)
         nbytes = chunk.numel() * 2
 
         def put(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            """Fresh keys only (a put of a present key is a no-op in the Store); the last
+            ``--keys`` stay for the get phase."""
             n = 0
-            while time.perf_counter() < deadline or n < len(keys[i]):
+            while time.perf_counter() < deadline or n < args.keys:
+                key = ChunkKey(ns, hashlib.blake2b(f"{transport}/{i}/{n}".encode(), digest_size=16).digest())
                 t0 = time.perf_counter()
-                client.put(keys[i][n % len(keys[i])], chunk)
+                client.put(key, chunk)
                 lat.append(time.perf_counter() - t0)
+                keys[i] = (keys[i] + [key])[-args.keys :]
                 n += 1
             return n * nbytes
 
@@ -209,7 +215,7 @@ def run(args) -> int:
     addr = args.addr
     if addr is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvbench-daemon-")
-        host_bytes = max(64 << 20, 2 * args.clients * args.keys * (chunk_bytes + (256 << 10)))
+        host_bytes = max(256 << 20, 4 * args.clients * args.keys * (chunk_bytes + (256 << 10)))
         config = os.path.join(tmp.name, "daemon.toml")
         with open(config, "w") as f:
             f.write(f'listen = "127.0.0.1:0"\n[store.host]\ncapacity_bytes = {host_bytes}\n'

@@ -25,6 +25,10 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvstore.daemon.buffers import BufferPool
+
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct("<QQ")
@@ -42,7 +46,7 @@ class Session:
     token: bytes
     issued: float
     sock: socket.socket | None = None
-    frame: tuple[int, bytearray] | None = None
+    frame: tuple[int, np.ndarray] | None = None
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -51,8 +55,8 @@ class Session:
 
 class BulkServer:
     def __init__(self, host: str, port: int, max_sessions: int, max_frame_bytes: int,
-                 frame_timeout_s: float, socket_buffer_bytes: int) -> None:
-        self.host, self.max_sessions = host, max_sessions
+                 frame_timeout_s: float, socket_buffer_bytes: int, pool: BufferPool) -> None:
+        self.host, self.max_sessions, self.pool = host, max_sessions, pool
         self.max_frame_bytes, self.frame_timeout_s = max_frame_bytes, frame_timeout_s
         self.socket_buffer_bytes = socket_buffer_bytes
         self._sessions: dict[int, Session] = {}
@@ -135,7 +139,7 @@ class BulkServer:
                 if length > self.max_frame_bytes:
                     log.warning("bulk: frame of %d bytes exceeds %d; closing", length, self.max_frame_bytes)
                     return
-                buf = bytearray(length)
+                buf = self.pool.take(length)
                 await self._recv_exactly(conn, buf)
                 session.frame = (op, buf)
                 session.taken.clear()
@@ -150,8 +154,9 @@ class BulkServer:
                 self._sessions.pop(session.session_id, None)
             conn.close()
 
-    async def take_frame(self, session: Session, op: int) -> bytearray:
-        """The frame the client sent for ``op`` (waits for it up to the frame timeout)."""
+    async def take_frame(self, session: Session, op: int) -> np.ndarray:
+        """The frame the client sent for ``op`` (waits for it up to the frame timeout); give
+        the buffer back to the pool when done with it."""
         try:
             await asyncio.wait_for(session.arrived.wait(), self.frame_timeout_s)
         except asyncio.TimeoutError:
@@ -163,6 +168,7 @@ class BulkServer:
         session.arrived.clear()
         session.taken.set()
         if got_op != op:
+            self.pool.give(buf)
             raise BulkError(f"bulk frame is for op {got_op}, the request names op {op}")
         return buf
 

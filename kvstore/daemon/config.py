@@ -55,6 +55,8 @@ class DaemonConfig:
     tls_key: str | None = None
     # Threads for Store calls (file I/O, copies): bounds how much blocking work runs at once.
     io_threads: int = 8
+    # Chunk-sized buffers kept for reuse between requests (fresh ones fault in every page).
+    idle_buffer_bytes: int = 256 << 20
     # SIGTERM/SIGINT: in-flight RPCs get this long, then write-behind is flushed.
     shutdown_grace_s: float = 10.0
     # ... and then the write-behind queues get this long to reach the disk before we give up.

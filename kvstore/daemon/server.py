@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.daemon.auth import TokenAuth, read_token_file
+from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
@@ -62,6 +63,7 @@ class Daemon:
         self.bulk: BulkServer | None = None
         self.metrics: DaemonMetrics | None = None
         self._executor = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="daemon-io")
+        self.pool = BufferPool(config.idle_buffer_bytes)
         self._expiry: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -81,7 +83,7 @@ class Daemon:
         if cfg.bulk.enabled and tls is None:  # the side channel is not encrypted
             b = cfg.bulk
             self.bulk = BulkServer(host, b.port, b.max_sessions, cfg.limits.max_chunk_bytes,
-                                   b.frame_timeout_s, b.socket_buffer_bytes)
+                                   b.frame_timeout_s, b.socket_buffer_bytes, self.pool)
             self.bulk.start()
         self.metrics = DaemonMetrics(self.store.stats, self._gauges)
         options = [
@@ -95,7 +97,8 @@ class Daemon:
             options=options,
             maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams,
         )
-        self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics, "")
+        self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
+                                      self.pool, "")
         register(self.service, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, CorruptBlob, verify_blob
-from kvstore.codecs.raw import tensor_bytes
+from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkError, BulkServer
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
@@ -138,8 +138,9 @@ def _timed(fn):
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: Store, config: DaemonConfig, executor: ThreadPoolExecutor,
-                 arena: SlotArena | None, bulk: BulkServer | None, metrics: DaemonMetrics, address: str) -> None:
-        self.store, self.config, self.executor = store, config, executor
+                 arena: SlotArena | None, bulk: BulkServer | None, metrics: DaemonMetrics, pool: BufferPool,
+                 address: str) -> None:
+        self.store, self.config, self.executor, self.pool = store, config, executor, pool
         self.arena, self.bulk, self.metrics, self.address = arena, bulk, metrics, address
         self.limits = config.limits
 
@@ -200,42 +201,56 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except BulkError:
                 self.bulk.close_session(session)
                 raise
-            if len(buf) != size:
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {len(buf)} bytes, header says {size}")
-            await self._run(self._verify_and_put, key, buf, parent, h.durable)
+            try:
+                if buf.nbytes != size:
+                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {buf.nbytes} bytes, header says {size}")
+                await self._run(self._verify_and_put, key, buf, parent, h.durable)
+            finally:
+                self.pool.give(buf)
         else:
-            buf = bytearray(size)
-            got = 0
-            piece = first.data
-            while True:
-                if got + len(piece) > size:
-                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream carries more than blob_bytes={size}")
-                buf[got : got + len(piece)] = piece
-                got += len(piece)
-                msg = await _next(request_iterator)
-                if msg is None:
-                    break
-                if msg.HasField("header"):
-                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Put carries a header")
-                piece = msg.data
-            if got != size:
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream ended after {got} of {size} bytes")
-            await self._run(self._verify_and_put, key, buf, parent, h.durable)
+            buf = self.pool.take(size)
+            try:
+                await self._put_inline(first, request_iterator, memoryview(buf), size)
+                await self._run(self._verify_and_put, key, buf, parent, h.durable)
+            finally:
+                self.pool.give(buf)
         self.metrics.wrote(ns, size)
         return pb.PutReply()
 
+    @staticmethod
+    async def _put_inline(first, request_iterator, view: memoryview, size: int) -> None:
+        got = 0
+        piece = first.data  # every access copies: read each message's data once
+        while True:
+            if got + len(piece) > size:
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream carries more than blob_bytes={size}")
+            view[got : got + len(piece)] = piece
+            got += len(piece)
+            msg = await _next(request_iterator)
+            if msg is None:
+                break
+            if msg.HasField("header"):
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Put carries a header")
+            piece = msg.data
+        if got != size:
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream ended after {got} of {size} bytes")
+
     # -- get ------------------------------------------------------------------------------
 
-    def _read(self, key: ChunkKey, payload: int, slot_view=None):
-        """The chunk's bytes (or True when placed in ``slot_view``); None on a miss."""
+    def _read(self, key: ChunkKey, payload: int, slot_view=None, chunk_bytes: int = 0):
+        """The chunk's bytes (a pooled buffer for TENSOR, or the blob), or True when placed in
+        ``slot_view``; None on a miss."""
         ns = key.namespace
         if payload == pb.TENSOR:
             dtype = getattr(torch, ns.dtype)
             if slot_view is not None:
                 out = torch.frombuffer(slot_view, dtype=dtype).view(ns.chunk_shape)
                 return True if self.store.get_into(key, out) else None
-            out = torch.empty(ns.chunk_shape, dtype=dtype)
-            return tensor_bytes(out) if self.store.get_into(key, out) else None
+            buf = self.pool.take(chunk_bytes)
+            if self.store.get_into(key, torch.from_numpy(buf).view(dtype).view(ns.chunk_shape)):
+                return buf
+            self.pool.give(buf)
+            return None
         blob = self.store.get_blob(key)
         if blob is None or slot_view is None:
             return blob
@@ -246,7 +261,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def _read_one(self, key: ChunkKey, payload: int, slot, chunk_bytes: int):
         if slot is None:
-            return await self._run(self._read, key, payload)
+            return await self._run(self._read, key, payload, None, chunk_bytes)
         nbytes = chunk_bytes if payload == pb.TENSOR else self.arena.slot_bytes
         with self.arena.using([(slot.lease_id, slot.index, slot.generation)], nbytes) as (view,):
             result = await self._run(self._read, key, payload, view)
@@ -300,26 +315,35 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     self.metrics.hit(ns, result)
                     yield pb.GetReply(index=i, chunk_bytes=result, last=True)
                     continue
-                view = memoryview(result)
-                self.metrics.hit(ns, view.nbytes)
-                if session is not None:
-                    yield pb.GetReply(index=i, chunk_bytes=view.nbytes, last=True)
-                    try:
-                        await self.bulk.send_frame(session, request.bulk.op + i, view)
-                    except OSError as exc:
-                        self.bulk.close_session(session)
-                        raise Fail(grpc.StatusCode.ABORTED, f"bulk session broke while sending: {exc}") from None
-                    continue
-                n = view.nbytes
-                for off in range(0, n, piece):
-                    yield pb.GetReply(index=i, chunk_bytes=n if off == 0 else 0,
-                                      data=bytes(view[off : off + piece]), last=off + piece >= n)
+                try:
+                    async for reply in self._send(ns, session, request.bulk.op, i, result, piece):
+                        yield reply
+                finally:
+                    if payload == pb.TENSOR:
+                        self.pool.give(result)
         finally:
             if pending is not None:
                 try:
                     await pending  # the executor may be writing into a slot: finish before releasing it
                 except Exception:
                     pass
+
+    async def _send(self, ns: Namespace, session, op: int, i: int, data, piece: int):
+        """One chunk's replies, inline or followed by its bulk frame ``op + i``."""
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        self.metrics.hit(ns, n)
+        if session is not None:
+            yield pb.GetReply(index=i, chunk_bytes=n, last=True)
+            try:
+                await self.bulk.send_frame(session, op + i, view)
+            except OSError as exc:
+                self.bulk.close_session(session)
+                raise Fail(grpc.StatusCode.ABORTED, f"bulk session broke while sending: {exc}") from None
+            return
+        for off in range(0, n, piece):
+            yield pb.GetReply(index=i, chunk_bytes=n if off == 0 else 0,
+                              data=bytes(view[off : off + piece]), last=off + piece >= n)
 
     # -- index operations -----------------------------------------------------------------
 
