@@ -42,6 +42,7 @@ from kvstore.codecs import get_codec
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.daemon.auth import bearer, read_token_file
 from kvstore.daemon.bulk import FRAME, HELLO
+from kvstore.daemon.malloc import keep_large_blocks_in_heap
 from kvstore.daemon.server import split_host_port
 from kvstore.daemon.slots import NONCE_BYTES
 from kvstore.daemon.wire import ns_to_proto, stats_from_proto
@@ -162,11 +163,17 @@ class Client:
         transport: str = "auto",
         shm_slots: int = 4,
         piece_bytes: int = 4 << 20,
+        tune_malloc: bool = True,
     ) -> None:
+        """``tune_malloc`` keeps chunk-sized blocks in this process's heap (see
+        ``kvstore.daemon.malloc``): without it every chunk buffer ``get`` allocates faults in
+        all its pages, which costs more than receiving the chunk."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr = addr
         self.host, _ = split_host_port(addr)
+        if tune_malloc:
+            keep_large_blocks_in_heap()
         if token_file:
             token = read_token_file(token_file)
         self._metadata = (bearer(token),) if token else ()

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.cli import main as kvbench
 from kvstore._proto import kvstore_pb2 as pb
@@ -128,7 +129,7 @@ def test_stats_metrics_and_cli(daemon, capsys):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'kvstore_tier_hits_total{tier="host"}' in text
     assert 'kvstore_tier_capacity_bytes{tier="nvme"}' in text
-    assert "kvstore_write_behind_queue" in text
+    assert "kvstore_write_behind_queue" in text and "kvstore_io_inflight" in text
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
     assert re.search(r'kvstore_namespace_misses_total\{model="test-model",namespace="[0-9a-f]{12}"\} [1-9]', text)
 
@@ -175,6 +176,20 @@ def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
 
 def test_async_client_has_the_same_methods(daemon):
     asyncio.run(_async_round_trip(daemon.addr))
+
+
+def test_health_and_reflection_are_served(daemon):
+    channel = grpc.insecure_channel(daemon.addr)
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    reply = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), metadata=metadata)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                        metadata=metadata)
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= names
+    channel.close()
 
 
 def test_every_rpc_needs_the_token(daemon):

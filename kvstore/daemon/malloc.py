@@ -12,8 +12,14 @@ M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 
 
+_done = False
+
+
 def keep_large_blocks_in_heap() -> bool:
-    """Raise glibc's mmap/trim thresholds for this process; False where not glibc."""
+    """Raise glibc's mmap/trim thresholds for this process (once); False where not glibc."""
+    global _done
+    if _done:
+        return True
     name = ctypes.util.find_library("c")
     if not name:
         return False
@@ -25,4 +31,5 @@ def keep_large_blocks_in_heap() -> bool:
     ok = mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's maximum on 64-bit
     ok &= mallopt(M_TRIM_THRESHOLD, 1 << 30)
     ok &= mallopt(M_TOP_PAD, 64 << 20)
-    return bool(ok)
+    _done = bool(ok)
+    return _done

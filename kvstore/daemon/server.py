@@ -125,6 +125,7 @@ class Daemon:
 
     def _gauges(self) -> dict[str, int]:
         return {
+            "io_inflight": self.service.io_inflight,
             "shm_slots_free": self.arena.free_slots if self.arena else 0,
             "bulk_sessions": self.bulk.sessions if self.bulk else 0,
         }

@@ -143,10 +143,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store, self.config, self.executor, self.pool = store, config, executor, pool
         self.arena, self.bulk, self.metrics, self.address = arena, bulk, metrics, address
         self.limits = config.limits
+        self.io_inflight = 0
 
     async def _run(self, fn, *args, **kwargs):
+        """Run a blocking call in the bounded executor; ``io_inflight`` counts queued + running."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        self.io_inflight += 1
+        try:
+            return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        finally:
+            self.io_inflight -= 1
 
     # -- request validation ---------------------------------------------------------------
 
