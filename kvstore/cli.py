@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import socket
 import sys
 
 from kvstore.config import ConfigError, StoreConfig, load_config, parse_size
@@ -98,9 +99,9 @@ def cmd_serve(args) -> int:
     from kvstore.daemon.server import serve, split_host_port
 
     cfg = _daemon_config(args)
-    split_host_port(cfg.listen)
+    _check_bindable(*split_host_port(cfg.listen))
     if cfg.metrics:
-        split_host_port(cfg.metrics)
+        _check_bindable(*split_host_port(cfg.metrics))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     keep_large_blocks_in_heap()
     try:
@@ -110,6 +111,19 @@ def cmd_serve(args) -> int:
             raise UsageError(f"cannot listen on {cfg.listen}: {exc}") from None
         raise
     return 0
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Fail early, in one line, when an address is taken (before the Store is built)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _client(args):

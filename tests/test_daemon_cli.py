@@ -45,3 +45,14 @@ def test_daemon_config_loads_sizes_and_defaults_to_loopback(tmp_path):
     loaded = load_config(cfg, DaemonConfig)
     assert loaded.shm.slot_bytes == 16 << 20 and loaded.store.host.capacity_bytes == 2 << 30
     assert DaemonConfig().listen.startswith("127.0.0.1:")
+
+
+def test_serve_on_a_taken_port_is_a_user_error(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert main(["serve", "--listen", f"127.0.0.1:{port}", "--host-bytes", "8MiB",
+                     "--data-dir", str(tmp_path / "data"), "--no-shm", "--no-bulk"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err

@@ -137,8 +137,10 @@ class Daemon:
                 log.info("reclaimed %d expired shared-memory lease(s)", n)
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight RPCs finish (bounded), flush and close the Store."""
-        log.info("shutting down: finishing in-flight requests (up to %.1f s)", self.config.shutdown_grace_s)
+        """Stop accepting, let in-flight RPCs finish (bounded), flush and close the Store.
+        Quiet when start failed (the caller reports that error in one line)."""
+        say = log.info if self.address else log.debug
+        say("shutting down: finishing in-flight requests (up to %.1f s)", self.config.shutdown_grace_s)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
@@ -150,7 +152,7 @@ class Daemon:
         await asyncio.to_thread(self._executor.shutdown, True)  # Store calls of cancelled RPCs finish
         if self.store is not None:
             pending = self.store.stats().write_behind_pending_bytes
-            log.info("flushing %d bytes of write-behind, closing tiers", pending)
+            say("flushing %d bytes of write-behind, closing tiers", pending)
             closer = threading.Thread(target=self.store.close, name="store-close", daemon=True)
             closer.start()
             await asyncio.to_thread(closer.join, self.config.flush_timeout_s)
@@ -164,7 +166,7 @@ class Daemon:
             self.arena.close()
         if self.metrics is not None:
             self.metrics.close()
-        log.info("stopped")
+        say("stopped")
 
 
 async def serve(config: DaemonConfig) -> None:
