@@ -367,11 +367,19 @@ class Client:
         session = self._bulk_take()
         if session is not None and size <= session.max_frame_bytes:
             op = session.next_op()
+            header.bulk.CopyFrom(pb.BulkRef(session=session.session, op=op))
+            # The RPC goes first so the daemon validates it while the frame travels; the
+            # daemon reads frames regardless of RPCs, so the send cannot deadlock.
+            call = self._stub.Put.future(iter([pb.PutRequest(header=header)]), timeout=self.timeout_s,
+                                         metadata=self._metadata)
             try:
                 session.send(op, views)
-                header.bulk.CopyFrom(pb.BulkRef(session=session.session, op=op))
-                self._rpc(self._stub.Put, iter([pb.PutRequest(header=header)]))
+                call.result()
+            except grpc.RpcError as exc:
+                session.close()
+                raise DaemonError(exc.code(), exc.details() or "") from None
             except BaseException:
+                call.cancel()
                 session.close()
                 raise
             self._bulk_give(session)
