@@ -3,8 +3,8 @@ in one run.
 
 - remote: the client's remote path (the bulk TCP side channel when the daemon offers it,
   else gRPC bytes); limit: a raw loopback TCP socket moving the same bytes in the same run.
-- shm: the same-host shared-memory slots; limit: a plain memcpy of the same bytes between
-  reused buffers.
+- shm: the same-host shared-memory slots; limit: a plain memcpy of the same bytes (from as
+  many distinct chunks as the clients cycle over, into one reused destination).
 
 Chunks are ``--chunk-bytes`` (fp16, one layer, one KV head, 256 tokens); each client cycles
 over its own ``--keys`` chunks. Put is one chunk per call, always a new key (a put of a
@@ -194,12 +194,14 @@ def _socket_gbps(chunk_bytes: int, seconds: float, streams: int) -> float:
     return sum(received) / (time.perf_counter() - start) / GB
 
 
-def _memcpy_gbps(chunk_bytes: int, seconds: float) -> float:
-    src = np.ones(chunk_bytes, dtype=np.uint8)
+def _memcpy_gbps(chunk_bytes: int, seconds: float, sources: int) -> float:
+    """memcpy of the same bytes the daemon moves: chunk after chunk out of ``sources`` distinct
+    chunks (as many as a client cycles over, so as cold in cache) into one reused destination."""
+    src = [np.full(chunk_bytes, i, dtype=np.uint8) for i in range(sources)]
     dst = np.zeros(chunk_bytes, dtype=np.uint8)
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        np.copyto(dst, src)
+        np.copyto(dst, src[n % sources])
         n += 1
     return n * chunk_bytes / (time.perf_counter() - start) / GB
 
@@ -228,7 +230,7 @@ def run(args) -> int:
             "remote": _path(addr, "remote", args, ns),
             "shm": _path(addr, "shm", args, ns),
             "socket_gbps": _socket_gbps(chunk_bytes, args.seconds, args.clients),
-            "memcpy_gbps": _memcpy_gbps(chunk_bytes, args.seconds),
+            "memcpy_gbps": _memcpy_gbps(chunk_bytes, args.seconds, args.clients * args.keys),
         }
     finally:
         if daemon is not None:

@@ -161,7 +161,7 @@ class Client:
         retries: int = 4,
         backoff_s: float = 0.05,
         transport: str = "auto",
-        shm_slots: int = 4,
+        shm_slots: int = 8,
         piece_bytes: int = 4 << 20,
         tune_malloc: bool = True,
     ) -> None:
