@@ -29,7 +29,12 @@ def _load(args) -> StoreConfig:
 
 def cmd_config(args) -> int:
     """Print the effective configuration (defaults merged with the file)."""
-    cfg = _load(args)
+    if args.daemon:
+        from kvstore.daemon.config import DaemonConfig
+
+        cfg = load_config(args.config, DaemonConfig) if args.config else DaemonConfig()
+    else:
+        cfg = _load(args)
 
     def emit(obj, prefix=""):
         scalars = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))}
@@ -172,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("config", help="print the effective configuration")
     p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--daemon", action="store_true", help="the daemon's configuration (kvstore serve --config)")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("fsck", help="verify every blob in the disk tier")
     p.add_argument("--config", help="TOML configuration file")

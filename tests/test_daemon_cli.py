@@ -47,6 +47,17 @@ def test_daemon_config_loads_sizes_and_defaults_to_loopback(tmp_path):
     assert DaemonConfig().listen.startswith("127.0.0.1:")
 
 
+def test_config_daemon_prints_a_loadable_daemon_config(tmp_path, capsys):
+    cfg = tmp_path / "d.toml"
+    cfg.write_text('metrics = "127.0.0.1:9400"\n[shm]\nslots = 3\n[store.host]\ncapacity_bytes = "2MiB"\n')
+    assert main(["config", "--daemon", "--config", str(cfg)]) == 0
+    out = tmp_path / "out.toml"
+    out.write_text(capsys.readouterr().out)
+    loaded = load_config(out, DaemonConfig)
+    assert loaded.shm.slots == 3 and loaded.store.host.capacity_bytes == 2 << 20
+    assert loaded.metrics == "127.0.0.1:9400" and loaded.auth_token_file is None
+
+
 def test_serve_on_a_taken_port_is_a_user_error(tmp_path, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
