@@ -144,6 +144,10 @@ def test_oversized_chunk_and_corrupt_blob(stub, client):
     good = blob_of(keys[1], value)  # intact, but names another key
     assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(good)), data=good)]))) \
         == Code.INVALID_ARGUMENT
+    payload = tensor_bytes(value)
+    unknown_codec = encode_header(keys[0], 77, value.dtype, value.shape, payload) + bytes(payload)
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(unknown_codec)),
+                                                        data=unknown_codec)]))) == Code.INVALID_ARGUMENT
     too_long = [pb.PutRequest(header=put_header(keys[1], len(good)), data=good), pb.PutRequest(data=b"extra")]
     assert code_of(lambda: stub.Put(iter(too_long))) == Code.INVALID_ARGUMENT
     assert client.lookup(keys[:2]) == 0

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, CorruptBlob, verify_blob
+from kvstore.codecs import codec_by_id
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkError, BulkServer
 from kvstore.daemon.config import DaemonConfig
@@ -175,6 +176,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _verify_and_put(self, key: ChunkKey, blob, parent: bytes | None, durable: bool) -> None:
         header, _ = verify_blob(blob, key)
+        try:
+            codec_by_id(header.codec_id)
+        except KeyError:
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"blob uses codec id {header.codec_id}, "
+                       "which this daemon does not know") from None
         ns = key.namespace
         if DTYPE_NAMES[header.dtype] != ns.dtype or header.shape != ns.chunk_shape:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
