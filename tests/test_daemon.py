@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import socket
+import threading
 import time
 import urllib.request
 
@@ -245,3 +246,30 @@ async def _async_round_trip(addr):
         assert await client.contains(keys[0])
         assert await client.delete(keys) == 3
         assert (await client.stats()).chunks >= 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "remote"])
+def test_one_client_shared_by_threads_stays_bit_exact(daemon, transport):
+    ns = Namespace("threads", 2, 2, 64, chunk_tokens=64)  # 64 KiB chunks
+    errors = []
+
+    def worker(t, client):
+        try:
+            keys, values = chunks(6, ns, seed=100 + t)
+            for k, v in zip(keys, values):
+                client.put(k, v)
+            for _ in range(3):
+                got = client.get(keys)
+                assert len(got) == 6 and all(same(a, b) for a, b in zip(got, values))
+                out = torch.empty_like(values[t % 6])
+                assert client.get_into(keys[t % 6], out) and same(out, values[t % 6])
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    with connect(daemon, transport=transport, shm_slots=3) as client:
+        threads = [threading.Thread(target=worker, args=(t, client)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
