@@ -206,14 +206,23 @@ class Client:
             raise DaemonError(exc.code(), exc.details() or "") from None
 
     def _retrying(self, op):
-        """Run ``op()`` again after UNAVAILABLE (backoff), resetting transports in between."""
+        """Run ``op()`` again after UNAVAILABLE (backoff), resetting transports in between.
+
+        A lease or bulk session the daemon no longer knows (it restarted, or the lease lapsed)
+        is replaced once, without backoff."""
         delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        renewed = False
+        attempt = 0
+        while True:
             try:
                 return op()
             except DaemonError as exc:
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "lease" in str(exc) and attempt == 0:
-                    self._drop_shm()  # our lease lapsed: take a new one and go again
+                stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and (
+                    "lease" in str(exc) or "bulk session" in str(exc))
+                if stale and not renewed:
+                    renewed = True
+                    self._drop_shm()
+                    self._drop_bulk()
                     continue
                 if exc.code != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
                     raise
@@ -225,6 +234,7 @@ class Client:
             self._drop_bulk()
             time.sleep(delay)
             delay *= 2
+            attempt += 1
 
     def _ns(self, spec: Namespace) -> pb.NamespaceSpec:
         self._namespaces.setdefault(spec.fingerprint, spec)

@@ -22,9 +22,9 @@ def value(i: int) -> torch.Tensor:
         NS.chunk_shape[-1], dtype=torch.float16)
 
 
-def serve(data_dir, *extra):
-    return DaemonProcess(["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--host-bytes", "16MiB",
-                          "--disk-bytes", "64MiB", *extra])
+def serve(data_dir, listen="127.0.0.1:0"):
+    return DaemonProcess(["--listen", listen, "--data-dir", str(data_dir), "--host-bytes", "16MiB",
+                          "--disk-bytes", "64MiB"])
 
 
 def open_store(data_dir) -> Store:
@@ -56,6 +56,11 @@ def test_sigterm_during_a_write_storm_loses_nothing_acknowledged_and_a_restart_s
     acked: list[int] = []
     stop = threading.Event()
     with serve(tmp_path / "data") as daemon:
+        addr = daemon.addr
+        # clients that live across the restart: their lease and bulk sessions go stale
+        survivors = [Client(addr, transport=t) for t in ("shm", "remote")]
+        for c in survivors:
+            assert c.lookup(STORM_KEYS[:1]) in (0, 1) and c.path in ("shm", "bulk")
         workers = storm(daemon.addr, acked, stop)
         deadline = time.monotonic() + 30
         while len(acked) < 60 and time.monotonic() < deadline:
@@ -68,13 +73,18 @@ def test_sigterm_during_a_write_storm_loses_nothing_acknowledged_and_a_restart_s
     assert "flushing" in daemon.text and "stopped" in daemon.text
     # durable chunks were on disk at the ack; the rest were flushed on SIGTERM; the restarted
     # daemon's host tier is empty, so every read below comes from the disk tier
-    with serve(tmp_path / "data") as daemon:
+    with serve(tmp_path / "data", listen=addr) as daemon:
         with Client(daemon.addr) as client:
             out = torch.empty(NS.chunk_shape, dtype=torch.float16)
             for i in acked:
                 assert client.get_into(STORM_KEYS[i], out), f"acknowledged chunk {i} lost"
                 assert torch.equal(out, value(i))
             assert client.stats().tiers["nvme"].hits >= len(acked)
+        for c in survivors:  # reconnect, re-lease, re-attach transparently
+            got = c.get(STORM_KEYS[acked[0] : acked[0] + 1])
+            assert len(got) == 1 and torch.equal(got[0], value(acked[0]))
+            c.put(STORM_KEYS[-1], value(len(STORM_KEYS) - 1))
+            c.close()
 
 
 def test_kill_9_during_a_write_storm_never_leaves_a_corrupt_chunk_readable(tmp_path):
