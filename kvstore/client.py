@@ -43,9 +43,8 @@ from kvstore.codecs.raw import tensor_bytes
 from kvstore.daemon.auth import bearer, read_token_file
 from kvstore.daemon.bulk import FRAME, HELLO
 from kvstore.daemon.malloc import keep_large_blocks_in_heap
-from kvstore.daemon.server import split_host_port
 from kvstore.daemon.slots import NONCE_BYTES
-from kvstore.daemon.wire import ns_to_proto, stats_from_proto
+from kvstore.daemon.wire import ns_to_proto, split_host_port, stats_from_proto
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.store import StoreStats
 

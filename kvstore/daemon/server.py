@@ -30,19 +30,12 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.service import KVStoreService, register
 from kvstore.daemon.slots import SlotArena
+from kvstore.daemon.wire import split_host_port
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.daemon")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); raises ValueError."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {address!r} must be HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 def _human(nbytes: int) -> str:

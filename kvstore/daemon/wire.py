@@ -10,6 +10,14 @@ _NS_FIELDS = ("model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "ch
               "layout", "tp_rank", "tp_size", "tenant")
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); raises ValueError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {address!r} must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
 def ns_to_proto(ns: Namespace) -> pb.NamespaceSpec:
     return pb.NamespaceSpec(**{f: getattr(ns, f) for f in _NS_FIELDS})
 
