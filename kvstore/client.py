@@ -148,7 +148,108 @@ class _BulkSession:
         self.sock.close()
 
 
-class Client:
+class _ClientBase:
+    """What both clients share: options, credentials, and turning calls into requests."""
+
+    def __init__(self, addr: str, token: str | None, token_file: str | None, tls_ca: str | None,
+                 timeout_s: float, retries: int, backoff_s: float, transport: str, shm_slots: int,
+                 piece_bytes: int, tune_malloc: bool) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.addr = addr
+        self.host, _ = split_host_port(addr)
+        if tune_malloc:
+            keep_large_blocks_in_heap()
+        if token_file:
+            token = read_token_file(token_file)
+        self._metadata = (bearer(token),) if token else ()
+        self._options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self._root_certs = None
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                self._root_certs = f.read()
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.transport = transport
+        self.shm_slots, self.piece_bytes = shm_slots, piece_bytes
+        self._bulk_ok = not tls_ca
+        self._namespaces: dict[bytes, Namespace] = {}
+
+    def _channel_for(self, module):
+        """A channel of ``grpc`` or ``grpc.aio`` with this client's options and credentials."""
+        if self._root_certs is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self._root_certs)
+            return module.secure_channel(self.addr, creds, options=self._options)
+        return module.insecure_channel(self.addr, options=self._options)
+
+    def _ns(self, spec: Namespace) -> pb.NamespaceSpec:
+        self._namespaces.setdefault(spec.fingerprint, spec)
+        return ns_to_proto(spec)
+
+    @staticmethod
+    def _one_ns(keys: Sequence[ChunkKey]) -> Namespace | None:
+        if not keys:
+            return None
+        ns = keys[0].namespace
+        if any(k.namespace != ns for k in keys):
+            raise ValueError("all keys of one call must share a namespace")
+        return ns
+
+    def _keys_request(self, cls, keys: Sequence[ChunkKey], **kw):
+        ns = self._one_ns(keys)
+        return cls(namespace=self._ns(ns), prefix_hashes=[k.prefix_hash for k in keys], **kw)
+
+    @staticmethod
+    def _check(ns: Namespace, tensor: torch.Tensor, what: str) -> None:
+        if tuple(tensor.shape) != ns.chunk_shape or str(tensor.dtype).removeprefix("torch.") != ns.dtype:
+            raise ValueError(f"{what} {tensor.dtype}{list(tensor.shape)} does not match namespace "
+                             f"{ns.dtype}{list(ns.chunk_shape)}")
+
+    def _encode(self, key: ChunkKey, kv: torch.Tensor, codec: str | None) -> list:
+        """The blob of a chunk in two parts: header, payload view."""
+        self._check(key.namespace, kv, "chunk")
+        chosen = get_codec(codec or "raw")
+        kv = kv.detach().to("cpu").contiguous()
+        payload = chosen.encode(kv)
+        return [encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload), payload]
+
+    def _key_of(self, key: ChunkKey | bytes) -> ChunkKey:
+        if isinstance(key, ChunkKey):
+            return key
+        ns = self._namespaces.get(bytes(key[:HASH_BYTES]))
+        if ns is None or len(key) != 2 * HASH_BYTES:
+            raise ValueError("put_blob needs a ChunkKey, or the id of a key whose namespace this client has used")
+        return ChunkKey(ns, bytes(key[HASH_BYTES:]))
+
+    def _put_header(self, key, parts, parent, durable) -> tuple[pb.PutHeader, list[memoryview], int]:
+        key = self._key_of(key)
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(v.nbytes for v in views)
+        parent_hash = b""
+        if parent is not None:
+            parent_hash = parent.prefix_hash if isinstance(parent, ChunkKey) else bytes(parent[HASH_BYTES:])
+        header = pb.PutHeader(namespace=self._ns(key.namespace), prefix_hash=key.prefix_hash,
+                              parent_hash=parent_hash, durable=durable, blob_bytes=size)
+        return header, views, size
+
+    def _pieces(self, header: pb.PutHeader, views):
+        yield pb.PutRequest(header=header)
+        for v in views:
+            for off in range(0, v.nbytes, self.piece_bytes):
+                yield pb.PutRequest(data=bytes(v[off : off + self.piece_bytes]))
+
+    @staticmethod
+    def _stale(exc: DaemonError) -> bool:
+        """A lease or bulk session the daemon no longer knows (lapsed, or it restarted)."""
+        return exc.code == grpc.StatusCode.FAILED_PRECONDITION and ("lease" in str(exc) or "bulk session" in str(exc))
+
+    @staticmethod
+    def _lease_ok(shm: "_Shm") -> bool:
+        """Whether a lease was used recently enough to skip renewing it before use."""
+        return time.monotonic() - shm.last_use <= shm.ttl_s / 2
+
+
+class Client(_ClientBase):
     def __init__(
         self,
         addr: str = "127.0.0.1:50051",
@@ -167,34 +268,14 @@ class Client:
         """``tune_malloc`` keeps chunk-sized blocks in this process's heap (see
         ``kvstore.daemon.malloc``): without it every chunk buffer ``get`` allocates faults in
         all its pages, which costs more than receiving the chunk."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.addr = addr
-        self.host, _ = split_host_port(addr)
-        if tune_malloc:
-            keep_large_blocks_in_heap()
-        if token_file:
-            token = read_token_file(token_file)
-        self._metadata = (bearer(token),) if token else ()
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        if tls_ca:
-            with open(tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self._channel = grpc.secure_channel(addr, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(addr, options=options)
+        super().__init__(addr, token, token_file, tls_ca, timeout_s, retries, backoff_s, transport,
+                         shm_slots, piece_bytes, tune_malloc)
+        self._channel = self._channel_for(grpc)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.transport = transport
-        self.shm_slots, self.piece_bytes = shm_slots, piece_bytes
-        self._tls = bool(tls_ca)
         self._lock = threading.Lock()
         self._shm: _Shm | None = None
         self._shm_tried = False
-        self._bulk_ok = not self._tls
         self._bulk_idle: list[_BulkSession] = []
-        self._namespaces: dict[bytes, Namespace] = {}
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -216,9 +297,7 @@ class Client:
             try:
                 return op()
             except DaemonError as exc:
-                stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and (
-                    "lease" in str(exc) or "bulk session" in str(exc))
-                if stale and not renewed:
+                if self._stale(exc) and not renewed:
                     renewed = True
                     self._drop_shm()
                     self._drop_bulk()
@@ -235,23 +314,6 @@ class Client:
             delay *= 2
             attempt += 1
 
-    def _ns(self, spec: Namespace) -> pb.NamespaceSpec:
-        self._namespaces.setdefault(spec.fingerprint, spec)
-        return ns_to_proto(spec)
-
-    @staticmethod
-    def _one_ns(keys: Sequence[ChunkKey]) -> Namespace | None:
-        if not keys:
-            return None
-        ns = keys[0].namespace
-        if any(k.namespace != ns for k in keys):
-            raise ValueError("all keys of one call must share a namespace")
-        return ns
-
-    def _keys_request(self, cls, keys: Sequence[ChunkKey], **kw):
-        ns = self._one_ns(keys)
-        return cls(namespace=self._ns(ns), prefix_hashes=[k.prefix_hash for k in keys], **kw)
-
     # -- transports -----------------------------------------------------------------------
 
     def _shm_or_none(self) -> _Shm | None:
@@ -259,7 +321,7 @@ class Client:
             return None
         with self._lock:
             if self._shm is not None:
-                if time.monotonic() - self._shm.last_use > self._shm.ttl_s / 2:
+                if not self._lease_ok(self._shm):
                     self._rpc(self._stub.RenewLease, pb.LeaseRef(lease_id=self._shm.lease_id))
                 self._shm.last_use = time.monotonic()
                 return self._shm
@@ -327,35 +389,12 @@ class Client:
     def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None,
             durable: bool = False, codec: str | None = None) -> None:
         """Store one chunk (encoded here, verified by the daemon)."""
-        ns = key.namespace
-        if tuple(kv.shape) != ns.chunk_shape or str(kv.dtype).removeprefix("torch.") != ns.dtype:
-            raise ValueError(f"chunk {kv.dtype}{list(kv.shape)} does not match namespace "
-                             f"{ns.dtype}{list(ns.chunk_shape)}")
-        chosen = get_codec(codec or "raw")
-        kv = kv.detach().to("cpu").contiguous()
-        payload = chosen.encode(kv)
-        header = encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload)
-        self.put_blob(key, [header, payload], parent=parent, durable=durable)
-
-    def _key_of(self, key: ChunkKey | bytes) -> ChunkKey:
-        if isinstance(key, ChunkKey):
-            return key
-        ns = self._namespaces.get(bytes(key[:HASH_BYTES]))
-        if ns is None or len(key) != 2 * HASH_BYTES:
-            raise ValueError("put_blob needs a ChunkKey, or the id of a key whose namespace this client has used")
-        return ChunkKey(ns, bytes(key[HASH_BYTES:]))
+        self.put_blob(key, self._encode(key, kv, codec), parent=parent, durable=durable)
 
     def put_blob(self, key: ChunkKey | bytes, parts: Sequence, *, parent: ChunkKey | bytes | None = None,
                  durable: bool = False) -> None:
         """Store an encoded blob (header + payload, possibly in pieces)."""
-        key = self._key_of(key)
-        views = [memoryview(p).cast("B") for p in parts]
-        size = sum(v.nbytes for v in views)
-        parent_hash = b""
-        if parent is not None:
-            parent_hash = parent.prefix_hash if isinstance(parent, ChunkKey) else bytes(parent[HASH_BYTES:])
-        header = pb.PutHeader(namespace=self._ns(key.namespace), prefix_hash=key.prefix_hash,
-                              parent_hash=parent_hash, durable=durable, blob_bytes=size)
+        header, views, size = self._put_header(key, parts, parent, durable)
         self._retrying(lambda: self._put(header, views, size))
 
     def _put(self, header: pb.PutHeader, views, size: int) -> None:
@@ -397,19 +436,11 @@ class Client:
             self._bulk_give(session)
         self._rpc(self._stub.Put, self._pieces(header, views))
 
-    def _pieces(self, header: pb.PutHeader, views):
-        yield pb.PutRequest(header=header)
-        for v in views:
-            for off in range(0, v.nbytes, self.piece_bytes):
-                yield pb.PutRequest(data=bytes(v[off : off + self.piece_bytes]))
-
     # -- get ------------------------------------------------------------------------------
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> bool:
         """Load a chunk into ``out`` (contiguous CPU tensor of the chunk's shape); False on a miss."""
-        ns = key.namespace
-        if tuple(out.shape) != ns.chunk_shape or str(out.dtype).removeprefix("torch.") != ns.dtype:
-            raise ValueError(f"out {out.dtype}{list(out.shape)} does not match namespace {ns.dtype}{list(ns.chunk_shape)}")
+        self._check(key.namespace, out, "out")
         return self._retrying(lambda: self._get([key], pb.TENSOR, [tensor_bytes(out)])) == 1
 
     def get(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
