@@ -12,7 +12,7 @@ Chunk bytes take the fastest path available, chosen once per client:
 grpc) or ``"grpc"`` force one. Calls fail with ``DaemonError`` (the gRPC status code and
 message); only UNAVAILABLE is retried, with exponential backoff, because every operation
 is idempotent. One channel, one lease and a pool of bulk connections are reused across calls;
-a client is thread-safe.
+``Client`` is thread-safe; ``AsyncClient`` is its asyncio twin (grpc.aio, event-loop sockets).
 
 Differences from Store: ``put_blob`` takes a ChunkKey (the wire names the namespace in full),
 or a key id of a namespace this client has seen; ``prefetch`` returns completed futures once
@@ -615,35 +615,415 @@ class Client(_ClientBase):
         self.close()
 
 
-class AsyncClient:
-    """The same methods as ``Client``, awaitable: each call runs the sync client in a small
-    thread pool (the data paths are socket and memcpy bound and release the GIL)."""
+class _AsyncBulkSession:
+    """One attached bulk connection driven by the event loop; one operation at a time."""
 
-    def __init__(self, addr: str = "127.0.0.1:50051", *, threads: int = 8, **kwargs) -> None:
-        self._client = Client(addr, **kwargs)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-client")
+    def __init__(self, sock: socket.socket, reply: pb.BulkAttachReply) -> None:
+        self.sock, self.session, self.max_frame_bytes = sock, reply.session, reply.max_frame_bytes
+        self.op = 0
 
-    def _call(self, name: str, *args, **kwargs):
-        fn = getattr(self._client, name)
-        return asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+    @classmethod
+    async def open(cls, host: str, reply: pb.BulkAttachReply, buffer_bytes: int = 4 << 20) -> "_AsyncBulkSession":
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, address = (await loop.getaddrinfo(host, reply.port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+        try:
+            await loop.sock_connect(sock, address)
+            await loop.sock_sendall(sock, HELLO.pack(reply.session, reply.token))
+            if await loop.sock_recv(sock, 1) != b"\x01":
+                raise ConnectionError("the daemon refused the bulk connection")
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, reply)
 
-    async def put(self, key, kv, **kw): return await self._call("put", key, kv, **kw)
-    async def put_blob(self, key, parts, **kw): return await self._call("put_blob", key, parts, **kw)
-    async def lookup(self, keys): return await self._call("lookup", keys)
-    async def contains(self, key): return await self._call("contains", key)
-    async def get_into(self, key, out): return await self._call("get_into", key, out)
-    async def get_blob(self, key): return await self._call("get_blob", key)
-    async def get(self, keys): return await self._call("get", keys)
-    async def pin(self, keys, ttl_s): return await self._call("pin", keys, ttl_s)
-    async def unpin(self, keys): return await self._call("unpin", keys)
-    async def prefetch(self, keys, wait=False): return await self._call("prefetch", keys, wait)
-    async def delete(self, keys): return await self._call("delete", keys)
-    async def stats(self): return await self._call("stats")
-    async def ping(self): return await self._call("ping")
+    def next_op(self, n: int = 1) -> int:
+        op = self.op
+        self.op += n
+        return op
+
+    async def send(self, op: int, views) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(self.sock, FRAME.pack(op, sum(v.nbytes for v in views)))
+        for v in views:
+            await loop.sock_sendall(self.sock, v)
+
+    async def _recv_exactly(self, view: memoryview) -> None:
+        loop = asyncio.get_running_loop()
+        got = 0
+        while got < view.nbytes:
+            n = await loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise ConnectionError("the daemon closed the bulk connection")
+            got += n
+
+    async def recv_into(self, op: int, view: memoryview | None, nbytes: int):
+        header = bytearray(FRAME.size)
+        await self._recv_exactly(memoryview(header))
+        got_op, length = FRAME.unpack(header)
+        if got_op != op or length != nbytes:
+            raise ConnectionError(f"bulk frame {got_op} ({length} B) where {op} ({nbytes} B) was expected")
+        buf = view if view is not None else memoryview(bytearray(length))
+        await self._recv_exactly(buf[:length])
+        return buf
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _copy_parts(dst: memoryview, views) -> None:
+    off = 0
+    for v in views:
+        dst[off : off + v.nbytes] = v
+        off += v.nbytes
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
+
+
+class AsyncClient(_ClientBase):
+    """The asyncio client: the same methods as ``Client``, awaitable, on grpc.aio. Bulk frames
+    move on the event loop (non-blocking sockets); copies into and out of shared-memory slots
+    run in a small thread pool so the loop never waits on a multi-MiB memcpy. Create it inside
+    the event loop that uses it."""
+
+    def __init__(
+        self,
+        addr: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 4,
+        backoff_s: float = 0.05,
+        transport: str = "auto",
+        shm_slots: int = 8,
+        piece_bytes: int = 4 << 20,
+        tune_malloc: bool = True,
+        copy_threads: int = 4,
+    ) -> None:
+        super().__init__(addr, token, token_file, tls_ca, timeout_s, retries, backoff_s, transport,
+                         shm_slots, piece_bytes, tune_malloc)
+        self._channel = self._channel_for(grpc.aio)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._copies = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvstore-copy")
+        self._lock = asyncio.Lock()
+        self._shm: _Shm | None = None
+        self._slots: asyncio.Queue | None = None
+        self._shm_tried = False
+        self._bulk_idle: list[_AsyncBulkSession] = []
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _rpc(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise DaemonError(exc.code(), exc.details() or "") from None
+
+    async def _retrying(self, op):
+        """``Client._retrying``, awaitable: UNAVAILABLE with backoff; a stale lease or session once."""
+        delay, renewed, attempt = self.backoff_s, False, 0
+        while True:
+            try:
+                return await op()
+            except DaemonError as exc:
+                if self._stale(exc) and not renewed:
+                    renewed = True
+                    self._drop_transports()
+                    continue
+                if exc.code != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise
+            except (ConnectionError, OSError) as exc:
+                if attempt == self.retries:
+                    self._drop_transports()
+                    raise DaemonError(grpc.StatusCode.UNAVAILABLE, f"bulk channel: {exc}") from None
+            self._drop_transports()
+            await asyncio.sleep(delay)
+            delay *= 2
+            attempt += 1
+
+    def _drop_transports(self) -> None:
+        self._shm, self._slots, self._shm_tried = None, None, False
+        idle, self._bulk_idle = self._bulk_idle, []
+        for s in idle:
+            s.close()
+
+    async def _copy_off_loop(self, fn, *args) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._copies, fn, *args)
+
+    # -- transports -----------------------------------------------------------------------
+
+    async def _shm_or_none(self) -> tuple[_Shm, asyncio.Queue] | None:
+        if self.transport in ("remote", "grpc"):
+            return None
+        async with self._lock:
+            if self._shm is not None:
+                if not self._lease_ok(self._shm):
+                    await self._rpc(self._stub.RenewLease, pb.LeaseRef(lease_id=self._shm.lease_id))
+                self._shm.last_use = time.monotonic()
+                return self._shm, self._slots
+            if self._shm_tried and self.transport == "auto":
+                return None
+            self._shm_tried = True
+            try:
+                reply = await self._rpc(self._stub.Lease, pb.LeaseRequest(slots=self.shm_slots))
+            except DaemonError:
+                if self.transport == "shm":
+                    raise
+                return None
+            try:
+                shm = _Shm(reply)
+            except OSError as exc:
+                await self._rpc(self._stub.ReleaseLease, pb.LeaseRef(lease_id=reply.lease_id))
+                if self.transport == "shm":
+                    raise DaemonError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"shared memory is not reachable from this host: {exc}") from None
+                return None
+            slots: asyncio.Queue = asyncio.Queue()
+            for _ in range(shm.count):
+                slots.put_nowait(shm.free.get_nowait())
+            self._shm, self._slots = shm, slots
+            return shm, slots
+
+    @staticmethod
+    async def _take(slots: asyncio.Queue, want: int) -> list:
+        taken = [await slots.get()]
+        while len(taken) < want and not slots.empty():
+            taken.append(slots.get_nowait())
+        return taken
+
+    async def _bulk_take(self) -> _AsyncBulkSession | None:
+        if self.transport in ("shm", "grpc") or not self._bulk_ok:
+            return None
+        if self._bulk_idle:
+            return self._bulk_idle.pop()
+        try:
+            reply = await self._rpc(self._stub.BulkAttach, pb.BulkAttachRequest())
+        except DaemonError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                self._bulk_ok = False
+                return None
+            raise
+        return await asyncio.wait_for(_AsyncBulkSession.open(self.host, reply), self.timeout_s)
+
+    async def path(self) -> str:
+        """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
+        if await self._shm_or_none() is not None:
+            return "shm"
+        session = await self._bulk_take()
+        if session is None:
+            return "grpc"
+        self._bulk_idle.append(session)
+        return "bulk"
+
+    # -- put ------------------------------------------------------------------------------
+
+    async def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None,
+                  durable: bool = False, codec: str | None = None) -> None:
+        await self.put_blob(key, self._encode(key, kv, codec), parent=parent, durable=durable)
+
+    async def put_blob(self, key: ChunkKey | bytes, parts: Sequence, *, parent: ChunkKey | bytes | None = None,
+                       durable: bool = False) -> None:
+        header, views, size = self._put_header(key, parts, parent, durable)
+        await self._retrying(lambda: self._put(header, views, size))
+
+    async def _put(self, header: pb.PutHeader, views, size: int) -> None:
+        shm = await self._shm_or_none()
+        if shm is not None and size <= shm[0].slot_bytes:
+            (slot,) = await self._take(shm[1], 1)
+            try:
+                ref, view = slot
+                await self._copy_off_loop(_copy_parts, view, views)
+                header.slot.CopyFrom(ref)
+                await self._rpc(self._stub.Put, iter([pb.PutRequest(header=header)]))
+            finally:
+                shm[1].put_nowait(slot)
+            return
+        session = await self._bulk_take()
+        if session is not None and size <= session.max_frame_bytes:
+            op = session.next_op()
+            header.bulk.CopyFrom(pb.BulkRef(session=session.session, op=op))
+            call = self._stub.Put(iter([pb.PutRequest(header=header)]), timeout=self.timeout_s,
+                                  metadata=self._metadata)
+            try:
+                await asyncio.wait_for(session.send(op, views), self.timeout_s)
+                await call
+            except grpc.RpcError as exc:
+                session.close()
+                raise DaemonError(exc.code(), exc.details() or "") from None
+            except BaseException:
+                call.cancel()
+                session.close()
+                raise
+            self._bulk_idle.append(session)
+            return
+        if session is not None:
+            self._bulk_idle.append(session)
+        await self._rpc(self._stub.Put, self._pieces(header, views))
+
+    # -- get ------------------------------------------------------------------------------
+
+    async def get_into(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        self._check(key.namespace, out, "out")
+        return await self._retrying(lambda: self._get([key], pb.TENSOR, [tensor_bytes(out)])) == 1
+
+    async def get(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
+        ns = self._one_ns(keys)
+        if ns is None:
+            return []
+        dtype = getattr(torch, ns.dtype)
+        outs = [torch.empty(ns.chunk_shape, dtype=dtype) for _ in keys]
+        n = await self._retrying(lambda: self._get(list(keys), pb.TENSOR, [tensor_bytes(o) for o in outs]))
+        return outs[:n]
+
+    async def get_blob(self, key: ChunkKey) -> bytes | None:
+        blobs: list = [None]
+        if await self._retrying(lambda: self._get([key], pb.BLOB, blobs)) == 0:
+            return None
+        blob = bytes(blobs[0])
+        verify_blob(blob, key, check_payload=False)  # the daemon checked the payload
+        return blob
+
+    async def _get(self, keys: list[ChunkKey], payload: int, outs: list) -> int:
+        shm = await self._shm_or_none()
+        if shm is not None and (payload == pb.BLOB or outs[0].nbytes <= shm[0].slot_bytes):
+            done = 0
+            while done < len(keys):
+                slots = await self._take(shm[1], len(keys) - done)
+                try:
+                    got = await self._get_slots(keys[done : done + len(slots)], payload, outs, done, slots)
+                finally:
+                    for s in slots:
+                        shm[1].put_nowait(s)
+                done += got
+                if got < len(slots):
+                    break
+            return done
+        session = await self._bulk_take()
+        try:
+            got = await self._get_stream(keys, payload, outs, session)
+        except BaseException:
+            if session is not None:
+                session.close()
+            raise
+        if session is not None:
+            self._bulk_idle.append(session)
+        return got
+
+    async def _get_slots(self, keys, payload, outs, base: int, slots) -> int:
+        request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots])
+        got = 0
+        try:
+            async for reply in self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata):
+                view = slots[reply.index][1][: reply.chunk_bytes]
+                i = base + reply.index
+                if outs[i] is None:
+                    outs[i] = bytes(view)
+                elif outs[i].nbytes != reply.chunk_bytes:
+                    raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
+                                      f"{outs[i].nbytes}-byte tensor")
+                else:
+                    await self._copy_off_loop(_copy, outs[i], view)
+                got += 1
+        except grpc.RpcError as exc:
+            raise DaemonError(exc.code(), exc.details() or "") from None
+        return got
+
+    async def _get_stream(self, keys, payload, outs, session: _AsyncBulkSession | None) -> int:
+        extra = {}
+        if session is not None:
+            extra["bulk"] = pb.BulkRef(session=session.session, op=session.next_op(len(keys)))
+        request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes, **extra)
+        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
+        got, off, buf = 0, 0, None
+        try:
+            async for reply in call:
+                i = reply.index
+                if reply.chunk_bytes:
+                    if outs[i] is not None and outs[i].nbytes != reply.chunk_bytes:
+                        call.cancel()
+                        raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
+                                          f"{outs[i].nbytes}-byte tensor")
+                    buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
+                    off = 0
+                if session is not None:
+                    await asyncio.wait_for(session.recv_into(extra["bulk"].op + i, buf, reply.chunk_bytes),
+                                           self.timeout_s)
+                else:
+                    data = reply.data  # each access copies: read it once
+                    buf[off : off + len(data)] = data
+                    off += len(data)
+                if reply.last:
+                    outs[i] = outs[i] if outs[i] is not None else buf
+                    got += 1
+        except grpc.RpcError as exc:
+            raise DaemonError(exc.code(), exc.details() or "") from None
+        return got
+
+    # -- index operations -----------------------------------------------------------------
+
+    async def _count(self, method, cls, keys, **kw) -> int:
+        if not keys:
+            return 0
+        request = self._keys_request(cls, keys, **kw)
+        return (await self._retrying(lambda: self._rpc(method, request))).count
+
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        return await self._count(self._stub.Lookup, pb.KeysRequest, keys)
+
+    async def contains(self, key: ChunkKey) -> bool:
+        request = self._keys_request(pb.KeysRequest, [key])
+        return (await self._retrying(lambda: self._rpc(self._stub.Contains, request))).present[0]
+
+    async def pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
+        return await self._count(self._stub.Pin, pb.PinRequest, keys, ttl_s=ttl_s)
+
+    async def unpin(self, keys: Sequence[ChunkKey]) -> int:
+        return await self._count(self._stub.Unpin, pb.KeysRequest, keys)
+
+    async def prefetch(self, keys: Sequence[ChunkKey], wait: bool = False) -> list[Future]:
+        """As ``Client.prefetch``: one completed future per promotion started."""
+        count = await self._count(self._stub.Prefetch, pb.PrefetchRequest, keys, wait=wait)
+        futures = [Future() for _ in range(count)]
+        for f in futures:
+            f.set_result(None)
+        return futures
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return await self._count(self._stub.Delete, pb.KeysRequest, keys)
+
+    async def stats(self) -> StoreStats:
+        return stats_from_proto(await self.stats_reply())
+
+    async def stats_reply(self) -> pb.StatsReply:
+        return await self._retrying(lambda: self._rpc(self._stub.Stats, pb.StatsRequest()))
+
+    async def ping(self) -> tuple[str, float]:
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        start = time.perf_counter()
+        reply = await self._retrying(lambda: self._rpc(stub.Check, health_pb2.HealthCheckRequest()))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), time.perf_counter() - start
+
+    async def flush(self) -> None:
+        """Nothing is buffered client-side: every acknowledged put is in the daemon."""
 
     async def close(self) -> None:
-        await self._call("close")
-        self._pool.shutdown(wait=False)
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            try:
+                await self._rpc(self._stub.ReleaseLease, pb.LeaseRef(lease_id=shm.lease_id))
+            except DaemonError:
+                pass  # the daemon reclaims it when the lease expires
+        self._drop_transports()
+        await self._channel.close()
+        self._copies.shutdown(wait=False)
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -175,8 +175,31 @@ def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
                 time.sleep(0.2)
 
 
-def test_async_client_has_the_same_methods(daemon):
-    asyncio.run(_async_round_trip(daemon.addr))
+@pytest.mark.parametrize("transport,path", [("shm", "shm"), ("remote", "bulk"), ("grpc", "grpc")])
+def test_async_client_has_the_same_methods(daemon, transport, path):
+    asyncio.run(_async_round_trip(daemon.addr, transport, path))
+
+
+async def _async_round_trip(addr, transport, path):
+    keys, values = chunks(3, BIG, seed=5)
+    async with AsyncClient(addr, token=TOKEN, transport=transport, piece_bytes=64 << 10) as client:
+        assert await client.path() == path
+        await asyncio.gather(*(client.put(k, v, durable=i == 0) for i, (k, v) in enumerate(zip(keys, values))))
+        assert await client.lookup(keys) == 3
+        got = await client.get(keys)
+        assert len(got) == 3 and all(same(a, b) for a, b in zip(got, values))
+        outs = [torch.empty_like(v) for v in values]
+        assert all(await asyncio.gather(*(client.get_into(k, o) for k, o in zip(keys, outs))))
+        assert all(same(a, b) for a, b in zip(outs, values))
+        blob = await client.get_blob(keys[0])
+        await client.put_blob(keys[0].id, [blob])
+        assert await client.contains(keys[0])
+        assert await client.pin(keys, 5) == 3 and await client.unpin(keys) == 3
+        assert isinstance(await client.prefetch(keys), list)
+        assert (await client.ping())[0] == "SERVING"
+        assert (await client.stats()).chunks >= 3
+        assert await client.delete(keys) == 3
+        assert await client.get(keys) == []
 
 
 def test_health_and_reflection_are_served(daemon):
@@ -231,21 +254,6 @@ def test_kvbench_daemon_quick_mode_writes_the_schema(daemon, tmp_path, capsys):
     assert result["remote"]["transport"] == "bulk" and result["shm"]["transport"] == "shm"
     assert result["socket_gbps"] > 0 and result["memcpy_gbps"] > 0
     assert "x socket" in capsys.readouterr().out
-
-
-async def _async_round_trip(addr):
-    keys, values = chunks(3, seed=5)
-    async with AsyncClient(addr, token=TOKEN) as client:
-        for k, v in zip(keys, values):
-            await client.put(k, v)
-        assert await client.lookup(keys) == 3
-        got = await client.get(keys)
-        assert all(same(a, b) for a, b in zip(got, values))
-        out = torch.empty_like(values[1])
-        assert await client.get_into(keys[1], out) and same(out, values[1])
-        assert await client.contains(keys[0])
-        assert await client.delete(keys) == 3
-        assert (await client.stats()).chunks >= 0
 
 
 @pytest.mark.parametrize("transport", ["shm", "remote"])
