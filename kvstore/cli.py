@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: operate a store's data on this host.
+"""The ``kvstore`` command: run the daemon, talk to it, operate a store's data on this host.
 
 Errors a user can cause print one line on stderr and exit with code 2.
 """
@@ -6,11 +6,18 @@ Errors a user can cause print one line on stderr and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import logging
+import socket
 import sys
 
-from kvstore.config import ConfigError, StoreConfig, load_config
+from kvstore.config import ConfigError, StoreConfig, load_config, parse_size
 from kvstore.fsck import fsck
+
+
+class UsageError(Exception):
+    """A mistake in the command line: one line on stderr, exit code 2."""
 
 
 def _load(args) -> StoreConfig:
@@ -22,7 +29,12 @@ def _load(args) -> StoreConfig:
 
 def cmd_config(args) -> int:
     """Print the effective configuration (defaults merged with the file)."""
-    cfg = _load(args)
+    if args.daemon:
+        from kvstore.daemon.config import DaemonConfig
+
+        cfg = load_config(args.config, DaemonConfig) if args.config else DaemonConfig()
+    else:
+        cfg = _load(args)
 
     def emit(obj, prefix=""):
         scalars = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))}
@@ -59,17 +71,139 @@ def cmd_fsck(args) -> int:
     return 1 if (report.corrupt or report.temporary) and not args.repair else 0
 
 
+def _daemon_config(args):
+    from kvstore.daemon.config import DaemonConfig
+
+    cfg = load_config(args.config, DaemonConfig) if args.config else DaemonConfig()
+    if args.listen:
+        cfg.listen = args.listen
+    if args.data_dir:
+        cfg.store.disk.path = args.data_dir
+    if args.host_bytes:
+        cfg.store.host.capacity_bytes = parse_size(args.host_bytes)
+    if args.disk_bytes:
+        cfg.store.disk.capacity_bytes = parse_size(args.disk_bytes)
+    if args.metrics:
+        cfg.metrics = args.metrics
+    if args.auth_token_file:
+        cfg.auth_token_file = args.auth_token_file
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
+        cfg.tls_cert, cfg.tls_key = args.tls_cert, args.tls_key
+    if args.no_shm:
+        cfg.shm.enabled = False
+    if args.no_bulk:
+        cfg.bulk.enabled = False
+    return cfg
+
+
+def cmd_serve(args) -> int:
+    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    from kvstore.daemon.malloc import keep_large_blocks_in_heap
+    from kvstore.daemon.server import serve
+    from kvstore.daemon.wire import split_host_port
+
+    cfg = _daemon_config(args)
+    _check_bindable(*split_host_port(cfg.listen))
+    if cfg.metrics:
+        _check_bindable(*split_host_port(cfg.metrics))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    keep_large_blocks_in_heap()
+    try:
+        asyncio.run(serve(cfg))
+    except RuntimeError as exc:
+        if "bind" in str(exc).lower():  # grpc: the address is taken or not ours
+            raise UsageError(f"cannot listen on {cfg.listen}: {exc}") from None
+        raise
+    return 0
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Fail early, in one line, when an address is taken (before the Store is built)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _client(args):
+    from kvstore.client import Client
+
+    return Client(args.addr, token_file=args.auth_token_file, tls_ca=args.tls_ca, timeout_s=args.timeout,
+                  transport="grpc")
+
+
+def cmd_stats(args) -> int:
+    """Print tiers, usage and hit rates of a running daemon."""
+    with _client(args) as client:
+        s = client.stats()
+    total = s.hits + s.misses
+    print(f"chunks {s.chunks}  puts {s.puts}  hits {s.hits}  misses {s.misses}  "
+          f"hit rate {s.hits / total if total else 0:.1%}  pinned {s.pinned}")
+    print(f"write-behind: {s.write_behind_queue} queued, {s.write_behind_pending_bytes} bytes pending, "
+          f"{s.write_behind_dropped} dropped")
+    print(f"{'tier':8} {'used':>14} {'capacity':>14} {'use':>6} {'chunks':>8} {'hits':>8} {'misses':>8} "
+          f"{'hit rate':>8} {'evictions':>9} {'corrupt':>7} {'errors':>6}")
+    for t in s.tiers.values():
+        seen = t.hits + t.misses
+        print(f"{t.name:8} {t.used_bytes:>14} {t.capacity_bytes:>14} {t.used_bytes / max(1, t.capacity_bytes):>6.1%} "
+              f"{t.chunks:>8} {t.hits:>8} {t.misses:>8} {t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} "
+              f"{t.corruptions:>7} {t.errors:>6}")
+    return 0
+
+
+def cmd_ping(args) -> int:
+    """Check that a daemon answers its health service; exit 1 if it is not serving."""
+    with _client(args) as client:
+        status, seconds = client.ping()
+    print(f"{args.addr}: {status} in {seconds * 1e3:.2f} ms")
+    return 0 if status == "SERVING" else 1
+
+
+def _add_remote(p) -> None:
+    p.add_argument("--addr", default="127.0.0.1:50051", help="daemon address HOST:PORT")
+    p.add_argument("--auth-token-file", help="file holding the daemon's bearer token")
+    p.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS daemon")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("config", help="print the effective configuration")
     p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--daemon", action="store_true", help="the daemon's configuration (kvstore serve --config)")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("fsck", help="verify every blob in the disk tier")
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--data-dir", help="disk tier directory (overrides the configuration)")
     p.add_argument("--repair", action="store_true", help="delete corrupt and temporary files")
     p.set_defaults(func=cmd_fsck)
+    p = sub.add_parser("serve", help="run the daemon (defaults: loopback, host RAM + a local data directory)")
+    p.add_argument("--config", help="TOML daemon configuration file (see docs/daemon.md)")
+    p.add_argument("--listen", help="HOST:PORT to serve gRPC on (default 127.0.0.1:50051)")
+    p.add_argument("--data-dir", help="disk tier directory")
+    p.add_argument("--host-bytes", help="host RAM tier capacity, e.g. 8GiB")
+    p.add_argument("--disk-bytes", help="disk tier capacity, e.g. 100GiB")
+    p.add_argument("--metrics", help="HOST:PORT for the Prometheus endpoint")
+    p.add_argument("--auth-token-file", help="require this bearer token on every RPC")
+    p.add_argument("--tls-cert", help="TLS certificate chain (PEM)")
+    p.add_argument("--tls-key", help="TLS private key (PEM)")
+    p.add_argument("--no-shm", action="store_true", help="disable the shared-memory slots")
+    p.add_argument("--no-bulk", action="store_true", help="disable the bulk TCP side channel")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("stats", help="print a running daemon's tiers, usage and hit rates")
+    _add_remote(p)
+    p.set_defaults(func=cmd_stats)
+    p = sub.add_parser("ping", help="check that a daemon is serving")
+    _add_remote(p)
+    p.set_defaults(func=cmd_ping)
     return parser
 
 
@@ -77,9 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, PermissionError) as exc:
+    except (ConfigError, UsageError, OSError, ValueError) as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
+    except _unreachable_errors() as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """Errors talking to a daemon that are the user's to fix (wrong address, token)."""
+    from kvstore.client import DaemonError
+
+    return (DaemonError,)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,304 @@
+"""``kvbench daemon``: put/get GB/s and latency through the daemon, against the machine's limits,
+in one run.
+
+- remote: the client's remote path (the bulk TCP side channel when the daemon offers it,
+  else gRPC bytes); limit: a raw loopback TCP socket moving the same bytes in the same run.
+- shm: the same-host shared-memory slots; limit: a plain memcpy of the same bytes (from as
+  many distinct chunks as the clients cycle over, into one reused destination).
+
+Chunks are ``--chunk-bytes`` (fp16, one layer, one KV head, 256 tokens); each client cycles
+over its own ``--keys`` chunks. Put is one chunk per call, always a new key (a put of a
+present key is a no-op in the Store), so the host tier evicts once full. The get GB/s figure fetches
+``--batch`` consecutive chunks per call (how the connector loads a prefix: the daemon reads
+the next chunk while the previous one travels); latencies are per call, and a single-chunk
+``get_into`` loop is reported beside it (``get_one_*``). Without ``--addr`` the benchmark starts its own daemon with
+the host tier only (the disk tier's write-behind would measure the disk, not the daemon).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import socket
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from bench.cli import UsageError
+from kvstore.client import Client
+from kvstore.config import parse_size
+from kvstore.daemon.malloc import keep_large_blocks_in_heap
+from kvstore.daemon.spawn import DaemonProcess
+from kvstore.keys import ChunkKey, Namespace
+
+GB = 1e9
+TOKENS = 256
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("daemon", help="daemon put/get GB/s, remote and shm, vs raw socket and memcpy")
+    p.add_argument("--addr", default=None, help="a running daemon (default: start one)")
+    p.add_argument("--auth-token-file", default=None)
+    p.add_argument("--clients", type=int, default=1, help="concurrent clients (threads, one Client each)")
+    p.add_argument("--chunk-bytes", default="4MiB", help="bytes per chunk (multiple of 1 KiB)")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
+    p.add_argument("--keys", type=int, default=16, help="distinct chunks per client")
+    p.add_argument("--batch", type=int, default=8,
+                   help="chunks per get call for the GB/s figure (a prefix is fetched in one call)")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run)
+
+
+def _namespace(chunk_bytes: int) -> Namespace:
+    if chunk_bytes <= 0 or chunk_bytes % (2 * 2 * TOKENS):
+        raise UsageError(f"--chunk-bytes must be a positive multiple of {2 * 2 * TOKENS}")
+    return Namespace("kvbench-daemon", 1, 1, chunk_bytes // (2 * 2 * TOKENS), "float16", TOKENS)
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system) of this process, or of ``pid`` (Linux /proc); 0 if unknown."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _summary(latencies: list[float], nbytes: int, elapsed: float, cpu: tuple[float, float]) -> dict:
+    lat = np.array(latencies) if latencies else np.array([float("nan")])
+    return {
+        "gbps": nbytes / elapsed / GB if elapsed > 0 else 0.0,
+        "p50_s": float(np.percentile(lat, 50)),
+        "p99_s": float(np.percentile(lat, 99)),
+        "ops": len(latencies),
+        # CPU seconds per GB moved, clients and daemon: comparable on a busy machine, where
+        # wall-clock GB/s depends on what else runs
+        "client_cpu_s_per_gb": cpu[0] / (nbytes / GB) if nbytes else 0.0,
+        "daemon_cpu_s_per_gb": cpu[1] / (nbytes / GB) if nbytes else 0.0,
+    }
+
+
+def _measure(clients: list[Client], work, seconds: float, daemon_pid: int | None) -> dict:
+    """Run ``work(client, index, deadline, latencies)`` in one thread per client."""
+    latencies: list[list[float]] = [[] for _ in clients]
+    done = [0] * len(clients)
+    barrier = threading.Barrier(len(clients) + 1)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        done[i] = work(clients[i], i, time.perf_counter() + seconds, latencies[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    cpu0 = (_cpu_seconds(None), _cpu_seconds(daemon_pid) if daemon_pid else 0.0)
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    cpu = (_cpu_seconds(None) - cpu0[0], (_cpu_seconds(daemon_pid) - cpu0[1]) if daemon_pid else 0.0)
+    return _summary([x for lat in latencies for x in lat], sum(done), elapsed, cpu)
+
+
+def _path(addr: str, transport: str, args, ns: Namespace, daemon_pid: int | None) -> dict:
+    clients = [Client(addr, transport=transport, token_file=args.auth_token_file, timeout_s=60) for _ in range(args.clients)]
+    try:
+        used = clients[0].path
+        keys: list[list[ChunkKey]] = [[] for _ in clients]
+        chunk = torch.randn(ns.chunk_shape).to(torch.float16)
+        nbytes = chunk.numel() * 2
+
+        def put(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            """Fresh keys only (a put of a present key is a no-op in the Store); the last
+            ``--keys`` stay for the get phase."""
+            n = 0
+            while time.perf_counter() < deadline or n < args.keys:
+                key = ChunkKey(ns, hashlib.blake2b(f"{transport}/{i}/{n}".encode(), digest_size=16).digest())
+                t0 = time.perf_counter()
+                client.put(key, chunk)
+                lat.append(time.perf_counter() - t0)
+                keys[i] = (keys[i] + [key])[-args.keys :]
+                n += 1
+            return n * nbytes
+
+        batch = min(args.batch, args.keys)
+
+        def get(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            n = 0
+            while time.perf_counter() < deadline:
+                start = (n * batch) % (len(keys[i]) - batch + 1)
+                t0 = time.perf_counter()
+                got = client.get(keys[i][start : start + batch])
+                lat.append(time.perf_counter() - t0)
+                if len(got) != batch:
+                    raise RuntimeError("a chunk the benchmark stored is missing (host tier too small?)")
+                n += 1
+            return n * batch * nbytes
+
+        def get_one(client: Client, i: int, deadline: float, lat: list[float]) -> int:
+            out = torch.zeros_like(chunk)
+            n = 0
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                if not client.get_into(keys[i][n % len(keys[i])], out):
+                    raise RuntimeError("a chunk the benchmark stored is missing (host tier too small?)")
+                lat.append(time.perf_counter() - t0)
+                n += 1
+            return n * nbytes
+
+        p = _measure(clients, put, args.seconds, daemon_pid)
+        g = _measure(clients, get, args.seconds, daemon_pid)
+        g1 = _measure(clients, get_one, args.seconds / 2, daemon_pid)
+        result = {"transport": used, "get_batch": batch}
+        for prefix, figures in (("put", p), ("get", g), ("get_one", g1)):
+            result.update({f"{prefix}_{name}": value for name, value in figures.items()})
+        return result
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _socket_gbps(chunk_bytes: int, seconds: float, streams: int) -> float:
+    """Raw loopback TCP: ``streams`` connections each moving chunk after chunk, recv_into a reused buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = time.perf_counter() + seconds
+    received = [0] * streams
+
+    def sender(conn: socket.socket) -> None:
+        data = memoryview(np.ones(chunk_bytes, dtype=np.uint8))
+        try:
+            while time.perf_counter() < stop:
+                conn.sendall(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def receiver(i: int) -> None:
+        s = socket.create_connection(("127.0.0.1", port))
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        buf = memoryview(np.zeros(chunk_bytes, dtype=np.uint8))
+        while True:
+            n = s.recv_into(buf)
+            if n == 0:
+                break
+            received[i] += n
+        s.close()
+
+    receivers = [threading.Thread(target=receiver, args=(i,)) for i in range(streams)]
+    senders = []
+    start = time.perf_counter()
+    for r in receivers:
+        r.start()
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        senders.append(threading.Thread(target=sender, args=(conn,)))
+        senders[-1].start()
+    for t in senders + receivers:
+        t.join()
+    listener.close()
+    return sum(received) / (time.perf_counter() - start) / GB
+
+
+def _memcpy_gbps(chunk_bytes: int, seconds: float, sources: int) -> float:
+    """memcpy of the same bytes the daemon moves: chunk after chunk out of ``sources`` distinct
+    chunks (as many as a client cycles over, so as cold in cache) into one reused destination."""
+    src = [np.full(chunk_bytes, i, dtype=np.uint8) for i in range(sources)]
+    dst = np.zeros(chunk_bytes, dtype=np.uint8)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        np.copyto(dst, src[n % sources])
+        n += 1
+    return n * chunk_bytes / (time.perf_counter() - start) / GB
+
+
+def run(args) -> int:
+    if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0 or args.batch <= 0:
+        raise UsageError("--clients, --seconds, --keys and --batch must be positive")
+    chunk_bytes = parse_size(args.chunk_bytes)
+    ns = _namespace(chunk_bytes)
+    keep_large_blocks_in_heap()
+    daemon = None
+    tmp = None
+    addr = args.addr
+    if addr is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvbench-daemon-")
+        host_bytes = max(256 << 20, 4 * args.clients * args.keys * (chunk_bytes + (256 << 10)))
+        config = os.path.join(tmp.name, "daemon.toml")
+        with open(config, "w") as f:
+            f.write(f'listen = "127.0.0.1:0"\n[store.host]\ncapacity_bytes = {host_bytes}\n'
+                    f'[store.disk]\nenabled = false\n[shm]\nslot_bytes = {-(-chunk_bytes // 4096) * 4096 + 4096}\n')
+        daemon = DaemonProcess(["--config", config])
+        addr = daemon.addr
+
+    def baselines() -> tuple[float, float, float, float]:
+        """(socket GB/s, its CPU s/GB, memcpy GB/s, its CPU s/GB), measured now."""
+        cpu0 = _cpu_seconds(None)
+        sock = _socket_gbps(chunk_bytes, args.seconds / 2, args.clients)
+        cpu1 = _cpu_seconds(None)
+        copy = _memcpy_gbps(chunk_bytes, args.seconds / 2, args.clients * args.keys)
+        cpu2 = _cpu_seconds(None)
+        moved_sock, moved_copy = sock * args.seconds / 2, copy * args.seconds / 2
+        return sock, (cpu1 - cpu0) / moved_sock, copy, (cpu2 - cpu1) / moved_copy
+
+    try:
+        before = baselines()
+        pid = daemon.proc.pid if daemon else None
+        results = {
+            "chunk_bytes": chunk_bytes, "clients": args.clients, "seconds": args.seconds,
+            "remote": _path(addr, "remote", args, ns, pid),
+            "shm": _path(addr, "shm", args, ns, pid),
+        }
+        after = baselines()
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        if tmp is not None:
+            tmp.cleanup()
+    # the machine may be busier at one moment than another: compare against the better of the
+    # baselines measured before and after the daemon paths (the conservative choice)
+    results["socket_gbps"] = max(before[0], after[0])
+    results["memcpy_gbps"] = max(before[2], after[2])
+    results["socket_gbps_before_after"] = [before[0], after[0]]
+    results["memcpy_gbps_before_after"] = [before[2], after[2]]
+    results["socket_cpu_s_per_gb"] = min(before[1], after[1])
+    results["memcpy_cpu_s_per_gb"] = min(before[3], after[3])
+    results["ratios"] = {
+        "remote_get_vs_socket": results["remote"]["get_gbps"] / results["socket_gbps"],
+        "remote_put_vs_socket": results["remote"]["put_gbps"] / results["socket_gbps"],
+        "shm_get_vs_memcpy": results["shm"]["get_gbps"] / results["memcpy_gbps"],
+        "shm_put_vs_memcpy": results["shm"]["put_gbps"] / results["memcpy_gbps"],
+    }
+    print(f"chunk {chunk_bytes} B, {args.clients} client(s), {args.seconds:g} s per figure")
+    for name in ("remote", "shm"):
+        r = results[name]
+        print(f"{name:6} ({r['transport']:4}) put {r['put_gbps']:6.2f} GB/s p50 {r['put_p50_s'] * 1e3:7.2f} ms "
+              f"p99 {r['put_p99_s'] * 1e3:7.2f} ms | get x{r['get_batch']} {r['get_gbps']:6.2f} GB/s "
+              f"p50 {r['get_p50_s'] * 1e3:7.2f} ms p99 {r['get_p99_s'] * 1e3:7.2f} ms | get x1 "
+              f"{r['get_one_gbps']:6.2f} GB/s p50 {r['get_one_p50_s'] * 1e3:7.2f} ms p99 {r['get_one_p99_s'] * 1e3:7.2f} ms")
+    for name in ("remote", "shm"):
+        r = results[name]
+        print(f"{name:6} CPU s/GB (client + daemon): put {r['put_client_cpu_s_per_gb']:.2f} + "
+              f"{r['put_daemon_cpu_s_per_gb']:.2f}, get x{r['get_batch']} {r['get_client_cpu_s_per_gb']:.2f} + "
+              f"{r['get_daemon_cpu_s_per_gb']:.2f}")
+    print(f"limits: raw loopback socket {results['socket_gbps']:.2f} GB/s ({results['socket_cpu_s_per_gb']:.2f} CPU s/GB), "
+          f"memcpy {results['memcpy_gbps']:.2f} GB/s ({results['memcpy_cpu_s_per_gb']:.2f} CPU s/GB); "
+          f"better of before/after")
+    q = results["ratios"]
+    print(f"remote get {q['remote_get_vs_socket']:.2f}x socket, shm get {q['shm_get_vs_memcpy']:.2f}x memcpy")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

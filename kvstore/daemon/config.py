@@ -1,0 +1,67 @@
+"""The daemon's configuration: one typed dataclass tree (the Store's config is a subtree).
+
+Load it from TOML with ``kvstore.config.load_config(path, DaemonConfig)``; ``kvstore serve``
+flags override single fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.config import StoreConfig
+
+
+@dataclass
+class ShmConfig:
+    """Shared-memory slot arena for same-host clients (a file under /dev/shm)."""
+
+    enabled: bool = True
+    dir: str = "/dev/shm"
+    slots: int = 64
+    slot_bytes: int = 8 << 20
+    # A lease not renewed or used for this long is reclaimed (the client died).
+    lease_ttl_s: float = 30.0
+    max_slots_per_lease: int = 16
+
+
+@dataclass
+class BulkConfig:
+    """Plain TCP side channel for chunk bytes (off when TLS is on: it is not encrypted)."""
+
+    enabled: bool = True
+    port: int = 0  # 0 = any free port, advertised through BulkAttach
+    max_sessions: int = 256
+    # How long a Put waits for its bulk frame, and an attach token stays valid.
+    frame_timeout_s: float = 30.0
+    socket_buffer_bytes: int = 4 << 20
+
+
+@dataclass
+class LimitsConfig:
+    max_chunk_bytes: int = 64 << 20
+    max_keys_per_request: int = 4096
+    max_concurrent_streams: int = 256
+    # Largest gRPC message either way (inline pieces are smaller than this).
+    max_message_bytes: int = 16 << 20
+    inline_piece_bytes: int = 4 << 20
+
+
+@dataclass
+class DaemonConfig:
+    listen: str = "127.0.0.1:50051"
+    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # Threads for Store calls (file I/O, copies): bounds how much blocking work runs at once.
+    io_threads: int = 8
+    # Chunk-sized buffers kept for reuse between requests (fresh ones fault in every page).
+    idle_buffer_bytes: int = 256 << 20
+    # SIGTERM/SIGINT: in-flight RPCs get this long, then write-behind is flushed.
+    shutdown_grace_s: float = 10.0
+    # ... and then the write-behind queues get this long to reach the disk before we give up.
+    flush_timeout_s: float = 120.0
+    shm: ShmConfig = field(default_factory=ShmConfig)
+    bulk: BulkConfig = field(default_factory=BulkConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one daemon, in a private registry (several daemons per process in
+tests never collide).
+
+Tier figures are read from ``Store.stats()`` at scrape time (no double bookkeeping);
+per-namespace figures and per-RPC latencies are counted by the service as it serves.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.keys import Namespace
+from kvstore.store import StoreStats
+
+_TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors")
+_TIER_GAUGES = ("used_bytes", "capacity_bytes", "chunks")
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _StoreCollector:
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]]) -> None:
+        self._stats, self._extra = stats, extra
+
+    def collect(self):
+        s = self._stats()
+        for name in _TIER_COUNTERS:
+            fam = CounterMetricFamily(f"kvstore_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
+            for tier in s.tiers.values():
+                fam.add_metric([tier.name], getattr(tier, name))
+            yield fam
+        for name in _TIER_GAUGES:
+            fam = GaugeMetricFamily(f"kvstore_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
+            for tier in s.tiers.values():
+                fam.add_metric([tier.name], getattr(tier, name))
+            yield fam
+        gauges = {
+            "chunks": s.chunks, "pinned_chunks": s.pinned,
+            "write_behind_queue": s.write_behind_queue,
+            "write_behind_pending_bytes": s.write_behind_pending_bytes,
+            **self._extra(),
+        }
+        for name, value in gauges.items():
+            yield GaugeMetricFamily(f"kvstore_{name}", name.replace("_", " "), value=value)
+        yield CounterMetricFamily("kvstore_write_behind_dropped", "copies to replica tiers that failed",
+                                  value=s.write_behind_dropped)
+
+
+class DaemonMetrics:
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(stats, extra))
+        labels = ["model", "namespace"]
+        self.ns_hits = Counter("kvstore_namespace_hits", "chunks served", labels, registry=self.registry)
+        self.ns_misses = Counter("kvstore_namespace_misses", "chunks asked for and absent", labels, registry=self.registry)
+        self.ns_bytes_read = Counter("kvstore_namespace_bytes_read", "bytes served", labels, registry=self.registry)
+        self.ns_bytes_written = Counter("kvstore_namespace_bytes_written", "bytes stored", labels, registry=self.registry)
+        self.rpc_seconds = Histogram("kvstore_rpc_seconds", "RPC latency", ["method"],
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs that ended in an error", ["method", "code"],
+                                  registry=self.registry)
+        self._server = None
+
+    @staticmethod
+    def ns_labels(ns: Namespace) -> tuple[str, str]:
+        return ns.model_id, ns.fingerprint.hex()[:12]
+
+    def hit(self, ns: Namespace, nbytes: int) -> None:
+        labels = self.ns_labels(ns)
+        self.ns_hits.labels(*labels).inc()
+        self.ns_bytes_read.labels(*labels).inc(nbytes)
+
+    def miss(self, ns: Namespace) -> None:
+        self.ns_misses.labels(*self.ns_labels(ns)).inc()
+
+    def wrote(self, ns: Namespace, nbytes: int) -> None:
+        self.ns_bytes_written.labels(*self.ns_labels(ns)).inc(nbytes)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint in a background thread; returns the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

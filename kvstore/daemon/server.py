@@ -1,0 +1,182 @@
+"""The daemon process: one Store behind a grpc.aio server, plus the health and reflection
+services, the shared-memory slot arena, the bulk side channel and the metrics endpoint.
+
+Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the server stops accepting and gives
+in-flight RPCs ``shutdown_grace_s``, then the Store flushes its write-behind queues and
+closes its tiers, so every chunk acknowledged as durable, and every queued copy, is on disk.
+A flush that takes longer than ``flush_timeout_s`` (a stalled disk) is abandoned with an
+error and exit code 1, so shutdown is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.daemon.auth import TokenAuth, read_token_file
+from kvstore.daemon.buffers import BufferPool
+from kvstore.daemon.bulk import BulkServer
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.metrics import DaemonMetrics
+from kvstore.daemon.service import KVStoreService, register
+from kvstore.daemon.slots import SlotArena
+from kvstore.daemon.wire import split_host_port
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore.daemon")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+def _human(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.4g}{unit}"
+    return f"{nbytes}B"
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.address = ""
+        self.store: Store | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self.arena: SlotArena | None = None
+        self.bulk: BulkServer | None = None
+        self.metrics: DaemonMetrics | None = None
+        self._executor = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="daemon-io")
+        self.pool = BufferPool(config.idle_buffer_bytes)
+        self._expiry: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        host, port = split_host_port(cfg.listen)
+        token = read_token_file(cfg.auth_token_file) if cfg.auth_token_file else None
+        tls = None
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("TLS needs both a certificate and a key")
+            tls = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        loop = asyncio.get_running_loop()
+        self.store = await loop.run_in_executor(self._executor, Store, cfg.store)
+        if cfg.shm.enabled:
+            s = cfg.shm
+            self.arena = SlotArena(s.dir, s.slots, s.slot_bytes, s.lease_ttl_s, s.max_slots_per_lease)
+        if cfg.bulk.enabled and tls is None:  # the side channel is not encrypted
+            b = cfg.bulk
+            self.bulk = BulkServer(host, b.port, b.max_sessions, cfg.limits.max_chunk_bytes,
+                                   b.frame_timeout_s, b.socket_buffer_bytes, self.pool)
+            self.bulk.start()
+        self.metrics = DaemonMetrics(self.store.stats, self._gauges)
+        options = [
+            ("grpc.max_send_message_length", cfg.limits.max_message_bytes),
+            ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
+            ("grpc.max_concurrent_streams", cfg.limits.max_concurrent_streams),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.aio.server(
+            interceptors=[TokenAuth(token)] if token else None,
+            options=options,
+            maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams,
+        )
+        self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
+                                      self.pool, "")
+        register(self.service, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = self._server.add_secure_port(target, tls) if tls else self._server.add_insecure_port(target)
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.service.address = self.address
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics_at = "off"
+        if cfg.metrics:
+            mhost, mport = split_host_port(cfg.metrics)
+            metrics_at = f"{mhost}:{self.metrics.serve(mhost, mport)}"
+        if self.arena is not None:
+            self._expiry = loop.create_task(self._expire_leases())
+        tiers = ", ".join(f"{t.name} {_human(t.capacity_bytes)}" for t in self.store.tiers)
+        log.info("kvstore daemon listening on %s (tiers: %s; shm %s; bulk %s; metrics %s; auth %s; tls %s)",
+                 self.address, tiers,
+                 f"{self.arena.slots}x{_human(self.arena.slot_bytes)}" if self.arena else "off",
+                 f"port {self.bulk.port}" if self.bulk else "off", metrics_at,
+                 "token" if token else "off", "on" if tls else "off")
+
+    def _gauges(self) -> dict[str, int]:
+        return {
+            "io_inflight": self.service.io_inflight,
+            "shm_slots_free": self.arena.free_slots if self.arena else 0,
+            "bulk_sessions": self.bulk.sessions if self.bulk else 0,
+        }
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self.arena.lease_ttl_s / 4))
+            if n := self.arena.expire():
+                log.info("reclaimed %d expired shared-memory lease(s)", n)
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight RPCs finish (bounded), flush and close the Store.
+        Quiet when start failed (the caller reports that error in one line)."""
+        say = log.info if self.address else log.debug
+        say("shutting down: finishing in-flight requests (up to %.1f s)", self.config.shutdown_grace_s)
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(self.config.shutdown_grace_s)
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self.bulk is not None:
+            await self.bulk.close()
+        await asyncio.to_thread(self._executor.shutdown, True)  # Store calls of cancelled RPCs finish
+        if self.store is not None:
+            pending = self.store.stats().write_behind_pending_bytes
+            say("flushing %d bytes of write-behind, closing tiers", pending)
+            closer = threading.Thread(target=self.store.close, name="store-close", daemon=True)
+            closer.start()
+            await asyncio.to_thread(closer.join, self.config.flush_timeout_s)
+            if closer.is_alive():  # a stalled disk: do not hang forever
+                left = self.store.stats().write_behind_pending_bytes
+                log.error("write-behind not flushed after %.0f s (%d bytes unwritten); exiting anyway",
+                          self.config.flush_timeout_s, left)
+                logging.shutdown()
+                os._exit(1)
+        if self.arena is not None:
+            self.arena.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        say("stopped")
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Run a daemon until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.info("already shutting down")
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    daemon = Daemon(config)
+    try:
+        await daemon.start()
+        await stop.wait()
+    finally:
+        await daemon.stop()

@@ -1,0 +1,70 @@
+"""Start a daemon as a child process and learn its address from its start-up log line
+(benchmarks and tests use it; ``--listen HOST:0`` picks a free port race-free)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+_READY = re.compile(r"kvstore daemon listening on (\S+) ")
+
+
+class DaemonProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
+        """Run ``python -m kvstore serve *args`` and wait until it serves."""
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        full_env = {**os.environ, **(env or {})}
+        full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
+        )
+        self.log: deque[str] = deque(maxlen=2000)
+        self.addr = ""
+        ready = threading.Event()
+        self._reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                self._reader.join(2)
+                raise RuntimeError("daemon did not start:\n" + "\n".join(self.log))
+
+    def _read_log(self, ready: threading.Event) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            if not ready.is_set() and (m := _READY.search(line)):
+                self.addr = m.group(1)
+                ready.set()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.log)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then wait for a clean exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._reader.join(2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> "DaemonProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.stop()

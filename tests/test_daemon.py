@@ -1,0 +1,283 @@
+"""The daemon as a real process, driven through the real client: round trips on every path,
+the index operations, stats, metrics, the CLI's stats/ping, token auth, tenant isolation and
+the benchmark's quick mode. The daemon requires a bearer token; ``connect`` supplies it."""
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from bench.cli import main as kvbench
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.cli import main
+from kvstore.client import AsyncClient, Client, DaemonError
+from kvstore.daemon.bulk import HELLO
+from kvstore.daemon.spawn import DaemonProcess
+from kvstore.keys import Namespace, chunk_keys
+
+NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16
+BIG = Namespace("test-big", num_layers=4, num_kv_heads=2, head_dim=64, chunk_tokens=128, dtype="bfloat16")  # 256 KiB
+
+CONFIG = """
+[limits]
+max_chunk_bytes = "4MiB"
+max_keys_per_request = 64
+[shm]
+slots = 16
+slot_bytes = "512KiB"
+lease_ttl_s = 2.0
+[store.host]
+capacity_bytes = "64MiB"
+page_bytes = 4096
+[store.disk]
+capacity_bytes = "256MiB"
+"""
+
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    root = tmp_path_factory.mktemp("daemon")
+    (root / "daemon.toml").write_text(CONFIG)
+    (root / "token").write_text(TOKEN + "\n")
+    with DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(root / "data"), "--metrics", "127.0.0.1:0",
+                        "--auth-token-file", str(root / "token")]) as proc:
+        proc.token_file = str(root / "token")
+        yield proc
+
+
+def connect(daemon, **kw) -> Client:
+    return Client(daemon.addr, token=TOKEN, **kw)
+
+
+def chunks(n, ns=NS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=gen).tolist(), ns)
+    dtype = getattr(torch, ns.dtype)
+    return keys, [torch.randn(ns.chunk_shape, generator=gen).to(dtype) for _ in keys]
+
+
+def same(a, b):
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_start_line_names_address_tiers_and_capacities(daemon):
+    line = next(line for line in daemon.log if "listening on" in line)
+    assert daemon.addr.startswith("127.0.0.1:")
+    assert "host 64MiB" in line and "nvme 256MiB" in line and "shm 16x512KiB" in line
+
+
+@pytest.mark.parametrize("transport,path", [("shm", "shm"), ("remote", "bulk"), ("grpc", "grpc")])
+@pytest.mark.parametrize("ns", [NS, BIG], ids=["1KiB", "256KiB"])
+def test_round_trip_is_bit_exact_on_every_path(daemon, transport, path, ns):
+    keys, values = chunks(5, ns, seed=hash((transport, ns.model_id)) % 1000)
+    values[0].view(-1)[0] = float("nan")
+    with connect(daemon, transport=transport, piece_bytes=64 << 10) as client:
+        assert client.path == path
+        for i, (k, v) in enumerate(zip(keys, values)):
+            client.put(k, v, parent=keys[i - 1] if i else None, durable=i % 2 == 0)
+        assert client.lookup(keys) == 5
+        got = client.get(keys)
+        assert len(got) == 5 and all(same(a, b) for a, b in zip(got, values))
+        out = torch.empty_like(values[3])
+        assert client.get_into(keys[3], out) and same(out, values[3])
+        blob = client.get_blob(keys[2])
+        assert blob is not None and len(blob) == 128 + values[2].numel() * values[2].element_size()
+        client.put_blob(keys[2].id, [blob[:100], blob[100:]])  # pieces, by key id of a known namespace
+        assert client.get_into(keys[2], out) and same(out, values[2])
+
+
+def test_index_operations_match_the_store(daemon):
+    keys, values = chunks(6, seed=7)
+    with connect(daemon) as client:
+        for i in (0, 1, 3):
+            client.put(keys[i], values[i])
+        assert client.lookup(keys) == 2
+        assert client.contains(keys[3]) and not client.contains(keys[2])
+        assert len(client.get(keys)) == 2  # stops at the first miss
+        assert client.get_blob(keys[2]) is None
+        assert not client.get_into(keys[2], torch.empty_like(values[2]))
+        assert client.pin(keys, ttl_s=30) == 3
+        assert client.unpin(keys[:2]) == 2
+        assert isinstance(client.prefetch(keys, wait=True), list)
+        assert client.delete(keys) == 3
+        assert client.lookup(keys) == 0
+        assert client.lookup([]) == 0 and client.get([]) == []
+
+
+def test_stats_metrics_and_cli(daemon, capsys):
+    keys, values = chunks(2, seed=11)
+    with connect(daemon) as client:
+        client.put(keys[0], values[0], durable=True)
+        client.get(keys)  # one hit, one miss
+        stats = client.stats()
+    assert {"host", "nvme"} <= set(stats.tiers) and stats.hits >= 1 and stats.misses >= 1
+    assert stats.tiers["host"].capacity_bytes == 64 << 20
+
+    port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'kvstore_tier_hits_total{tier="host"}' in text
+    assert 'kvstore_tier_capacity_bytes{tier="nvme"}' in text
+    assert "kvstore_write_behind_queue" in text and "kvstore_io_inflight" in text
+    assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
+    assert re.search(r'kvstore_namespace_misses_total\{model="test-model",namespace="[0-9a-f]{12}"\} [1-9]', text)
+
+    token = ["--auth-token-file", daemon.token_file]
+    assert main(["stats", "--addr", daemon.addr, *token]) == 0
+    out = capsys.readouterr().out
+    assert "hit rate" in out and re.search(r"^host\s+\d+\s+67108864", out, re.M)
+    assert main(["ping", "--addr", daemon.addr, *token]) == 0
+    assert "SERVING" in capsys.readouterr().out
+
+
+def test_tenants_cannot_read_or_detect_each_others_chunks(daemon):
+    alice = Namespace("shared-model", 2, 2, 8, chunk_tokens=8, tenant="alice")
+    bob = Namespace("shared-model", 2, 2, 8, chunk_tokens=8, tenant="bob")
+    tokens = list(range(100, 100 + 3 * 8))
+    a_keys, b_keys = chunk_keys(tokens, alice), chunk_keys(tokens, bob)
+    value = torch.randn(alice.chunk_shape).half()
+    with connect(daemon) as client:
+        for k in a_keys:
+            client.put(k, value)
+        assert client.lookup(a_keys) == 3
+        assert client.lookup(b_keys) == 0
+        assert not client.contains(b_keys[0])
+        assert client.get(b_keys) == [] and client.get_blob(b_keys[0]) is None
+        assert client.pin(b_keys, 10) == 0 and client.delete(b_keys) == 0
+        blob = client.get_blob(a_keys[0])
+        with pytest.raises(Exception, match="INVALID_ARGUMENT"):  # alice's blob under bob's key
+            client.put_blob(b_keys[0], [blob])
+        assert client.lookup(b_keys) == 0 and client.lookup(a_keys) == 3
+
+
+def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
+    with connect(daemon, transport="shm", shm_slots=4) as client:
+        keys, values = chunks(1, seed=3)
+        client.put(keys[0], values[0])
+        before = client.stats_reply().shm_slots_free
+        client._shm = None  # forget the lease without releasing it, as a dead client would
+        with connect(daemon, transport="grpc") as other:
+            deadline = time.monotonic() + 10
+            while other.stats_reply().shm_slots_free < before + 4:
+                assert time.monotonic() < deadline, "lease never expired"
+                time.sleep(0.2)
+
+
+@pytest.mark.parametrize("transport,path", [("shm", "shm"), ("remote", "bulk"), ("grpc", "grpc")])
+def test_async_client_has_the_same_methods(daemon, transport, path):
+    asyncio.run(_async_round_trip(daemon.addr, transport, path))
+
+
+async def _async_round_trip(addr, transport, path):
+    keys, values = chunks(3, BIG, seed=5)
+    async with AsyncClient(addr, token=TOKEN, transport=transport, piece_bytes=64 << 10) as client:
+        assert await client.path() == path
+        await asyncio.gather(*(client.put(k, v, durable=i == 0) for i, (k, v) in enumerate(zip(keys, values))))
+        assert await client.lookup(keys) == 3
+        got = await client.get(keys)
+        assert len(got) == 3 and all(same(a, b) for a, b in zip(got, values))
+        outs = [torch.empty_like(v) for v in values]
+        assert all(await asyncio.gather(*(client.get_into(k, o) for k, o in zip(keys, outs))))
+        assert all(same(a, b) for a, b in zip(outs, values))
+        blob = await client.get_blob(keys[0])
+        await client.put_blob(keys[0].id, [blob])
+        assert await client.contains(keys[0])
+        assert await client.pin(keys, 5) == 3 and await client.unpin(keys) == 3
+        assert isinstance(await client.prefetch(keys), list)
+        assert (await client.ping())[0] == "SERVING"
+        assert (await client.stats()).chunks >= 3
+        assert await client.delete(keys) == 3
+        assert await client.get(keys) == []
+
+
+def test_health_and_reflection_are_served(daemon):
+    channel = grpc.insecure_channel(daemon.addr)
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    reply = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), metadata=metadata)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                        metadata=metadata)
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= names
+    channel.close()
+
+
+def test_every_rpc_needs_the_token(daemon):
+    keys, values = chunks(1, seed=13)
+    with connect(daemon) as client:
+        client.put(keys[0], values[0])
+    for kw in ({}, {"token": "wrong"}):
+        with Client(daemon.addr, retries=0, **kw) as client:
+            for call in (lambda: client.lookup(keys), lambda: client.get(keys), lambda: client.put(keys[0], values[0]),
+                         lambda: client.stats(), lambda: client.ping(), lambda: client.delete(keys)):
+                with pytest.raises(DaemonError) as info:
+                    call()
+                assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    channel = grpc.insecure_channel(daemon.addr)  # the standard health service too
+    with pytest.raises(grpc.RpcError) as info:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+    # the bulk side channel: a session exists only through an authenticated RPC, and its
+    # connection must present that session's one-time token
+    with connect(daemon) as client:
+        attach = client._rpc(client._stub.BulkAttach, pb.BulkAttachRequest())
+        assert client.contains(keys[0])
+    sock = socket.create_connection(("127.0.0.1", attach.port))
+    sock.sendall(HELLO.pack(attach.session ^ 1, attach.token))
+    assert sock.recv(1) == b""
+    assert main(["stats", "--addr", daemon.addr]) == 2  # the CLI: one line, exit 2
+
+
+def test_kvbench_daemon_quick_mode_writes_the_schema(daemon, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert kvbench(["daemon", "--addr", daemon.addr, "--auth-token-file", daemon.token_file, "--chunk-bytes", "64KiB",
+                    "--seconds", "0.2", "--keys", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for path in ("remote", "shm"):
+        assert {"put_gbps", "get_gbps", "get_p99_s", "put_p99_s", "get_p50_s"} <= set(result[path])
+        assert result[path]["get_gbps"] > 0 and result[path]["put_gbps"] > 0
+    assert result["remote"]["transport"] == "bulk" and result["shm"]["transport"] == "shm"
+    assert result["socket_gbps"] > 0 and result["memcpy_gbps"] > 0
+    assert "x socket" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("transport", ["shm", "remote"])
+def test_one_client_shared_by_threads_stays_bit_exact(daemon, transport):
+    ns = Namespace("threads", 2, 2, 64, chunk_tokens=64)  # 64 KiB chunks
+    errors = []
+
+    def worker(t, client):
+        try:
+            keys, values = chunks(6, ns, seed=100 + t)
+            for k, v in zip(keys, values):
+                client.put(k, v)
+            for _ in range(3):
+                got = client.get(keys)
+                assert len(got) == 6 and all(same(a, b) for a, b in zip(got, values))
+                out = torch.empty_like(values[t % 6])
+                assert client.get_into(keys[t % 6], out) and same(out, values[t % 6])
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    with connect(daemon, transport=transport, shm_slots=3) as client:
+        threads = [threading.Thread(target=worker, args=(t, client)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors

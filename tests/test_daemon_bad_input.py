@@ -1,0 +1,248 @@
+"""Bad input through raw stubs and sockets: each gets a specific status and a message,
+nothing half-written becomes visible, and the daemon keeps serving everyone else."""
+
+import socket
+import struct
+import threading
+
+import grpc
+import pytest
+import torch
+
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.blob import encode_header
+from kvstore.client import Client
+from kvstore.codecs.raw import tensor_bytes
+from kvstore.daemon.bulk import FRAME, HELLO
+from kvstore.daemon.spawn import DaemonProcess
+from kvstore.daemon.wire import ns_to_proto
+from kvstore.keys import Namespace, chunk_keys
+
+NS = Namespace("bad-input", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
+CONFIG = """
+[limits]
+max_chunk_bytes = "64KiB"
+max_keys_per_request = 8
+[shm]
+slots = 8
+slot_bytes = "64KiB"
+[store.host]
+capacity_bytes = "16MiB"
+page_bytes = 4096
+[store.disk]
+capacity_bytes = "64MiB"
+"""
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "daemon.toml").write_text(CONFIG)
+    with DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(root / "data")]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def stub(daemon):
+    channel = grpc.insecure_channel(daemon.addr)
+    yield pb_grpc.KVStoreStub(channel)
+    channel.close()
+
+
+@pytest.fixture
+def client(daemon):
+    with Client(daemon.addr, retries=0) as c:
+        yield c
+
+
+def blob_of(key, value):
+    payload = tensor_bytes(value)
+    return encode_header(key, 0, value.dtype, value.shape, payload) + bytes(payload)
+
+
+def keys_and_value(seed):
+    keys = chunk_keys(list(range(seed * 1000, seed * 1000 + 4 * NS.chunk_tokens)), NS)
+    return keys, torch.full(NS.chunk_shape, float(seed), dtype=torch.float16)
+
+
+def put_header(key, size, **kw):
+    return pb.PutHeader(namespace=ns_to_proto(key.namespace), prefix_hash=key.prefix_hash, blob_bytes=size, **kw)
+
+
+def code_of(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.details(), "every error carries a message"
+    return info.value.code()
+
+
+def still_serving(client):
+    keys, value = keys_and_value(999)
+    client.put(keys[0], value)
+    out = torch.empty_like(value)
+    assert client.get_into(keys[0], out) and torch.equal(out, value)
+
+
+def test_malformed_and_truncated_messages(daemon, stub, client):
+    channel = grpc.insecure_channel(daemon.addr)
+    raw_lookup = channel.unary_unary("/kvstore.v1.KVStore/Lookup")
+    assert code_of(lambda: raw_lookup(b"\xff\xff\xff\xff")) == Code.INVALID_ARGUMENT
+    keys, value = keys_and_value(1)
+    whole = pb.PutRequest(header=put_header(keys[0], 200), data=b"x" * 100).SerializeToString()
+    raw_put = channel.stream_unary("/kvstore.v1.KVStore/Put")
+    assert code_of(lambda: raw_put(iter([whole[: len(whole) // 2]]))) == Code.INVALID_ARGUMENT
+    raw_get = channel.unary_stream("/kvstore.v1.KVStore/Get")
+    assert code_of(lambda: list(raw_get(b"\x0a\xff\x01"))) == Code.INVALID_ARGUMENT
+    assert code_of(lambda: stub.Put(iter([]))) == Code.INVALID_ARGUMENT  # no header at all
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(data=b"abc")]))) == Code.INVALID_ARGUMENT
+    channel.close()
+    still_serving(client)
+
+
+def test_wrong_namespace_and_key_length(stub, client):
+    keys, value = keys_and_value(2)
+    good = ns_to_proto(NS)
+    for bad in (pb.NamespaceSpec(), pb.NamespaceSpec(**{**_fields(good), "dtype": "int8"}),
+                pb.NamespaceSpec(**{**_fields(good), "tp_rank": 3, "tp_size": 2}),
+                pb.NamespaceSpec(**{**_fields(good), "layout": "KLTHD"})):
+        assert code_of(lambda: stub.Lookup(pb.KeysRequest(namespace=bad, prefix_hashes=[keys[0].prefix_hash]))) \
+            == Code.INVALID_ARGUMENT
+    for h in (b"", b"x" * 15, b"x" * 17, keys[0].id):
+        assert code_of(lambda: stub.Lookup(pb.KeysRequest(namespace=good, prefix_hashes=[h]))) == Code.INVALID_ARGUMENT
+        assert code_of(lambda: list(stub.Get(pb.GetRequest(namespace=good, prefix_hashes=[h])))) == Code.INVALID_ARGUMENT
+    too_many = [keys[0].prefix_hash] * 9
+    assert code_of(lambda: stub.Delete(pb.KeysRequest(namespace=good, prefix_hashes=too_many))) == Code.INVALID_ARGUMENT
+    assert code_of(lambda: stub.Pin(pb.PinRequest(namespace=good, prefix_hashes=[keys[0].prefix_hash], ttl_s=-1))) \
+        == Code.INVALID_ARGUMENT
+    # a blob whose shape does not match the namespace it is put under
+    other = Namespace("bad-input", 2, 2, 16, chunk_tokens=32)
+    small = torch.zeros(other.chunk_shape, dtype=torch.float16)
+    key = chunk_keys(list(range(32)), NS)[0]
+    payload = tensor_bytes(small)
+    mismatched = encode_header(key, 0, small.dtype, small.shape, payload) + bytes(payload)
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(key, len(mismatched)), data=mismatched)]))) \
+        == Code.INVALID_ARGUMENT
+    assert client.lookup([key]) == 0
+    still_serving(client)
+
+
+def _fields(spec):
+    return {f.name: getattr(spec, f.name) for f in spec.DESCRIPTOR.fields}
+
+
+def test_oversized_chunk_and_corrupt_blob(stub, client):
+    keys, value = keys_and_value(3)
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(keys[0], (64 << 10) + 1))]))) \
+        == Code.RESOURCE_EXHAUSTED
+    blob = bytearray(blob_of(keys[0], value))
+    blob[5000] ^= 0xFF  # payload checksum no longer matches
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(blob)), data=bytes(blob))]))) \
+        == Code.INVALID_ARGUMENT
+    good = blob_of(keys[1], value)  # intact, but names another key
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(good)), data=good)]))) \
+        == Code.INVALID_ARGUMENT
+    payload = tensor_bytes(value)
+    unknown_codec = encode_header(keys[0], 77, value.dtype, value.shape, payload) + bytes(payload)
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(unknown_codec)),
+                                                        data=unknown_codec)]))) == Code.INVALID_ARGUMENT
+    too_long = [pb.PutRequest(header=put_header(keys[1], len(good)), data=good), pb.PutRequest(data=b"extra")]
+    assert code_of(lambda: stub.Put(iter(too_long))) == Code.INVALID_ARGUMENT
+    assert client.lookup(keys[:2]) == 0
+    still_serving(client)
+
+
+def test_put_stream_that_stops_halfway_stores_nothing(stub, client):
+    keys, value = keys_and_value(4)
+    blob = blob_of(keys[0], value)
+    half = [pb.PutRequest(header=put_header(keys[0], len(blob)), data=blob[:5000])]
+    assert code_of(lambda: stub.Put(iter(half))) == Code.INVALID_ARGUMENT
+
+    release = threading.Event()
+
+    def stalls():
+        yield pb.PutRequest(header=put_header(keys[1], len(blob)), data=blob[:5000])
+        release.wait(30)
+
+    future = stub.Put.future(stalls())
+    threading.Timer(0.3, future.cancel).start()
+    with pytest.raises(grpc.FutureCancelledError):
+        future.result()
+    release.set()
+    assert client.lookup(keys[:1]) == 0 and not client.contains(keys[1])
+    still_serving(client)
+
+
+def test_client_disconnecting_mid_get(daemon, stub, client):
+    keys, value = keys_and_value(5)
+    for k in keys:
+        client.put(k, value)
+    request = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys], piece_bytes=1024)
+    stream = stub.Get(request)
+    next(stream)
+    stream.cancel()
+    # bulk: ask for chunks on a side channel, then hang up without reading them
+    attach = stub.BulkAttach(pb.BulkAttachRequest())
+    sock = socket.create_connection(("127.0.0.1", attach.port))
+    sock.sendall(HELLO.pack(attach.session, attach.token))
+    assert sock.recv(1) == b"\x01"
+    request.bulk.CopyFrom(pb.BulkRef(session=attach.session, op=0))
+    stream = stub.Get(request)
+    next(stream)
+    sock.close()
+    with pytest.raises(grpc.RpcError):
+        list(stream)
+    assert len(client.get(keys)) == 4
+    still_serving(client)
+
+
+def test_bulk_channel_rejects_bad_tokens_and_oversized_frames(stub, client):
+    attach = stub.BulkAttach(pb.BulkAttachRequest())
+    sock = socket.create_connection(("127.0.0.1", attach.port))
+    sock.sendall(HELLO.pack(attach.session, b"\0" * 32))
+    assert sock.recv(1) == b""  # closed: wrong token
+    sock = socket.create_connection(("127.0.0.1", attach.port))
+    sock.sendall(HELLO.pack(attach.session, attach.token))
+    assert sock.recv(1) == b"\x01"
+    sock.sendall(FRAME.pack(0, 1 << 30))
+    assert sock.recv(1) == b""  # closed: frame larger than a chunk may be
+    keys, value = keys_and_value(6)
+    blob = blob_of(keys[0], value)
+    header = put_header(keys[0], len(blob), bulk=pb.BulkRef(session=attach.session, op=0))
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=header)]))) == Code.FAILED_PRECONDITION
+    assert client.lookup(keys[:1]) == 0
+    still_serving(client)
+
+
+def test_forged_and_stale_slot_references(stub, client):
+    keys, value = keys_and_value(7)
+    blob = blob_of(keys[0], value)
+    mine = stub.Lease(pb.LeaseRequest(slots=2))
+    theirs = stub.Lease(pb.LeaseRequest(slots=1))
+    ref = mine.slots[0]
+
+    def put_with(slot):
+        return stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(blob), slot=slot))]))
+
+    def get_with(slot):
+        return list(stub.Get(pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash], slots=[slot])))
+
+    forged = [
+        (pb.SlotRef(lease_id=12345, index=ref.index, generation=ref.generation), Code.FAILED_PRECONDITION),
+        (pb.SlotRef(lease_id=ref.lease_id, index=ref.index, generation=ref.generation + 1), Code.FAILED_PRECONDITION),
+        (pb.SlotRef(lease_id=ref.lease_id, index=10_000, generation=ref.generation), Code.OUT_OF_RANGE),
+        (pb.SlotRef(lease_id=ref.lease_id, index=theirs.slots[0].index, generation=theirs.slots[0].generation),
+         Code.PERMISSION_DENIED),
+    ]
+    for slot, code in forged:
+        assert code_of(lambda: put_with(slot)) == code
+        assert code_of(lambda: get_with(slot)) == code
+    stub.ReleaseLease(pb.LeaseRef(lease_id=mine.lease_id))
+    assert code_of(lambda: put_with(ref)) == Code.FAILED_PRECONDITION  # stale: released
+    assert code_of(lambda: stub.RenewLease(pb.LeaseRef(lease_id=mine.lease_id))) == Code.FAILED_PRECONDITION
+    assert code_of(lambda: stub.Lease(pb.LeaseRequest(slots=100))) == Code.RESOURCE_EXHAUSTED
+    stub.ReleaseLease(pb.LeaseRef(lease_id=theirs.lease_id))
+    assert client.lookup(keys[:1]) == 0
+    still_serving(client)
