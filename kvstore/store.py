@@ -237,22 +237,37 @@ class Store:
         self.put_blob(key.id, [header, payload], parent=parent.id if parent else None, durable=durable)
 
     def put_blob(self, key_id: bytes, parts: Sequence, *, parent: bytes | None = None, durable: bool = False) -> None:
-        """Store an already encoded, already verified blob (header + payload, possibly in pieces)."""
+        """Store an already encoded, already verified blob (header + payload, possibly in pieces).
+
+        Putting a key that is already in host RAM with a blob of the same size is a no-op that
+        keeps the stored bytes (keys name content, so the bytes are the same): retries are
+        idempotent. The copy into host RAM runs outside the store lock.
+        """
         size = sum(memoryview(p).nbytes for p in parts)
         waiter = threading.Event() if durable and self.replica_tiers else None
         with self._lock:
             self._check_open()
             self._puts += 1
             entry = self._index.get(key_id)
-            if entry is not None and self.first.name in entry.replicas and entry.size == size:
+            present = entry is not None and self.first.name in entry.replicas and entry.size == size
+            if present:
                 if key_id in self._policies[self.first.name]:
-                    self._policies[self.first.name].on_hit(key_id)  # same prefix, same chunk
+                    self._policies[self.first.name].on_hit(key_id)
             else:
-                self._wait_for_queue_room(size)
+                self._reserve_queue_room(size)
+        reserved = 0 if present or not self.replica_tiers else size
+        if not present:
+            try:
                 entry = self._write_first(key_id, parts, size, parent)
+            except BaseException:
+                self._release_reservation(reserved)
+                raise
+        with self._lock:
             missing = [t for t in self.replica_tiers if t.name not in entry.replicas]
             if missing and not entry.pending:
-                self._queue_copies(key_id, entry, missing)
+                self._queue_copies(key_id, entry, missing, reserved)
+            elif reserved:
+                self._release_reservation(reserved)
             if waiter is not None:
                 if entry.pending:
                     entry.waiters.append(waiter)
@@ -263,35 +278,56 @@ class Store:
             if entry.copy_error is not None:
                 raise entry.copy_error
 
-    def _wait_for_queue_room(self, size: int) -> None:
-        """Backpressure: wait (releasing the lock) until the queues have room for ``size`` bytes."""
+    def _reserve_queue_room(self, size: int) -> None:
+        """Backpressure: wait (releasing the lock) until the queues have room for ``size``
+        bytes, then reserve them (lock held)."""
         if not self.replica_tiers:
             return
         while self._pending_bytes > 0 and self._pending_bytes + size > self.max_pending_bytes:
             self._changed.wait()
             self._check_open()
+        self._pending_bytes += size
 
-    def _write_first(self, key_id: bytes, parts, size: int, parent: bytes | None) -> _Entry:
-        """Copy a blob into the first tier, evicting as needed (lock held)."""
+    def _release_reservation(self, size: int) -> None:
+        if size:
+            with self._lock:
+                self._pending_bytes -= size
+                self._changed.notify_all()
+
+    def _write_first(self, key_id: bytes, parts, size: int, parent: bytes | None, wait: bool = True) -> _Entry:
+        """Copy a blob into the first tier, evicting as needed; call without the lock held.
+
+        Eviction happens under the lock, the copy outside it; if another writer took the
+        room meanwhile, evict again. ``wait=False`` gives up (TierFull) instead of waiting
+        for queued copies to free room.
+        """
         tier = self.first
-        self._evict_to_fit(tier, tier.footprint(size), exclude=key_id)
-        tier.write(key_id, parts)
-        self._stats[tier.name].bytes_written += size
-        entry = self._index.get(key_id)
-        if entry is None:
-            entry = self._index[key_id] = _Entry(size=size)
-        elif entry.size != size:
-            for name in list(entry.replicas):  # re-encoded: other copies are stale
-                if name != tier.name:
-                    self._drop_replica(key_id, entry, self._by_name[name])
-            entry.size = size
-        entry.replicas.add(tier.name)
-        self._sync_policies(key_id, entry, parent)
-        return entry
+        while True:
+            with self._lock:
+                self._evict_to_fit(tier, tier.footprint(size), exclude=key_id, wait=wait)
+            try:
+                tier.write(key_id, parts)
+                break
+            except TierFull:
+                continue
+        with self._lock:
+            self._stats[tier.name].bytes_written += size
+            entry = self._index.get(key_id)
+            if entry is None:
+                entry = self._index[key_id] = _Entry(size=size)
+            elif entry.size != size:
+                for name in list(entry.replicas):  # re-encoded: other copies are stale
+                    if name != tier.name:
+                        self._drop_replica(key_id, entry, self._by_name[name])
+                entry.size = size
+            entry.replicas.add(tier.name)
+            self._sync_policies(key_id, entry, parent)
+            return entry
 
-    def _queue_copies(self, key_id: bytes, entry: _Entry, tiers: list[Tier]) -> None:
+    def _queue_copies(self, key_id: bytes, entry: _Entry, tiers: list[Tier], reserved: int = 0) -> None:
+        """Queue copies to ``tiers`` (lock held); ``reserved`` bytes were counted already."""
         entry.copy_error = None
-        self._pending_bytes += entry.size
+        self._pending_bytes += entry.size - reserved
         entry.pending += len(tiers)
         self._sync_policies(key_id, entry)
         for tier in tiers:
@@ -307,15 +343,16 @@ class Store:
             if entry is not None:
                 self._sync_policies(key_id, entry)
 
-    def _evict_to_fit(self, tier: Tier, need: int, exclude: bytes | None = None) -> None:
-        """Evict from ``tier`` until ``need`` more bytes fit (lock held)."""
+    def _evict_to_fit(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True) -> None:
+        """Evict from ``tier`` until ``need`` more bytes fit (lock held); with ``wait``, wait
+        for queued copies when only their chunks are left."""
         self._expire_pins()
         policy = self._policies[tier.name]
         while tier.capacity_bytes - tier.used_bytes < need:
             try:
                 victim = policy.evict()
             except LookupError:
-                if tier is self.first and self._pending_bytes > 0:
+                if wait and tier is self.first and self._pending_bytes > 0:
                     self._changed.wait()  # everything evictable is waiting for its copies
                     self._expire_pins()
                     continue
@@ -627,11 +664,12 @@ class Store:
                 if key_id in policy:
                     policy.on_hit(key_id)
             promote = self.config.promote_on_read and tier is not self.first
-            if promote and self.first.name not in entry.replicas and entry.size == size:
-                try:
-                    self._write_first(key_id, [header_buf, payload_buf], size, None)
-                except TierFull:
-                    pass  # the first tier is full of pinned or queued chunks: serve without promoting
+            promote = promote and self.first.name not in entry.replicas and entry.size == size
+        if promote:
+            try:
+                self._write_first(key_id, [header_buf, payload_buf], size, None, wait=False)
+            except TierFull:
+                pass  # the first tier is full of pinned or queued chunks: serve without promoting
 
     def _on_corrupt(self, key_id: bytes, tier: Tier, exc: Exception) -> None:
         log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)

@@ -163,7 +163,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors", "read_gbps")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CORRUPTIONS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    READ_GBPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -186,7 +187,8 @@ class TierStats(_message.Message):
     evictions: int
     corruptions: int
     errors: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., corruptions: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
+    read_gbps: float
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., corruptions: _Optional[int] = ..., errors: _Optional[int] = ..., read_gbps: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("tiers", "chunks", "puts", "hits", "misses", "pinned", "write_behind_pending_bytes", "write_behind_queue", "write_behind_dropped", "address", "shm_slots_free", "bulk_sessions")

@@ -1,1 +1,0 @@
-"""The wire contract (kvstore.proto). Python stubs are generated under kvstore/, not here."""
