@@ -19,6 +19,10 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8(rows)
 
 
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_int8(q, scale, dtype)
+
+
 def check_scales(scale: torch.Tensor, codec: str) -> None:
     if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
         raise ValueError(f"{codec} payload has a negative or non-finite scale")
@@ -46,4 +50,4 @@ class Int8Codec(Codec):
         scale = sections.take(rows, torch.float32)
         sections.finish()
         check_scales(scale, self.name)
-        out.copy_(dequantize_int8(q, scale, out.dtype).reshape(out.shape))
+        out.copy_(dequantize_rows(q, scale, out.dtype).reshape(out.shape))
