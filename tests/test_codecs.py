@@ -167,3 +167,23 @@ def test_mixed_needs_chunk_shapes_and_a_feasible_budget():
         except ValueError:
             continue
         raise AssertionError(f"mixed50 encoded shape {shape}")
+
+
+def test_mixed_keeps_more_bits_for_smaller_keys():
+    x = torch.randn(1, 2, 8, 1, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 0] *= torch.arange(1, 9, dtype=torch.float32).reshape(8, 1, 1)  # key norm grows with the token
+    x = x.half()  # fp16 at 50%: six rows fit at int8, two stay int4
+    codec = get_codec("mixed50")
+    y = codec.decode(codec.encode(x), tuple(x.shape), x.dtype).float()
+    errors = (y - x.float())[0, :, :, 0].abs().amax(dim=(0, 2)) / x[0, :, :, 0].float().abs().amax(dim=(0, 2))
+    assert errors[:6].max() < errors[6:].min()  # the two largest-key tokens took the int4 rows
+
+
+def test_allocation_upgrades_in_importance_order_within_budget():
+    from kvstore.codecs.mixed import FULL, INT4, INT8, allocate
+
+    costs = {INT4: 10, INT8: 15, FULL: 30}
+    importance = torch.tensor([0.1, 5.0, 2.0, 3.0])
+    assert allocate(importance, 4 * 10 + 2 * 5, costs).tolist() == [INT4, INT8, INT4, INT8]
+    assert allocate(importance, 4 * 15 + 15, costs).tolist() == [INT8, FULL, INT8, INT8]
+    assert allocate(importance, 1000, costs).tolist() == [FULL] * 4

@@ -6,10 +6,12 @@ dtype, exact). The payload is at most ``budget`` times the raw tensor's size: ev
 starts at the cheapest level, then rows are upgraded in order of importance, first to int8
 (the upgrade that removes the most error per byte) and, once every row is int8, to full.
 
-Importance is a row's key norm relative to its layer's mean key norm: a key with a large
-norm draws large attention logits, so its errors move the attention output most, and
-normalising per layer keeps one loud layer from taking the whole budget.
-Layout, allocation and error bound: docs/codecs.md.
+Importance is the inverse of a row's key norm relative to its layer's mean key norm: the
+smaller a token's key, the more bits it keeps. Measured on SmolLM2 (docs/codecs.md), this
+ranking distorts the model 2-4x less than a random one, while ranking large keys first is
+2x worse than random: unusually large keys seem to sit in channels queries barely read,
+so those tokens draw little attention. Normalising per layer keeps one layer's scale from
+deciding the whole budget. Layout, allocation and error bound: docs/codecs.md.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class MixedPrecisionCodec(Codec):
     def importance(self, keys: torch.Tensor) -> torch.Tensor:
         """``keys [layers, tokens, heads, head_dim]`` -> importance ``[layers, tokens]``."""
         norms = keys.float().flatten(2).norm(dim=2)
-        return norms / norms.mean(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        return norms.mean(dim=1, keepdim=True) / norms.clamp_min(torch.finfo(torch.float32).tiny)
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         layers, heads, head_dim = _check_shape(tuple(tensor.shape), self.name)
