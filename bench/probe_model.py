@@ -35,8 +35,11 @@ def load_model(path: Path) -> LoadedModel:
         directory, kwargs, model_id = path, {"gguf_file": ggufs[0].name}, ggufs[0].stem
     else:
         raise UsageError(f"{path} is not a GGUF file or a model directory (config.json or one .gguf)")
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    except OSError as exc:  # missing tokenizer or weight files
+        raise UsageError(f"cannot load a model from {path}: {exc}") from None
     return LoadedModel(model_id, model, tokenizer)
 
 

@@ -67,3 +67,9 @@ def test_probe_rejects_unknown_codecs_and_short_texts(tiny_llama, capsys):
     assert main(["probe-codec", "--model", str(tiny_llama), "--codecs", "nope"]) == 2
     assert main(["probe-codec", "--model", str(tiny_llama), "--tokens", "100000"]) == 2
     assert "tokens" in capsys.readouterr().err
+
+
+def test_probe_rejects_paths_that_hold_no_model(tmp_path):
+    assert main(["probe-codec", "--model", str(tmp_path)]) == 2
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["probe-codec", "--model", str(tmp_path)]) == 2
