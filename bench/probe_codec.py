@@ -2,9 +2,10 @@
 
 The model reads a text; the KV of its first ``--tokens`` tokens is cut into chunks, each
 chunk goes through a codec's encode and decode, and the next ``--continuation`` tokens are
-scored on the decoded KV. Perplexity change, top-1 agreement and KL divergence are measured against
-the same KV stored raw in the same dtype, so ``raw`` is exactly 0% by construction. The verdict
-file (schema in docs/codecs.md) tells placement which lossy codecs this model tolerates.
+scored on the decoded KV. Perplexity change, top-1 agreement and KL divergence are
+measured against the same KV stored raw in the same dtype, so ``raw`` is exactly 0% by
+construction. The verdict file (schema in docs/codecs.md) tells placement which lossy
+codecs this model tolerates.
 """
 
 from __future__ import annotations
