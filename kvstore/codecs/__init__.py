@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from kvstore.codecs.base import Codec
+from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.int8 import Int8Codec
+from kvstore.codecs.lz4_planes import Lz4PlanesCodec
+from kvstore.codecs.mixed import MixedPrecisionCodec
 from kvstore.codecs.raw import RawCodec
 
 _BY_NAME: dict[str, Codec] = {}
@@ -37,5 +41,10 @@ def codec_names() -> list[str]:
 
 
 register(RawCodec())
+register(Lz4PlanesCodec())
+register(Int8Codec())
+register(Int4Codec())
+register(MixedPrecisionCodec(0.50, "mixed50", 4))
+register(MixedPrecisionCodec(0.75, "mixed75", 5))
 
 __all__ = ["Codec", "register", "get_codec", "codec_by_id", "codec_names"]

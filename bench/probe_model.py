@@ -1,0 +1,67 @@
+"""Running a Llama-family model with transformers for the codec quality probe.
+
+Loads a GGUF file (dequantised to fp32) or a Hugging Face model directory, computes a
+prefix's KV as a chunk-layout tensor ``[layers, 2, tokens, kv_heads, head_dim]``, and
+scores a continuation against any KV put back in its place. transformers is imported
+only when a model is loaded, so ``kvbench`` starts fast for every other command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.cli import UsageError
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    model: object
+    tokenizer: object
+
+
+def load_model(path: Path) -> LoadedModel:
+    """A GGUF file, a directory with one GGUF file, or a directory with config.json."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path.is_file() and path.suffix == ".gguf":
+        directory, kwargs, model_id = path.parent, {"gguf_file": path.name}, path.stem
+    elif path.is_dir() and (path / "config.json").exists():
+        directory, kwargs, model_id = path, {}, path.name
+    elif path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        directory, kwargs, model_id = path, {"gguf_file": ggufs[0].name}, ggufs[0].stem
+    else:
+        raise UsageError(f"{path} is not a GGUF file or a model directory (config.json or one .gguf)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    except OSError as exc:  # missing tokenizer or weight files
+        raise UsageError(f"cannot load a model from {path}: {exc}") from None
+    return LoadedModel(model_id, model, tokenizer)
+
+
+def token_ids(loaded: LoadedModel, text: str) -> torch.Tensor:
+    return loaded.tokenizer(text, return_tensors="pt").input_ids[0]
+
+
+@torch.no_grad()
+def prefix_kv(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """The KV of ``ids`` in chunk layout ``[layers, 2, tokens, kv_heads, head_dim]`` (fp32)."""
+    cache = loaded.model(ids.unsqueeze(0), use_cache=True).cache
+    kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
+    return kv.permute(0, 1, 3, 2, 4).contiguous()
+
+
+@torch.no_grad()
+def continuation_logits(loaded: LoadedModel, kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[len(ids), vocab]`` for ``ids`` following a prefix whose KV is ``kv``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    dtype = loaded.model.dtype
+    for index, layer in enumerate(kv.to(dtype).permute(0, 1, 3, 2, 4)):
+        cache.update(layer[0].unsqueeze(0).contiguous(), layer[1].unsqueeze(0).contiguous(), index)
+    return loaded.model(ids.unsqueeze(0), cache=cache, use_cache=True).logits[0].float()
