@@ -51,7 +51,7 @@ def dequantize_int4_torch(
 ) -> torch.Tensor:
     *lead, half = packed.shape
     q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*lead, half * 2).float()
-    g = q.reshape(*lead, -1, group_size)
+    g = q.reshape(*lead, half * 2 // group_size, group_size)
     return (g * scale.unsqueeze(-1) + zero.unsqueeze(-1)).reshape(*lead, half * 2).to(dtype)
 
 

@@ -113,3 +113,11 @@ def test_int4_rejects_bad_group_size():
             quantize(x, 16)  # 24 is not a multiple of 16
         with pytest.raises(ValueError):
             quantize(x, 3)  # odd
+
+
+def test_int4_round_trip_of_zero_rows():
+    """Regression: dequantising an empty batch of rows used to fail on an ambiguous reshape."""
+    from kernels.quant import dequantize_int4_torch, quantize_int4_torch
+
+    packed, scale, zero = quantize_int4_torch(torch.empty(0, 64), 32)
+    assert dequantize_int4_torch(packed, scale, zero, 32, torch.float16).shape == (0, 64)

@@ -37,8 +37,6 @@ def dequantize_rows(packed, scale, zero, width: int, dtype: torch.dtype) -> torc
     """The ``[n, width]`` rows that ``quantize_rows`` encoded."""
     if not bool((torch.isfinite(scale) & (scale >= 0) & torch.isfinite(zero)).all()):
         raise ValueError("int4 payload has a negative or non-finite scale or zero point")
-    if not packed.shape[0]:  # the quant kernels cannot reshape zero rows
-        return torch.empty(0, width, dtype=dtype)
     return dequantize_int4(packed, scale, zero, GROUP, dtype)[:, :width]
 
 
