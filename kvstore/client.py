@@ -32,12 +32,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import grpc
+import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.blob import HEADER_BYTES, encode_header, verify_blob
+from kvstore.blob import encode_header, verify_blob
 from kvstore.codecs import get_codec
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.daemon.auth import bearer, read_token_file
@@ -448,10 +449,18 @@ class Client(_ClientBase):
         ns = self._one_ns(keys)
         if ns is None:
             return []
-        dtype = getattr(torch, ns.dtype)
-        outs = [torch.empty(ns.chunk_shape, dtype=dtype) for _ in keys]
-        n = self._retrying(lambda: self._get(list(keys), pb.TENSOR, [tensor_bytes(o) for o in outs]))
-        return outs[:n]
+        outs = [torch.empty(ns.chunk_shape, dtype=getattr(torch, ns.dtype)) for _ in keys]
+        return outs[: self.get_many_into(keys, outs)]
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
+        """Load the leading present chunks into ``outs`` (reused buffers); returns how many."""
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(outs)} buffers for {len(keys)} keys")
+        for k, o in zip(keys, outs):
+            self._check(k.namespace, o, "out")
+        if not keys:
+            return 0
+        return self._retrying(lambda: self._get(list(keys), pb.TENSOR, [tensor_bytes(o) for o in outs]))
 
     def get_blob(self, key: ChunkKey) -> bytes | None:
         """The verified blob (header + encoded payload) of a chunk, or None on a miss."""
@@ -502,7 +511,7 @@ class Client(_ClientBase):
                     if outs[i].nbytes != reply.chunk_bytes:
                         raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
                                           f"{outs[i].nbytes}-byte tensor")
-                    outs[i][:] = view
+                    _copy(outs[i], view)
                 got += 1
         except grpc.RpcError as exc:
             raise DaemonError(exc.code(), exc.details() or "") from None
@@ -675,15 +684,20 @@ class _AsyncBulkSession:
         self.sock.close()
 
 
+def _bytes(buf) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
 def _copy_parts(dst: memoryview, views) -> None:
+    """Concatenate ``views`` into ``dst``; numpy's copy runs at memcpy speed without the GIL."""
     off = 0
     for v in views:
-        dst[off : off + v.nbytes] = v
+        np.copyto(_bytes(dst[off : off + v.nbytes]), _bytes(v))
         off += v.nbytes
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
-    dst[:] = src
+    np.copyto(_bytes(dst), _bytes(src))
 
 
 class AsyncClient(_ClientBase):
@@ -878,10 +892,17 @@ class AsyncClient(_ClientBase):
         ns = self._one_ns(keys)
         if ns is None:
             return []
-        dtype = getattr(torch, ns.dtype)
-        outs = [torch.empty(ns.chunk_shape, dtype=dtype) for _ in keys]
-        n = await self._retrying(lambda: self._get(list(keys), pb.TENSOR, [tensor_bytes(o) for o in outs]))
-        return outs[:n]
+        outs = [torch.empty(ns.chunk_shape, dtype=getattr(torch, ns.dtype)) for _ in keys]
+        return outs[: await self.get_many_into(keys, outs)]
+
+    async def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(outs)} buffers for {len(keys)} keys")
+        for k, o in zip(keys, outs):
+            self._check(k.namespace, o, "out")
+        if not keys:
+            return 0
+        return await self._retrying(lambda: self._get(list(keys), pb.TENSOR, [tensor_bytes(o) for o in outs]))
 
     async def get_blob(self, key: ChunkKey) -> bytes | None:
         blobs: list = [None]

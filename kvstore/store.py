@@ -745,6 +745,17 @@ class Store:
         """The leading chunks of ``keys`` that can be loaded, in order (stops at the first miss)."""
         return list(self.stream(keys))
 
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
+        """Load the leading loadable chunks into ``outs`` (reused buffers); returns how many."""
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(outs)} buffers for {len(keys)} keys")
+        n = 0
+        for i, chunk in enumerate(self.stream(keys, outs=outs)):
+            if chunk is not outs[i]:
+                outs[i].copy_(chunk)  # taken over from a stalled tier into a fresh tensor
+            n += 1
+        return n
+
     def drop(self, keys: Sequence[ChunkKey], tier_name: str) -> int:
         """Remove one tier's copies of ``keys`` (other replicas stay); returns how many were there."""
         tier = self._by_name[tier_name]
