@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.arc import ARCPolicy
+from kvstore.policies.lirs import LIRSPolicy
 from kvstore.policies.lru import LRUPolicy
+from kvstore.policies.s3fifo import S3FIFOPolicy
+from kvstore.policies.wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 DEFAULT_POLICY = "lru"
@@ -27,6 +31,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return cls(capacity_bytes)
 
 
-register(LRUPolicy)
+for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy):
+    register(_cls)
 
 __all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]
