@@ -6,6 +6,7 @@ from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.arc import ARCPolicy
 from kvstore.policies.lirs import LIRSPolicy
 from kvstore.policies.lru import LRUPolicy
+from kvstore.policies.prefix_density import PrefixDensityPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
 from kvstore.policies.wtinylfu import WTinyLFUPolicy
 
@@ -31,7 +32,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return cls(capacity_bytes)
 
 
-for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy):
+for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, PrefixDensityPolicy):
     register(_cls)
 
 __all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]
