@@ -4,7 +4,9 @@ Keys whose last two accesses were close together (low IRR) are LIR and own almos
 of the space; everything else is HIR and shares a small resident queue (1%). The stack
 S orders keys by recency and also remembers non-resident HIR keys, so a key that comes
 back soon enough is promoted to LIR even though it was evicted. Non-resident history is
-bounded by the capacity (the stack holds at most about twice the capacity).
+bounded: the stack holds at most ``1 + history`` entries per resident key (2 by default,
+the setting of the reference figures in the traces' README; more history helps
+small caches).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from typing import Hashable
 from kvstore.policies.base import EvictionPolicy
 
 HIR_FRACTION = 0.01
+HISTORY = 2.0  # non-resident keys remembered per resident key
 
 
 class LIRSPolicy(EvictionPolicy):
     name = "lirs"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, history: float = HISTORY) -> None:
         super().__init__(capacity_bytes)
+        self._history = history
         self._lir_limit = capacity_bytes - max(1, int(capacity_bytes * HIR_FRACTION))
         self._stack: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
         self._lir: dict[Hashable, int] = {}  # resident LIR key -> size
@@ -84,7 +88,7 @@ class LIRSPolicy(EvictionPolicy):
             key, _ = self._hir.popitem(last=False)
             if key in self._stack:
                 self._ghosts[key] = None
-                while len(self._ghosts) > max(1, len(self)):
+                while self._ghosts and len(self._stack) > (1 + self._history) * max(1, len(self)):
                     self._stack.pop(self._ghosts.popitem(last=False)[0])
             return key
         if not self._lir:
