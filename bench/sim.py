@@ -47,7 +47,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, capacity: int, check: bool = 
     """Replay ``trace`` against ``policy`` holding at most ``capacity`` blocks.
 
     With ``check`` every step verifies the owner-side invariants (evicted keys were
-    resident, capacity never exceeded, the policy's resident count matches).
+    resident, capacity never exceeded, the policy's resident set matches the owner's).
     """
     resident: set[Hashable] = set()
     used = 0
@@ -76,6 +76,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, capacity: int, check: bool = 
                         resident.discard(victim)
                         used -= BLOCK_SIZE
             if check:
+                if (key in policy) != (key in resident):
+                    raise InvariantError(f"{policy.name} disagrees with its owner on whether {key!r} is resident")
                 if used > capacity:
                     raise InvariantError(f"{policy.name} left {used} blocks in capacity {capacity}")
                 if len(policy) != len(resident):

@@ -6,12 +6,12 @@ from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.arc import ARCPolicy
 from kvstore.policies.lirs import LIRSPolicy
 from kvstore.policies.lru import LRUPolicy
-from kvstore.policies.prefix_density import PrefixDensityPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
+from kvstore.policies.shadow_leader import ShadowLeaderPolicy
 from kvstore.policies.wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "shadow-leader"
 
 
 def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -32,7 +32,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return cls(capacity_bytes)
 
 
-for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, PrefixDensityPolicy):
+for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, ShadowLeaderPolicy):
     register(_cls)
 
 __all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]
