@@ -45,6 +45,7 @@ class LIRSPolicy(EvictionPolicy):
 
     def _demote_bottom_lir(self) -> None:
         while self._lir_bytes > self._lir_limit:
+            self._prune()
             key, _ = self._stack.popitem(last=False)
             size = self._lir.pop(key)
             self._lir_bytes -= size
@@ -74,10 +75,10 @@ class LIRSPolicy(EvictionPolicy):
                 self._hir.move_to_end(key)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._ghosts.pop(key, None)
         if self._lir_bytes + size <= self._lir_limit and not self._hir:
             self._make_lir(key, size)  # warm-up: the cache is not full yet
         elif key in self._stack:
-            self._ghosts.pop(key, None)
             self._make_lir(key, size)
         else:
             self._stack[key] = None

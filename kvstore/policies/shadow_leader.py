@@ -9,7 +9,13 @@ resident set over the same capacity (keys and sizes only, no data); hits are cou
 per window of accesses. The expert with the best recent hit rate (with hysteresis, so
 the cache does not thrash between experts) is the *leader*, and the real cache evicts
 keys the leader no longer holds, oldest first, so its contents converge to the
-leader's. With one expert this is exactly that expert.
+leader's. With one expert (and without tail dropping) this is exactly that expert.
+
+One prefix-aware rule applies on top, for every expert: when a new prompt starts (a
+chunk without parent is accessed), the chunk inserted just before it never got a child,
+so it was the previous prompt's partly filled last chunk, whose hash no later prompt
+can share; it is dropped from the shadows and evicted first. (A Store that only saves
+full chunks never has such tails; then the rule never fires.)
 
 Cost: each access costs one step of every expert, O(1) each; memory is that of the
 experts' metadata. Switching leader rebuilds the eviction queue once (O(resident)).
@@ -30,7 +36,6 @@ from kvstore.policies.s3fifo import S3FIFOPolicy
 WINDOW = 2048  # accesses per scoring window
 SMOOTHING = 0.1  # weight of the newest window in each expert's score
 MARGIN = 1.02  # a challenger must beat the leader's score by this factor
-DROP_TAILS = True
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
 
 EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
@@ -53,8 +58,9 @@ class _Shadow:
 class ShadowLeaderPolicy(EvictionPolicy):
     name = "shadow-leader"
 
-    def __init__(self, capacity_bytes: int, experts=EXPERTS) -> None:
+    def __init__(self, capacity_bytes: int, experts=EXPERTS, drop_tails: bool = True) -> None:
         super().__init__(capacity_bytes)
+        self._drop_tails = drop_tails
         self._shadows = [_Shadow(make(capacity_bytes)) for make in experts]
         self._leader = self._shadows[0]
         self._resident: dict[Hashable, tuple[int, Hashable | None]] = {}  # key -> (size, parent)
@@ -77,7 +83,7 @@ class ShadowLeaderPolicy(EvictionPolicy):
 
     def _replay(self, key: Hashable, size: int, parent: Hashable | None) -> None:
         """One access in every shadow; keeps ``_unwanted`` equal to resident minus leader."""
-        if parent is None and DROP_TAILS:
+        if parent is None and self._drop_tails:
             self._drop_tail()
         for shadow in self._shadows:
             policy, sizes = shadow.policy, shadow.sizes
@@ -124,14 +130,21 @@ class ShadowLeaderPolicy(EvictionPolicy):
         self._fresh = key
 
     def evict(self) -> Hashable:
+        if not self._resident:
+            raise LookupError("no resident key to evict")
         while self._unwanted:
             key, _ = self._unwanted.popitem(last=False)
             if key in self._resident:
                 del self._resident[key]
                 return key
-        if not self._resident:
-            raise LookupError("no resident key to evict")
-        key = next(iter(self._resident))  # the leader holds everything we hold: oldest insert goes
+        leader = self._leader  # it holds everything we hold: let it choose
+        while leader.sizes:
+            key = leader.policy.evict()
+            leader.used -= leader.sizes.pop(key)
+            if key in self._resident:
+                del self._resident[key]
+                return key
+        key = next(iter(self._resident))
         del self._resident[key]
         return key
 
