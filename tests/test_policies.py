@@ -106,8 +106,8 @@ def test_default_policy_is_registered():
         make_policy("nope", 10)
 
 
-def test_shadow_leader_evicts_the_previous_prompts_tail_first():
-    policy = make_policy("shadow-leader", 10)
+def test_shadow_vote_evicts_the_previous_prompts_tail_first():
+    policy = make_policy("shadow-vote", 10)
     for key, parent in ((1, None), (2, 1), (3, 2)):
         policy.on_miss(key)
         policy.on_insert(key, 1, parent)

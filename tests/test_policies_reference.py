@@ -11,7 +11,7 @@ from bench.traces import Trace
 from kvstore.policies import make_policy
 from kvstore.policies.arc import ARCPolicy
 from kvstore.policies.lru import LRUPolicy
-from kvstore.policies.shadow_leader import ShadowLeaderPolicy
+from kvstore.policies.shadow_vote import ShadowVotePolicy
 
 
 def hits_of(policy, accesses, capacity):
@@ -108,8 +108,8 @@ def test_arc_matches_reference(seq, capacity):
 
 @settings(max_examples=60, deadline=None)
 @given(st.one_of(accesses, zipfish), st.integers(1, 12))
-def test_shadow_leader_with_one_expert_is_that_expert(seq, capacity):
-    alone = ShadowLeaderPolicy(capacity, experts=(ARCPolicy,), drop_tails=False)
+def test_shadow_vote_with_one_expert_is_that_expert(seq, capacity):
+    alone = ShadowVotePolicy(capacity, experts=(ARCPolicy,), drop_tails=False)
     assert hits_of(alone, seq, capacity) == reference_arc(seq, capacity)
 
 

@@ -78,11 +78,11 @@ def test_policies_command_json(tmp_path, capsys):
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["capacities"] == [10, 50]
-    assert set(result["policies"]) == {"lru", "shadow-leader", "opt"}
+    assert set(result["policies"]) == {"lru", "shadow-vote", "opt"}
     for figures in result["policies"].values():
         assert len(figures["hit"]) == len(figures["prefix_hit"]) == 2
         assert all(0 <= p <= h <= 100 for p, h in zip(figures["prefix_hit"], figures["hit"]))
-    assert "shadow-leader" in capsys.readouterr().out
+    assert "shadow-vote" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

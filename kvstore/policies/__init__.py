@@ -7,11 +7,11 @@ from kvstore.policies.arc import ARCPolicy
 from kvstore.policies.lirs import LIRSPolicy
 from kvstore.policies.lru import LRUPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
-from kvstore.policies.shadow_leader import ShadowLeaderPolicy
+from kvstore.policies.shadow_vote import ShadowVotePolicy
 from kvstore.policies.wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
-DEFAULT_POLICY = "shadow-leader"
+DEFAULT_POLICY = "shadow-vote"
 
 
 def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -32,7 +32,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return cls(capacity_bytes)
 
 
-for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, ShadowLeaderPolicy):
+for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, ShadowVotePolicy):
     register(_cls)
 
 __all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]
