@@ -85,6 +85,9 @@ class ShadowVotePolicy(EvictionPolicy):
         self._stamp += 1
         self._support[key] = (support, self._stamp)
         heapq.heappush(self._heap, (support, self._stamp, key))
+        if len(self._heap) > 4 * len(self._support) + 64:  # mostly stale entries: compact
+            self._heap = [(sup, stamp, k) for k, (sup, stamp) in self._support.items()]
+            heapq.heapify(self._heap)
 
     def _drop_tail(self) -> None:
         tail, self._fresh = self._fresh, None
