@@ -113,4 +113,4 @@ def test_shadow_vote_evicts_the_previous_prompts_tail_first():
         policy.on_insert(key, 1, parent)
     policy.on_hit(1)  # the next prompt starts: 3 got no child, so it was a partial tail
     assert policy.evict() == 3
-    assert policy.evict() == 2  # the leader (LRU at first) evicts 2 before the root it just hit
+    assert policy.evict() == 2  # equal support: the key whose support changed longest ago

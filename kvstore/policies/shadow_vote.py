@@ -15,8 +15,7 @@ workload of the hour, so instead of guessing, the policy measures:
   the weight of the experts holding it; the real cache evicts the key with the least
   support (oldest first among equals) from a heap. So it holds what the leader holds,
   and where near-equal experts disagree, what more of them agree on. With one expert
-  (and without tail dropping) this is exactly that expert; when every resident key has
-  the leader's full support the leader itself chooses.
+  (and without tail dropping) this is exactly that expert.
 - Prefix tails are dropped: when a new prompt starts (a chunk without parent is
   accessed), the chunk inserted just before it never got a child, so it was the previous
   prompt's partly filled last chunk, whose hash no later prompt can share; it leaves
@@ -157,25 +156,12 @@ class ShadowVotePolicy(EvictionPolicy):
         return key
 
     def evict(self) -> Hashable:
-        heap = self._heap
+        heap, support = self._heap, self._support
         while heap:
-            support, stamp, key = heap[0]
-            if key not in self._support or self._support[key][1] != stamp:
-                heapq.heappop(heap)
-                continue
-            if support < max(self._weights):
-                heapq.heappop(heap)
+            _, stamp, key = heapq.heappop(heap)
+            if key in support and support[key][1] == stamp:
                 return self._forget(key)
-            break
-        if not self._resident:
-            raise LookupError("no resident key to evict")
-        leader = self._shadows[self._weights.index(max(self._weights))]
-        while leader.sizes:  # the leader holds everything we hold: let it choose
-            key = leader.policy.evict()
-            leader.used -= leader.sizes.pop(key)
-            if key in self._resident:
-                return self._forget(key)
-        return self._forget(next(iter(self._resident)))
+        raise LookupError("no resident key to evict")
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._resident:
