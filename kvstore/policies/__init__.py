@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.arc import ARCPolicy
+from kvstore.policies.lirs import LIRSPolicy
 from kvstore.policies.lru import LRUPolicy
+from kvstore.policies.s3fifo import S3FIFOPolicy
+from kvstore.policies.shadow_vote import ShadowVotePolicy
+from kvstore.policies.wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "shadow-vote"
 
 
 def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -27,6 +32,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return cls(capacity_bytes)
 
 
-register(LRUPolicy)
+for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, ShadowVotePolicy):
+    register(_cls)
 
 __all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]

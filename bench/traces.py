@@ -1,0 +1,83 @@
+"""Block-access traces for policy simulation: the Mooncake JSONL format and our own text format.
+
+A trace is a list of requests; a request is the ordered list of its blocks' prefix-hash
+ids (equal id = equal prefix). Formats, detected from the first non-blank character:
+
+- Mooncake JSON Lines (``{"hash_ids": [...], ...}`` per line; other fields ignored);
+- our text format: one request per line, block ids separated by spaces; ``#`` starts a
+  comment line.
+
+Either may be gzip-compressed (detected from the magic bytes, not the name).
+``synthetic:...`` names a generated trace (see ``bench.synthetic``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Hashable
+
+
+@dataclass
+class Trace:
+    name: str
+    requests: list[list[Hashable]]
+    distinct: int = field(init=False)
+    accesses: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.distinct = len({k for r in self.requests for k in r})
+        self.accesses = sum(len(r) for r in self.requests)
+
+    def head(self, n: int) -> "Trace":
+        """The first ``n`` requests, for tests and quick looks."""
+        return Trace(f"{self.name}[:{n}]", self.requests[:n])
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _parse_line(line: str, lineno: int, path: Path) -> list[Hashable] | None:
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    if line.startswith("{"):
+        try:
+            ids = json.loads(line)["hash_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: not a Mooncake record with hash_ids ({exc})") from None
+        if not isinstance(ids, list):
+            raise ValueError(f"{path}:{lineno}: hash_ids is not a list")
+        return ids
+    return [int(tok) if tok.lstrip("-").isdigit() else tok for tok in line.split()]
+
+
+def load_trace(spec: str) -> Trace:
+    """Load ``spec``: a trace file path, or ``synthetic:key=value,...``."""
+    if spec.startswith("synthetic"):
+        from bench.synthetic import generate_from_spec
+
+        return generate_from_spec(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"no trace file {spec}")
+    requests = []
+    with _open_text(path) as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                ids = _parse_line(line, lineno, path)
+                if ids is not None:
+                    requests.append(ids)
+        except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+            raise ValueError(f"{path}: unreadable trace ({exc})") from None
+    if not requests:
+        raise ValueError(f"{path}: no requests in trace")
+    return Trace(path.name, requests)

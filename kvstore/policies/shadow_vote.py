@@ -1,0 +1,174 @@
+"""``shadow-vote``: our default policy. Run several policies as metadata-only shadows of the
+cache; the real cache keeps what the recently best of them would keep, and evicts first
+what none of them wants.
+
+No single eviction order wins everywhere: on chat traces a frequency/IRR policy (LIRS)
+wins small caches by far and loses large ones to recency (LRU, ARC), and on other
+workloads several policies tie. Which regime a tier is in depends on its size and on the
+workload of the hour, so instead of guessing, the policy measures:
+
+- Every access is replayed into each expert, which keeps its own resident set over the
+  same capacity (keys and sizes only, no data). Hits are counted per window of accesses
+  and smoothed into a score.
+- Each expert's vote weighs ``(score / best score) ** SHARPNESS``: the leader weighs 1,
+  an expert 1% behind about 0.8, one 10% behind about 0.1. A resident key's *support* is
+  the weight of the experts holding it; the real cache evicts the key with the least
+  support (oldest first among equals) from a heap. So it holds what the leader holds,
+  and where near-equal experts disagree, what more of them agree on. With one expert
+  (and without tail dropping) this is exactly that expert.
+- Prefix tails are dropped: when a new prompt starts (a chunk without parent is
+  accessed), the chunk inserted just before it never got a child, so it was the previous
+  prompt's partly filled last chunk, whose hash no later prompt can share; it leaves
+  every shadow and is evicted first. (A Store that only saves full chunks never has such
+  tails; then the rule never fires.)
+
+Cost: one O(1) step of every expert per access, plus O(log n) heap work for the keys the
+access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
+rebuilds the heap in O(resident keys x experts).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from kvstore.policies.arc import ARCPolicy
+from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.lirs import LIRSPolicy
+from kvstore.policies.lru import LRUPolicy
+from kvstore.policies.s3fifo import S3FIFOPolicy
+
+WINDOW = 2048  # accesses per scoring window
+SMOOTHING = 0.1  # weight of the newest window in each expert's score
+SHARPNESS = 20.0  # how fast an expert's vote fades as it falls behind the leader
+REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
+LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
+TAIL = -1.0  # support of a dropped prompt tail: below every vote
+
+EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
+    LRUPolicy,
+    ARCPolicy,
+    S3FIFOPolicy,
+    lambda capacity: LIRSPolicy(capacity, history=LONG_HISTORY),
+)
+
+
+@dataclass
+class _Shadow:
+    policy: EvictionPolicy
+    sizes: dict[Hashable, int] = field(default_factory=dict)
+    used: int = 0
+    window_hits: int = 0
+    score: float = 0.0
+
+
+class ShadowVotePolicy(EvictionPolicy):
+    name = "shadow-vote"
+
+    def __init__(self, capacity_bytes: int, experts=EXPERTS, drop_tails: bool = True) -> None:
+        super().__init__(capacity_bytes)
+        self._drop_tails = drop_tails
+        self._shadows = [_Shadow(make(capacity_bytes)) for make in experts]
+        self._weights = [1.0] + [0.0] * (len(self._shadows) - 1)  # the first expert leads at first
+        self._resident: dict[Hashable, tuple[int, Hashable | None]] = {}  # key -> (size, parent)
+        self._support: dict[Hashable, tuple[float, int]] = {}  # resident key -> (support, stamp)
+        self._heap: list[tuple[float, int, Hashable]] = []  # stale entries are skipped
+        self._stamp = 0
+        self._accesses = 0
+        self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
+
+    def _rate(self, key: Hashable, support: float | None = None) -> None:
+        if support is None:
+            support = sum(w for s, w in zip(self._shadows, self._weights) if key in s.sizes)
+        self._stamp += 1
+        self._support[key] = (support, self._stamp)
+        heapq.heappush(self._heap, (support, self._stamp, key))
+        if len(self._heap) > 4 * len(self._support) + 64:  # mostly stale entries: compact
+            self._heap = [(sup, stamp, k) for k, (sup, stamp) in self._support.items()]
+            heapq.heapify(self._heap)
+
+    def _drop_tail(self) -> None:
+        tail, self._fresh = self._fresh, None
+        if tail is None or tail not in self._resident:
+            return
+        for shadow in self._shadows:
+            if tail in shadow.sizes:
+                shadow.used -= shadow.sizes.pop(tail)
+                shadow.policy.on_remove(tail)
+        self._rate(tail, TAIL)
+
+    def _replay(self, key: Hashable, size: int, parent: Hashable | None) -> None:
+        """One access in every shadow; re-rates the keys whose support it changed."""
+        if parent is None and self._drop_tails:
+            self._drop_tail()
+        touched = [key]
+        for shadow in self._shadows:
+            policy, sizes = shadow.policy, shadow.sizes
+            if key in sizes:
+                shadow.window_hits += 1
+                policy.on_hit(key)
+                continue
+            policy.on_miss(key)
+            if not policy.admit(key, size, parent):
+                continue
+            sizes[key] = size
+            shadow.used += size
+            policy.on_insert(key, size, parent)
+            while shadow.used > self.capacity_bytes:
+                victim = policy.evict()
+                shadow.used -= sizes.pop(victim)
+                touched.append(victim)
+        for k in touched:
+            if k in self._resident:
+                self._rate(k)
+        self._accesses += 1
+        if self._accesses % WINDOW == 0:
+            self._reweigh()
+
+    def _reweigh(self) -> None:
+        for shadow in self._shadows:
+            shadow.score = (1 - SMOOTHING) * shadow.score + SMOOTHING * shadow.window_hits
+            shadow.window_hits = 0
+        best = max(s.score for s in self._shadows)
+        if best <= 0:
+            return
+        weights = [(s.score / best) ** SHARPNESS for s in self._shadows]
+        if max(abs(a - b) for a, b in zip(weights, self._weights)) <= REWEIGH:
+            return
+        self._weights = weights
+        self._heap = []
+        for key, (support, _) in self._support.items():
+            self._rate(key, TAIL if support == TAIL else None)
+
+    def on_hit(self, key: Hashable) -> None:
+        if key in self._resident:
+            self._replay(key, *self._resident[key])
+            self._fresh = None
+
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._resident[key] = (size, parent)
+        self._replay(key, size, parent)
+        self._fresh = key
+
+    def _forget(self, key: Hashable) -> Hashable:
+        del self._resident[key], self._support[key]
+        return key
+
+    def evict(self) -> Hashable:
+        heap, support = self._heap, self._support
+        while heap:
+            _, stamp, key = heapq.heappop(heap)
+            if key in support and support[key][1] == stamp:
+                return self._forget(key)
+        raise LookupError("no resident key to evict")
+
+    def on_remove(self, key: Hashable) -> None:
+        if key in self._resident:
+            self._forget(key)
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._resident

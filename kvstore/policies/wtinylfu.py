@@ -1,0 +1,104 @@
+"""W-TinyLFU (Einziger, Friedman & Manes, 2017): a small LRU window in front of an SLRU main
+cache guarded by a frequency-sketch admission filter.
+
+New keys land in the window (1%), which absorbs bursts. A key leaving the window only
+enters the main cache if the sketch says it is more popular than the main cache's next
+victim; so one-hit wonders rarely displace established keys. The main cache is
+segmented LRU: probation (20%) for keys seen once there, protected (80%) for the rest.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable
+
+from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.sketch import FrequencySketch
+
+WINDOW_FRACTION = 0.01
+PROTECTED_FRACTION = 0.8
+
+
+class WTinyLFUPolicy(EvictionPolicy):
+    name = "wtinylfu"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self._window_limit = max(1, int(capacity_bytes * WINDOW_FRACTION))
+        self._protected_limit = int((capacity_bytes - self._window_limit) * PROTECTED_FRACTION)
+        self._window: OrderedDict[Hashable, int] = OrderedDict()
+        self._probation: OrderedDict[Hashable, int] = OrderedDict()
+        self._protected: OrderedDict[Hashable, int] = OrderedDict()
+        self._bytes = {"window": 0, "probation": 0, "protected": 0}
+        self._sketch: FrequencySketch | None = None  # rebuilt whenever the resident count doubles
+        self._sketch_keys = 0
+
+    def _count(self, key: Hashable) -> None:
+        if self._sketch is None or len(self) > self._sketch_keys:
+            self._sketch_keys = max(64, 2 * len(self))
+            self._sketch = FrequencySketch(self._sketch_keys, 10 * self._sketch_keys)
+        self._sketch.increment(key)
+
+    def _move(self, key: Hashable, src: str, dst: str) -> None:
+        size = getattr(self, "_" + src).pop(key)
+        self._bytes[src] -= size
+        getattr(self, "_" + dst)[key] = size
+        self._bytes[dst] += size
+
+    def on_hit(self, key: Hashable) -> None:
+        self._count(key)
+        if key in self._window:
+            self._window.move_to_end(key)
+        elif key in self._probation:
+            self._move(key, "probation", "protected")
+            while self._bytes["protected"] > self._protected_limit and len(self._protected) > 1:
+                self._move(next(iter(self._protected)), "protected", "probation")
+        elif key in self._protected:
+            self._protected.move_to_end(key)
+
+    def on_miss(self, key: Hashable) -> None:
+        self._count(key)
+
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._window[key] = size
+        self._bytes["window"] += size
+
+    def _pop(self, segment: str) -> Hashable:
+        key, size = getattr(self, "_" + segment).popitem(last=False)
+        self._bytes[segment] -= size
+        return key
+
+    def evict(self) -> Hashable:
+        if not len(self):
+            raise LookupError("no resident key to evict")
+        main_limit = self.capacity_bytes - self._window_limit
+        while self._bytes["window"] > self._window_limit:
+            candidate = next(iter(self._window))
+            main_bytes = self._bytes["probation"] + self._bytes["protected"]
+            if main_bytes + self._window[candidate] > main_limit:
+                break
+            self._move(candidate, "window", "probation")  # the main cache is still filling
+        if self._bytes["window"] <= self._window_limit or not self._window:
+            return self._pop("probation" if self._probation else "protected")
+        candidate = next(iter(self._window))
+        victim_segment = "probation" if self._probation else "protected"
+        if not getattr(self, "_" + victim_segment):
+            return self._pop("window")
+        victim = next(iter(getattr(self, "_" + victim_segment)))
+        if self._sketch.estimate(candidate) > self._sketch.estimate(victim):
+            self._move(candidate, "window", "probation")
+            return self._pop(victim_segment)
+        return self._pop("window")
+
+    def on_remove(self, key: Hashable) -> None:
+        for segment in ("window", "probation", "protected"):
+            d = getattr(self, "_" + segment)
+            if key in d:
+                self._bytes[segment] -= d.pop(key)
+                return
+
+    def __len__(self) -> int:
+        return len(self._window) + len(self._probation) + len(self._protected)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._window or key in self._probation or key in self._protected

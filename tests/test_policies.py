@@ -1,0 +1,116 @@
+"""Invariants every registered eviction policy must keep, on random and real traces."""
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bench.sim import simulate, simulate_opt
+from bench.traces import Trace, load_trace
+from kvstore.policies import DEFAULT_POLICY, POLICIES, make_policy
+
+MOONCAKE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl.gz")
+
+
+def random_prefix_trace(rng: random.Random, requests: int, roots: int = 4, fanout: int = 3, depth: int = 8) -> Trace:
+    """Requests walk a random prefix tree: equal id at a position means equal prefix."""
+    ids: dict[tuple, int] = {}
+    reqs = []
+    for _ in range(requests):
+        path, parent = [], -1
+        for d in range(rng.randint(1, depth)):
+            choice = rng.randrange(roots if d == 0 else fanout)
+            parent = ids.setdefault((parent, choice), len(ids))
+            path.append(parent)
+        reqs.append(path)
+    return Trace("random", reqs)
+
+
+traces = st.builds(
+    lambda seed, *args: random_prefix_trace(random.Random(seed), *args),
+    st.integers(0, 2**32),
+    st.integers(1, 60),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(1, 10),
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=40, deadline=None)
+@given(trace=traces, capacity=st.integers(1, 30))
+def test_owner_invariants_and_never_above_opt(name, trace, capacity):
+    """Capacity never exceeded, evict returns a resident key, membership agrees, <= OPT."""
+    result = simulate(trace, make_policy(name, capacity), capacity, check=True)
+    opt = simulate_opt(trace, capacity)
+    assert result.prefix_hits <= result.hits <= opt.hits
+    assert opt.prefix_hits == opt.hits
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_contract_directly(name):
+    policy = make_policy(name, 3)
+    with pytest.raises(LookupError):
+        policy.evict()
+    for key, parent in ((1, None), (2, 1), (3, 2)):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, parent)
+    policy.on_hit(1)
+    assert len(policy) == 3 and all(k in policy for k in (1, 2, 3))
+    policy.on_remove(2)
+    policy.on_remove(99)  # unknown keys are ignored
+    assert len(policy) == 2 and 2 not in policy
+    victim = policy.evict()
+    assert victim in (1, 3) and victim not in policy and len(policy) == 1
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_variable_sizes_respect_capacity(name):
+    rng = random.Random(7)
+    policy = make_policy(name, 100)
+    resident: dict[int, int] = {}
+    for _ in range(3000):
+        key = rng.randrange(60)
+        if key in resident:
+            policy.on_hit(key)
+            continue
+        policy.on_miss(key)
+        size = rng.randint(1, 40)
+        if policy.admit(key, size, None):
+            resident[key] = size
+            policy.on_insert(key, size, None)
+            while sum(resident.values()) > 100:
+                victim = policy.evict()
+                assert victim in resident
+                del resident[victim]
+        assert len(policy) == len(resident)
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_real_trace_slice(name):
+    trace = load_trace(str(MOONCAKE)).head(400)
+    capacity = max(1, trace.distinct // 20)
+    result = simulate(trace, make_policy(name, capacity), capacity, check=True)
+    assert result.hits <= simulate_opt(trace, capacity).hits
+    if name == "lru":
+        # a parent is always touched just before its child, so LRU never strands a child
+        assert result.hits == result.prefix_hits
+
+
+def test_default_policy_is_registered():
+    assert DEFAULT_POLICY in POLICIES
+    assert type(make_policy("default", 10)) is POLICIES[DEFAULT_POLICY]
+    with pytest.raises(KeyError):
+        make_policy("nope", 10)
+
+
+def test_shadow_vote_evicts_the_previous_prompts_tail_first():
+    policy = make_policy("shadow-vote", 10)
+    for key, parent in ((1, None), (2, 1), (3, 2)):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, parent)
+    policy.on_hit(1)  # the next prompt starts: 3 got no child, so it was a partial tail
+    assert policy.evict() == 3
+    assert policy.evict() == 2  # equal support: the key whose support changed longest ago
