@@ -112,7 +112,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         meta[key] = fld.contents()
     weights = {}
     for t in reader.tensors:
-        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy of the mmap
         weights[gguf_to_hf_name(t.name)] = torch.from_numpy(array)
     return meta, weights
 
