@@ -62,3 +62,27 @@ def make_tiny_checkpoint(folder: str | Path, architecture: str = "llama", seed: 
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
     return folder
+
+
+def transformers_reference(model_path: str | Path):
+    """The same checkpoint loaded by transformers in float32, as the reference to compare against.
+
+    A GGUF goes through transformers' own GGUF loader once (slow: it parses the whole file in
+    Python); the float32 result is saved beside the model cache so later loads take seconds.
+    """
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    saved = path.with_name(path.name + ".transformers-fp32")
+    if not (saved / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        saved.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(saved / "model.safetensors"))  # save_pretrained refuses "gguf-quantized" models
+        model.config.quantization_config = None
+        model.config.to_json_file(str(saved / "config.json"))
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()

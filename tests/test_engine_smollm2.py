@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.assets import model_cache_dir, smollm2_gguf_path
+from engine.assets import smollm2_gguf_path
+from engine.testing import transformers_reference
 
 MAX_TOKENS = 6
 QUESTIONS = [
@@ -43,21 +44,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers' own GGUF loader; its fp32 result is saved once so later runs load in seconds."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM
-
-    saved = model_cache_dir() / "smollm2-135m-instruct" / "transformers-from-gguf-fp32"
-    if not (saved / "config.json").exists():
-        gguf = smollm2_gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        saved.mkdir(parents=True, exist_ok=True)
-        save_model(model, str(saved / "model.safetensors"))  # save_pretrained refuses "gguf-quantized" models
-        config = model.config
-        config.quantization_config = None
-        config.to_json_file(str(saved / "config.json"))
-        return model.eval()
-    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    return transformers_reference(smollm2_gguf_path())
 
 
 @pytest.fixture(scope="module")
