@@ -53,7 +53,7 @@ class ModelRunner:
             width = max(len(s.block_table) for s, _ in decodes)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
-            meta.decode_context_lens = torch.tensor([len(s) for s, _ in decodes], dtype=torch.int32,
+            meta.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], dtype=torch.int32,
                                                     device=self.device)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), meta, sample_rows
