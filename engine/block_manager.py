@@ -58,11 +58,12 @@ class BlockManager:
         return matched
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether all of ``seq``'s tokens fit while keeping the watermark free."""
+        """Whether all of ``seq``'s tokens fit while keeping the watermark free for running
+        sequences to grow into (a preempted sequence resuming may use it)."""
         matched = self._match_prefix(seq)
         revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)
         fresh = self.blocks_needed(len(seq)) - len(matched)
-        return self.num_free - revived - fresh >= self.watermark_blocks
+        return self.num_free - revived - fresh >= (0 if seq.preempted else self.watermark_blocks)
 
     def allocate(self, seq: Sequence) -> int:
         """Give ``seq`` blocks for all its tokens, reusing cached ones; returns tokens reused."""

@@ -109,9 +109,12 @@ class ModelConfig:
         heads = get("attention.head_count")
         hidden = get("embedding_length")
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        vocab = meta.get(f"{arch_name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+        if not vocab:
+            raise ValueError(f"GGUF metadata lacks {arch_name}.vocab_size and tokenizer.ggml.tokens")
         return cls(
             architecture=arch,
-            vocab_size=meta.get(f"{arch_name}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
             num_layers=get("block_count"),

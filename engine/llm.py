@@ -7,6 +7,8 @@ A bad request raises ValueError at ``add_request`` and leaves the engine serving
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,10 @@ class LLM:
         if eos_from_tokenizer is not None:
             eos.add(eos_from_tokenizer)
         self.eos_token_ids = eos
+        self._start()
+
+    def _start(self) -> None:
+        """A fresh KV cache, block manager and scheduler for ``self.config``."""
         cfg = self.config
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -61,6 +67,15 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, cfg.num_blocks, cfg.block_size, cfg.device)
+
+    def with_config(self, **overrides) -> "LLM":
+        """Another engine sharing this one's weights and tokenizer, with its own cache and queue."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, **overrides)
+        if other.config.dtype not in (None, self.model_config.dtype) or other.config.device != self.config.device:
+            raise ValueError("with_config cannot change dtype or device (the weights are shared)")
+        other._start()
+        return other
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str = "",
                     arrival_time: float | None = None) -> Sequence:

@@ -75,6 +75,10 @@ def test_can_allocate_respects_watermark_and_revival_cost():
     bm = BlockManager(num_blocks=4, block_size=4, watermark_blocks=1)
     assert bm.can_allocate(seq(range(12)))
     assert not bm.can_allocate(seq(range(13)))
+    resuming = seq(range(16))
+    assert not bm.can_allocate(resuming)
+    resuming.preempted = True  # a preempted sequence may resume into the watermark
+    assert bm.can_allocate(resuming)
 
 
 def test_append_slot_takes_a_block_only_at_block_boundary():

@@ -228,3 +228,19 @@ def test_cli_generate(tiny, capsys):
     assert [line["output_tokens"] for line in lines] == [3, 3]
     assert engine_main(["generate", "--model", str(tiny), "--prompt", "", "--max-tokens", "3"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_bad_gguf_names_the_problem(tmp_path):
+    from engine.config import ModelConfig
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        LLM(junk)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        ModelConfig.from_gguf({"general.architecture": "gpt2"}, has_output_weight=True)
+    with pytest.raises(ValueError, match="GGUF metadata lacks llama.block_count"):
+        ModelConfig.from_gguf({"general.architecture": "llama", "llama.attention.head_count": 4,
+                               "llama.embedding_length": 64, "llama.feed_forward_length": 128,
+                               "llama.vocab_size": 100},
+                              has_output_weight=True)
