@@ -55,8 +55,9 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
             meta.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], dtype=torch.int32,
                                                     device=self.device)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), meta, sample_rows
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids_t, positions_t, meta, sample_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, torch.Tensor]]:
