@@ -1,1 +1,11 @@
-"""The bundled paged-attention engine for Llama-family models."""
+"""The bundled paged-attention engine for Llama-family models.
+
+``LLM(model_path).generate(prompts, SamplingParams(...))``; see ``engine.llm`` for the step
+loop and ``engine.attention`` for the KV cache layout.
+"""
+
+from engine.config import EngineConfig, ModelConfig
+from engine.llm import LLM, RequestOutput
+from engine.sampling import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,70 @@
+"""``python -m engine generate --model PATH --prompt TEXT [...]``: run prompts and print the outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.policies import POLICIES
+from engine.sampling import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="The bundled paged-attention engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("--model", required=True, help="HF folder (config.json + safetensors) or .gguf file")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--policy", choices=sorted(POLICIES), default="fcfs")
+    gen.add_argument("--num-blocks", type=int, default=512)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return parser
+
+
+def generate(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    llm = LLM(args.model, EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy))
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
+        m = out.metrics
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                              "ttft_s": m.ttft, "tpot_s": m.tpot, "prompt_tokens": m.num_prompt_tokens,
+                              "cached_tokens": m.num_cached_tokens, "output_tokens": m.num_output_tokens}))
+        else:
+            print(out.text)
+            print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, ttft {m.ttft:.3f}s, "
+                  f"finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"engine {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

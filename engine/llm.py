@@ -1,0 +1,188 @@
+"""The engine's front door: ``LLM(model_path).generate(prompts, SamplingParams(...))``.
+
+One ``step()`` = schedule -> run the model -> sample -> update sequences. ``generate`` runs
+steps until its requests finish; ``stream`` yields each new token as it is produced.
+A bad request raises ValueError at ``add_request`` and leaves the engine serving the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.metrics import RequestMetrics
+from engine.models.loader import load_model, resolve_model_path
+from engine.policies import make_policy
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step; ``new_token_ids``/``new_text`` are what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+class LLM:
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, **overrides):
+        self.config = config or EngineConfig(**overrides)
+        path = resolve_model_path(model_path)
+        self.model = load_model(path, dtype=self.config.dtype, device=self.config.device)
+        self.model_config = self.model.config
+        self.tokenizer = Tokenizer.from_path(path)
+        eos = set(self.model_config.eos_token_ids)
+        eos_from_tokenizer = self.tokenizer.token_id(self.tokenizer.eos_token)
+        if eos_from_tokenizer is not None:
+            eos.add(eos_from_tokenizer)
+        self.eos_token_ids = eos
+        self._start()
+
+    def _start(self) -> None:
+        """A fresh KV cache, block manager and scheduler for ``self.config``."""
+        cfg = self.config
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        watermark = int(cfg.admission_watermark * cfg.num_blocks)
+        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, watermark)
+        self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, cfg.num_blocks, cfg.block_size, cfg.device)
+
+    def with_config(self, **overrides) -> "LLM":
+        """Another engine sharing this one's weights and tokenizer, with its own cache and queue."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, **overrides)
+        if other.config.dtype not in (None, self.model_config.dtype) or other.config.device != self.config.device:
+            raise ValueError("with_config cannot change dtype or device (the weights are shared)")
+        other._start()
+        return other
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str = "",
+                    arrival_time: float | None = None) -> Sequence:
+        """Validate and queue one request; raises ValueError naming the problem."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(token_ids, params)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seq = Sequence(token_ids, params, now, request_id=request_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, the context holds {self.max_model_len} (prompt too long)"
+            )
+        bm = self.block_manager
+        if bm.blocks_needed(len(token_ids)) > self.config.num_blocks - bm.watermark_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the KV cache admits")
+        capacity = self.config.num_blocks * self.config.block_size
+        needed = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if needed > capacity:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs {needed} "
+                f"KV slots, the cache holds {capacity}"
+            )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns an output for every request that got a token."""
+        now = time.perf_counter()
+        batch = self.scheduler.schedule(now)
+        if not batch.items:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("waiting requests cannot be admitted into an empty KV cache")
+            return []
+        results = self.runner.run(batch)
+        for seq, n in batch.items:
+            if not seq.is_decoding:
+                seq.metrics.num_prefilled_tokens += n
+            seq.num_computed += n
+            self.block_manager.register_full_blocks(seq)
+        done = time.perf_counter()
+        return [self._append_token(seq, sample(logits, seq.params, seq.generator), done)
+                for seq, logits in results]
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        metrics = seq.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        old_text = seq.text
+        seq.token_ids.append(token)
+        metrics.num_output_tokens = len(seq.output_token_ids)
+        reason = None
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            reason = "stop"
+        text = self.tokenizer.decode(seq.output_token_ids)
+        for stop in seq.params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        seq.text = text
+        if reason is None and (metrics.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            metrics.finish_time = now
+            self.scheduler.finish(seq, reason)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [token],
+                             seq.text[len(old_text):], seq.is_finished, seq.finish_reason, metrics)
+
+    def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's output every time it gains a token, until all finish."""
+        yield from self.stream_seqs(self._add_all(prompts, params))
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (batched together); outputs in prompt order."""
+        last = {}
+        seqs = self._add_all(prompts, params)
+        for out in self.stream_seqs(seqs):
+            last[out.request_id] = out
+        return [last[s.request_id] for s in seqs]
+
+    def stream_seqs(self, seqs: list[Sequence]) -> Iterator[RequestOutput]:
+        """Step the engine (serving every queued request) until ``seqs`` finish; yield theirs."""
+        ids = {s.request_id for s in seqs}
+        while any(not s.is_finished for s in seqs):
+            for out in self.step():
+                if out.request_id in ids:
+                    yield out
+
+    def _add_all(self, prompts, params) -> list[Sequence]:
+        """Validate every prompt before queueing any, so a bad one leaves no half-added batch."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for i, ids in enumerate(encoded):
+            try:
+                self._validate(ids, params)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        return [self.add_request(ids, params) for ids in encoded]

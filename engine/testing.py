@@ -1,0 +1,88 @@
+"""Tiny random Llama-family checkpoints (HF folder layout) for tests and ``kvbench engine --quick``.
+
+Made with transformers at run time, so nothing is downloaded; the tokenizer is byte-level
+BPE without merges (every byte is a token) plus ``<s>``/``</s>``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+NUM_BYTES = 256
+BOS, EOS = NUM_BYTES, NUM_BYTES + 1
+VOCAB = 260
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab.update({"<s>": BOS, "</s>": EOS})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tok
+
+
+def make_tiny_checkpoint(folder: str | Path, architecture: str = "llama", seed: int = 0, num_layers: int = 2,
+                         tie_word_embeddings: bool = True, max_position_embeddings: int = 512) -> Path:
+    """Save a random model of ``architecture`` ('llama', 'qwen2' or 'qwen3') with a tokenizer."""
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    if architecture not in classes:
+        raise ValueError(f"unknown tiny architecture {architecture!r}; choose one of {sorted(classes)}")
+    config_cls, model_cls = classes[architecture]
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS, eos_token_id=EOS, rms_norm_eps=1e-6,
+        initializer_range=0.3,  # large enough that greedy outputs vary with the context
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0; perturb them so they matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
+def transformers_reference(model_path: str | Path):
+    """The same checkpoint loaded by transformers in float32, as the reference to compare against.
+
+    A GGUF goes through transformers' own GGUF loader once (slow: it parses the whole file in
+    Python); the float32 result is saved beside the model cache so later loads take seconds.
+    """
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    saved = path.with_name(path.name + ".transformers-fp32")
+    if not (saved / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        saved.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(saved / "model.safetensors"))  # save_pretrained refuses "gguf-quantized" models
+        model.config.quantization_config = None
+        model.config.to_json_file(str(saved / "config.json"))
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
