@@ -87,6 +87,7 @@ class _Entry:
     replicas: set[str] = field(default_factory=set)
     pending: int = 0  # queued copies to replica tiers
     pinned_until: float = 0.0
+    parent: bytes | None = None  # the previous chunk's key id, for policies that use prefix structure
     waiters: list[threading.Event] = field(default_factory=list)
     copy_error: Exception | None = None
 
@@ -192,12 +193,12 @@ class Store:
             return False
         return not (tier_name == self.first.name and entry.pending)
 
-    def _sync_policies(self, key_id: bytes, entry: _Entry, parent: bytes | None = None) -> None:
+    def _sync_policies(self, key_id: bytes, entry: _Entry) -> None:
         """Make each tier's policy track the key exactly when it is evictable there (lock held)."""
         for name, policy in self._policies.items():
             want = self._evictable_from(name, entry)
             if want and key_id not in policy:
-                policy.on_insert(key_id, self._by_name[name].footprint(entry.size), parent)
+                policy.on_insert(key_id, self._by_name[name].footprint(entry.size), entry.parent)
             elif not want and key_id in policy:
                 policy.on_remove(key_id)
 
@@ -321,7 +322,8 @@ class Store:
                         self._drop_replica(key_id, entry, self._by_name[name])
                 entry.size = size
             entry.replicas.add(tier.name)
-            self._sync_policies(key_id, entry, parent)
+            entry.parent = parent if parent is not None else entry.parent
+            self._sync_policies(key_id, entry)
             return entry
 
     def _queue_copies(self, key_id: bytes, entry: _Entry, tiers: list[Tier], reserved: int = 0) -> None:

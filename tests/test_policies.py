@@ -114,3 +114,29 @@ def test_shadow_vote_evicts_the_previous_prompts_tail_first():
     policy.on_hit(1)  # the next prompt starts: 3 got no child, so it was a partial tail
     assert policy.evict() == 3
     assert policy.evict() == 2  # equal support: the key whose support changed longest ago
+
+
+def test_shadow_vote_tail_rule_needs_reported_parents():
+    """Regression: with no parent ever reported (a Store whose callers give none) every insert
+    read as a prompt start and marked the previous chunk as a dropped tail."""
+    from kvstore.policies.shadow_vote import TAIL, ShadowVotePolicy
+
+    policy = ShadowVotePolicy(8)
+    for i in range(6):
+        policy.on_insert(i, 1, None)
+    assert all(support != TAIL for support, _ in policy._support.values())
+
+
+def test_shadow_vote_returning_key_is_not_a_prompt_start():
+    """Regression: a first chunk coming back after on_remove (the Store un-pinning it, or its
+    disk copy finishing) dropped the latest chunk of another prompt as a tail."""
+    from kvstore.policies.shadow_vote import TAIL, ShadowVotePolicy
+
+    policy = ShadowVotePolicy(8)
+    policy.on_insert("a1", 1, None)
+    policy.on_insert("a2", 1, "a1")
+    policy.on_remove("a1")
+    policy.on_insert("a1", 1, None)
+    assert policy._support["a2"][0] != TAIL
+    policy.on_insert("b1", 1, None)  # a real new prompt: a1 was the last chunk inserted
+    assert policy._support["a1"][0] == TAIL

@@ -380,3 +380,21 @@ def test_restart_recovers_from_every_persistent_tier(tmp_path):
     with Store(config(tmp_path), extra_tiers=[DiskTier(tmp_path / "pfs", 1 << 20, name="pfs")]) as store:
         assert store.lookup(keys) == 3
         assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
+
+
+@pytest.mark.parametrize("with_parents", [False, True])
+@pytest.mark.parametrize("disk", [False, True])
+def test_default_policy_keeps_the_newest_chunks(tmp_path, with_parents, disk):
+    """The store's default policy (shadow-vote) keeps recent chunks whether or not callers
+    report parents, and whether or not chunks leave and re-enter it for their disk copies."""
+    keys, values = chunks(40)
+    cfg = config(tmp_path, host=16 * PAGE, pending=4 * PAGE)
+    cfg.disk.enabled = disk
+    with Store(cfg) as store:
+        assert type(store._policies["host"]).name == "shadow-vote"
+        for i, (k, v) in enumerate(zip(keys, values)):
+            store.put(k, v, parent=keys[i - 1] if with_parents and i else None)
+        store.flush()
+        resident = [store.first.contains(k.id) for k in keys]
+        assert resident[-4:] == [True] * 4
+        assert not all(resident[:8])

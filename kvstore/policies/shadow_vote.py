@@ -20,7 +20,9 @@ workload of the hour, so instead of guessing, the policy measures:
   accessed), the chunk inserted just before it never got a child, so it was the previous
   prompt's partly filled last chunk, whose hash no later prompt can share; it leaves
   every shadow and is evicted first. (A Store that only saves full chunks never has such
-  tails; then the rule never fires.)
+  tails; then the rule never fires.) The rule only fires once parents have been reported
+  at all (an owner that never passes ``parent`` gives no prompt boundaries), and never for
+  a key coming back after ``on_remove`` (an owner pinning or unpinning a chunk).
 
 Cost: one O(1) step of every expert per access, plus O(log n) heap work for the keys the
 access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
@@ -30,6 +32,7 @@ rebuilds the heap in O(resident keys x experts).
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -44,6 +47,7 @@ SMOOTHING = 0.1  # weight of the newest window in each expert's score
 SHARPNESS = 20.0  # how fast an expert's vote fades as it falls behind the leader
 REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
+REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not a prompt start
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
 
 EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
@@ -77,6 +81,8 @@ class ShadowVotePolicy(EvictionPolicy):
         self._stamp = 0
         self._accesses = 0
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
+        self._parents_seen = False
+        self._removed: OrderedDict[Hashable, None] = OrderedDict()  # recently on_remove'd keys
 
     def _rate(self, key: Hashable, support: float | None = None) -> None:
         if support is None:
@@ -98,9 +104,9 @@ class ShadowVotePolicy(EvictionPolicy):
                 shadow.policy.on_remove(tail)
         self._rate(tail, TAIL)
 
-    def _replay(self, key: Hashable, size: int, parent: Hashable | None) -> None:
+    def _replay(self, key: Hashable, size: int, parent: Hashable | None, starts_prompt: bool = False) -> None:
         """One access in every shadow; re-rates the keys whose support it changed."""
-        if parent is None and self._drop_tails:
+        if starts_prompt and self._drop_tails:
             self._drop_tail()
         touched = [key]
         for shadow in self._shadows:
@@ -143,12 +149,15 @@ class ShadowVotePolicy(EvictionPolicy):
 
     def on_hit(self, key: Hashable) -> None:
         if key in self._resident:
-            self._replay(key, *self._resident[key])
+            size, parent = self._resident[key]
+            self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen)
             self._fresh = None
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._resident[key] = (size, parent)
-        self._replay(key, size, parent)
+        self._parents_seen = self._parents_seen or parent is not None
+        returning = self._removed.pop(key, 0) is None
+        self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen and not returning)
         self._fresh = key
 
     def _forget(self, key: Hashable) -> Hashable:
@@ -166,6 +175,9 @@ class ShadowVotePolicy(EvictionPolicy):
     def on_remove(self, key: Hashable) -> None:
         if key in self._resident:
             self._forget(key)
+            self._removed[key] = None
+            if len(self._removed) > REMEMBER_REMOVED:
+                self._removed.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._resident)
