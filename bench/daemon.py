@@ -213,14 +213,15 @@ def _socket_gbps(chunk_bytes: int, seconds: float, streams: int) -> float:
     return sum(received) / (time.perf_counter() - start) / GB
 
 
-def _memcpy_gbps(chunk_bytes: int, seconds: float, sources: int) -> float:
+def _memcpy_gbps(chunk_bytes: int, seconds: float, sources: int, destinations: int) -> float:
     """memcpy of the same bytes the daemon moves: chunk after chunk out of ``sources`` distinct
-    chunks (as many as a client cycles over, so as cold in cache) into one reused destination."""
+    chunks (as many as a client cycles over, so as cold in cache) into ``destinations`` reused
+    buffers (as many as a batched get fills)."""
     src = [np.full(chunk_bytes, i, dtype=np.uint8) for i in range(sources)]
-    dst = np.zeros(chunk_bytes, dtype=np.uint8)
+    dst = [np.zeros(chunk_bytes, dtype=np.uint8) for _ in range(destinations)]
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        np.copyto(dst, src[n % sources])
+        np.copyto(dst[n % destinations], src[n % sources])
         n += 1
     return n * chunk_bytes / (time.perf_counter() - start) / GB
 
@@ -249,7 +250,7 @@ def run(args) -> int:
         cpu0 = _cpu_seconds(None)
         sock = _socket_gbps(chunk_bytes, args.seconds / 2, args.clients)
         cpu1 = _cpu_seconds(None)
-        copy = _memcpy_gbps(chunk_bytes, args.seconds / 2, args.clients * args.keys)
+        copy = _memcpy_gbps(chunk_bytes, args.seconds / 2, args.clients * args.keys, min(args.batch, args.keys))
         cpu2 = _cpu_seconds(None)
         moved_sock, moved_copy = sock * args.seconds / 2, copy * args.seconds / 2
         return sock, (cpu1 - cpu0) / moved_sock, copy, (cpu2 - cpu1) / moved_copy
