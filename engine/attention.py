@@ -46,7 +46,7 @@ class AttentionMetadata:
 def decode_attention_sdpa(query, k_cache, v_cache, block_tables, context_lens, scale):
     """CPU fast path with the same contract as ``paged_decode_attention``: one batched gather + SDPA."""
     batch, q_heads, head_dim = query.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
     k = k_cache[block_tables.long()].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
     v = v_cache[block_tables.long()].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(k.shape[2], device=query.device)
