@@ -1,0 +1,28 @@
+import json
+
+import pytest
+
+from bench.cli import main
+
+
+def test_replay_counts_prefix_hits_through_the_real_store(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1 2 3\n1 2 4\n1 2 3\n")
+    out = tmp_path / "replay.json"
+    rc = main(["replay", "--trace", str(trace), "--policies", "lru,default", "--layers", "1", "--head-dim", "16",
+               "--tokens", "16", "--dir", str(tmp_path / "d"), "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 3 and set(report["policies"]) == {"lru", "default"}
+    for r in report["policies"].values():
+        # request 2 reuses blocks 1 and 2, request 3 blocks 1, 2 and 3: 5 of 9 accesses
+        assert r["total_hit_pct"] == pytest.approx(500 / 9)
+        assert r["ttft"]["p99_s"] >= r["ttft"]["p50_s"] > 0
+        assert r["bytes_written"]["host"] > 0
+
+
+def test_replay_rejects_unknown_policies(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1 2\n")
+    assert main(["replay", "--trace", str(trace), "--policies", "belady-ish"]) == 2
+    assert "unknown policies" in capsys.readouterr().err
