@@ -42,7 +42,7 @@ from kvstore.blob import encode_header, verify_blob
 from kvstore.codecs import get_codec
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.daemon.auth import bearer, read_token_file
-from kvstore.daemon.bulk import FRAME, HELLO
+from kvstore.daemon.bulk import CHUNK, DONE, END, ERROR, FRAME, GET, HELLO, PUT, RELEASE
 from kvstore.daemon.malloc import keep_large_blocks_in_heap
 from kvstore.daemon.slots import NONCE_BYTES
 from kvstore.daemon.wire import ns_to_proto, split_host_port, stats_from_proto
@@ -74,6 +74,13 @@ class _Shm:
         if self._mmap[:NONCE_BYTES] != reply.nonce:
             self._mmap.close()
             raise OSError(f"{reply.path} is not the daemon's arena (nonce differs)")
+        self.pool = None  # the daemon's host pool, read-only, when it shares it
+        if reply.pool_path:
+            fd = os.open(reply.pool_path, os.O_RDONLY)
+            try:
+                self.pool = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            finally:
+                os.close(fd)
         self.lease_id = reply.lease_id
         self.slot_bytes = reply.slot_bytes
         self.ttl_s = reply.ttl_s
@@ -100,29 +107,21 @@ class _Shm:
 
 
 class _BulkSession:
-    """One attached bulk TCP connection; used by one operation at a time."""
+    """One attached bulk connection (kvstore/daemon/bulk.py); one request at a time."""
 
     def __init__(self, host: str, reply: pb.BulkAttachReply, timeout_s: float, buffer_bytes: int = 4 << 20) -> None:
         self.sock = socket.create_connection((host, reply.port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
-        self.session = reply.session
         self.max_frame_bytes = reply.max_frame_bytes
-        self.op = 0
         self.sock.sendall(HELLO.pack(reply.session, reply.token))
         if self.sock.recv(1) != b"\x01":
             self.sock.close()
             raise ConnectionError("the daemon refused the bulk connection")
 
-    def next_op(self, n: int = 1) -> int:
-        op = self.op
-        self.op += n
-        return op
-
-    def send(self, op: int, parts: Sequence) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        self.sock.sendall(FRAME.pack(op, sum(v.nbytes for v in views)))
+    def send(self, kind: int, meta: bytes, views: Sequence[memoryview] = ()) -> None:
+        self.sock.sendall(FRAME.pack(kind, len(meta), sum(v.nbytes for v in views)) + meta)
         for v in views:
             self.sock.sendall(v)
 
@@ -134,19 +133,54 @@ class _BulkSession:
                 raise ConnectionError("the daemon closed the bulk connection")
             got += n
 
-    def recv_into(self, op: int, view: memoryview | None, nbytes: int):
-        """Receive frame ``op`` of ``nbytes`` into ``view`` (or a new bytearray, returned)."""
+    def reply(self) -> tuple[int, bytes, int]:
+        """The next reply frame's kind, meta and data length (read the data with ``recv_into``);
+        an ERROR frame raises its DaemonError."""
         header = bytearray(FRAME.size)
         self._recv_exactly(memoryview(header))
-        got_op, length = FRAME.unpack(header)
-        if got_op != op or length != nbytes:
-            raise ConnectionError(f"bulk frame {got_op} ({length} B) where {op} ({nbytes} B) was expected")
-        buf = view if view is not None else memoryview(bytearray(length))
-        self._recv_exactly(buf[:length])
-        return buf
+        kind, meta_len, data_len = FRAME.unpack(header)
+        meta = bytearray(meta_len)
+        self._recv_exactly(memoryview(meta))
+        return _checked_reply(kind, bytes(meta), data_len)
+
+    def recv_into(self, view: memoryview) -> None:
+        self._recv_exactly(view)
+
+    def replies(self, request: pb.GetRequest):
+        """Send a Get; yield ``(GetReply, data_len)`` per chunk (read the data before the next)."""
+        self.send(GET, request.SerializeToString())
+        while True:
+            kind, meta, data_len = self.reply()
+            if kind == END:
+                return
+            yield _chunk_reply(kind, meta), data_len
+
+    def put(self, header: pb.PutHeader, views: Sequence[memoryview]) -> None:
+        self.send(PUT, header.SerializeToString(), views)
+        kind, _, _ = self.reply()
+        if kind != DONE:
+            raise ConnectionError(f"bulk frame of kind {kind} where DONE was expected")
 
     def close(self) -> None:
         self.sock.close()
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _checked_reply(kind: int, meta: bytes, data_len: int) -> tuple[int, bytes, int]:
+    if kind == ERROR:
+        error = pb.ErrorReply.FromString(meta)
+        raise DaemonError(_STATUS.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
+    if kind not in (CHUNK, END, DONE):
+        raise ConnectionError(f"unknown bulk frame kind {kind}")
+    return kind, meta, data_len
+
+
+def _chunk_reply(kind: int, meta: bytes) -> pb.GetReply:
+    if kind != CHUNK:
+        raise ConnectionError(f"bulk frame of kind {kind} inside a Get")
+    return pb.GetReply.FromString(meta)
 
 
 class _ClientBase:
@@ -350,7 +384,7 @@ class Client(_ClientBase):
             self._shm, self._shm_tried = None, False
 
     def _bulk_take(self) -> _BulkSession | None:
-        if self.transport in ("shm", "grpc") or not self._bulk_ok:
+        if self.transport == "grpc" or not self._bulk_ok:
             return None
         with self._lock:
             if self._bulk_idle:
@@ -400,42 +434,34 @@ class Client(_ClientBase):
 
     def _put(self, header: pb.PutHeader, views, size: int) -> None:
         shm = self._shm_or_none()
-        if shm is not None and size <= shm.slot_bytes:
-            (slot,) = shm.take(1)
-            try:
-                ref, view = slot
-                off = 0
-                for v in views:
-                    view[off : off + v.nbytes] = v
-                    off += v.nbytes
-                header.slot.CopyFrom(ref)
-                self._rpc(self._stub.Put, iter([pb.PutRequest(header=header)]))
-            finally:
-                shm.give([slot])
-            return
         session = self._bulk_take()
-        if session is not None and size <= session.max_frame_bytes:
-            op = session.next_op()
-            header.bulk.CopyFrom(pb.BulkRef(session=session.session, op=op))
-            # The RPC goes first so the daemon validates it while the frame travels; the
-            # daemon reads frames regardless of RPCs, so the send cannot deadlock.
-            call = self._stub.Put.future(iter([pb.PutRequest(header=header)]), timeout=self.timeout_s,
-                                         metadata=self._metadata)
-            try:
-                session.send(op, views)
-                call.result()
-            except grpc.RpcError as exc:
-                session.close()
-                raise DaemonError(exc.code(), exc.details() or "") from None
-            except BaseException:
-                call.cancel()
-                session.close()
-                raise
-            self._bulk_give(session)
-            return
+        try:
+            if shm is not None and size <= shm.slot_bytes:
+                (slot,) = shm.take(1)
+                try:
+                    ref, view = slot
+                    _copy_parts(view, views)
+                    header.slot.CopyFrom(ref)
+                    self._put_request(header, [], session)
+                finally:
+                    shm.give([slot])
+            elif session is not None and size <= session.max_frame_bytes:
+                self._put_request(header, views, session)
+            else:
+                self._rpc(self._stub.Put, self._pieces(header, views))
+        except BaseException:
+            if session is not None:
+                session.close()  # its state is unknown: the next call attaches a fresh one
+            raise
         if session is not None:
             self._bulk_give(session)
-        self._rpc(self._stub.Put, self._pieces(header, views))
+
+    def _put_request(self, header: pb.PutHeader, views, session: _BulkSession | None) -> None:
+        """A Put whose blob is in a slot (no ``views``) or in ``views``, on the bulk channel or gRPC."""
+        if session is not None:
+            session.put(header, views)
+        else:
+            self._rpc(self._stub.Put, iter([pb.PutRequest(header=header)]))
 
     # -- get ------------------------------------------------------------------------------
 
@@ -474,21 +500,22 @@ class Client(_ClientBase):
     def _get(self, keys: list[ChunkKey], payload: int, outs: list) -> int:
         """Fill ``outs`` (views to fill, or None entries replaced by buffers); returns hits."""
         shm = self._shm_or_none()
-        if shm is not None and (payload == pb.BLOB or outs[0].nbytes <= shm.slot_bytes):
-            done = 0
-            while done < len(keys):
-                slots = shm.take(len(keys) - done)
-                try:
-                    got = self._get_slots(keys[done : done + len(slots)], payload, outs, done, slots)
-                finally:
-                    shm.give(slots)
-                done += got
-                if got < len(slots):
-                    break
-            return done
         session = self._bulk_take()
         try:
-            got = self._get_stream(keys, payload, outs, session)
+            if shm is not None and (payload == pb.BLOB or outs[0].nbytes <= shm.slot_bytes):
+                got = 0
+                while got < len(keys):
+                    slots = shm.take(len(keys) - got)
+                    try:
+                        n = self._get_slots(keys[got : got + len(slots)], payload, outs, got, slots, session,
+                                            shm.pool)
+                    finally:
+                        shm.give(slots)
+                    got += n
+                    if n < len(slots):
+                        break
+            else:
+                got = self._get_stream(keys, payload, outs, session)
         except BaseException:
             if session is not None:
                 session.close()
@@ -497,54 +524,61 @@ class Client(_ClientBase):
             self._bulk_give(session)
         return got
 
-    def _get_slots(self, keys, payload, outs, base: int, slots) -> int:
-        request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots])
-        got = 0
+    def _replies(self, request: pb.GetRequest, session: _BulkSession | None):
+        """``(GetReply, data_len)`` per reply: on the bulk channel (read a chunk's ``data_len``
+        bytes from the session before the next), else from the gRPC stream (data inline)."""
+        if session is not None:
+            yield from session.replies(request)
+            return
         call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             for reply in call:
-                view = slots[reply.index][1][: reply.chunk_bytes]
-                i = base + reply.index
-                if outs[i] is None:
-                    outs[i] = bytes(view)
-                else:
-                    if outs[i].nbytes != reply.chunk_bytes:
-                        raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
-                                          f"{outs[i].nbytes}-byte tensor")
-                    _copy(outs[i], view)
-                got += 1
+                yield reply, 0
         except grpc.RpcError as exc:
             raise DaemonError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()  # no-op once the stream ended; stops it when the caller gives up
+
+    def _get_slots(self, keys, payload, outs, base: int, slots, session, pool) -> int:
+        """Chunks placed in ``slots``, or (``pool`` mapped, bulk channel) read straight out of
+        the daemon's host pool, pinned there until we send RELEASE."""
+        pool_views = pool is not None and session is not None and payload == pb.TENSOR
+        request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots],
+                                     pool_views=pool_views)
+        got = 0
+        for reply, _ in self._replies(request, session):
+            i = base + reply.index
+            if outs[i] is None:
+                outs[i] = bytes(slots[reply.index][1][: reply.chunk_bytes])
+            else:
+                _check_size(outs[i], reply.chunk_bytes)
+                _copy_out(outs[i], reply, slots[reply.index][1], pool)
+            got += 1
+        if pool_views:
+            session.send(RELEASE, b"")
         return got
 
     def _get_stream(self, keys, payload, outs, session: _BulkSession | None) -> int:
-        extra = {}
-        if session is not None:
-            extra["bulk"] = pb.BulkRef(session=session.session, op=session.next_op(len(keys)))
-        request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes, **extra)
-        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
+        request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes)
         got, off, buf = 0, 0, None
-        try:
-            for reply in call:
-                i = reply.index
-                if reply.chunk_bytes:
-                    if outs[i] is not None and outs[i].nbytes != reply.chunk_bytes:
-                        call.cancel()
-                        raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
-                                          f"{outs[i].nbytes}-byte tensor")
-                    buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
-                    off = 0
-                if session is not None:
-                    session.recv_into(extra["bulk"].op + i, buf, reply.chunk_bytes)
-                else:
-                    data = reply.data  # each access copies: read it once
-                    buf[off : off + len(data)] = data
-                    off += len(data)
-                if reply.last:
-                    outs[i] = outs[i] if outs[i] is not None else buf
-                    got += 1
-        except grpc.RpcError as exc:
-            raise DaemonError(exc.code(), exc.details() or "") from None
+        for reply, data_len in self._replies(request, session):
+            i = reply.index
+            if reply.chunk_bytes:
+                if outs[i] is not None:
+                    _check_size(outs[i], reply.chunk_bytes)
+                buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
+                off = 0
+            if session is not None:
+                if data_len != reply.chunk_bytes:
+                    raise ConnectionError(f"bulk chunk of {data_len} bytes announced as {reply.chunk_bytes}")
+                session.recv_into(buf[:data_len])
+            else:
+                data = reply.data  # each access copies: read it once
+                buf[off : off + len(data)] = data
+                off += len(data)
+            if reply.last:
+                outs[i] = outs[i] if outs[i] is not None else buf
+                got += 1
         return got
 
     # -- index operations -----------------------------------------------------------------
@@ -625,11 +659,10 @@ class Client(_ClientBase):
 
 
 class _AsyncBulkSession:
-    """One attached bulk connection driven by the event loop; one operation at a time."""
+    """``_BulkSession`` driven by the event loop (non-blocking socket); one request at a time."""
 
     def __init__(self, sock: socket.socket, reply: pb.BulkAttachReply) -> None:
-        self.sock, self.session, self.max_frame_bytes = sock, reply.session, reply.max_frame_bytes
-        self.op = 0
+        self.sock, self.max_frame_bytes = sock, reply.max_frame_bytes
 
     @classmethod
     async def open(cls, host: str, reply: pb.BulkAttachReply, buffer_bytes: int = 4 << 20) -> "_AsyncBulkSession":
@@ -650,18 +683,13 @@ class _AsyncBulkSession:
             raise
         return cls(sock, reply)
 
-    def next_op(self, n: int = 1) -> int:
-        op = self.op
-        self.op += n
-        return op
-
-    async def send(self, op: int, views) -> None:
+    async def send(self, kind: int, meta: bytes, views: Sequence[memoryview] = ()) -> None:
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(self.sock, FRAME.pack(op, sum(v.nbytes for v in views)))
+        await loop.sock_sendall(self.sock, FRAME.pack(kind, len(meta), sum(v.nbytes for v in views)) + meta)
         for v in views:
             await loop.sock_sendall(self.sock, v)
 
-    async def _recv_exactly(self, view: memoryview) -> None:
+    async def recv_into(self, view: memoryview) -> None:
         loop = asyncio.get_running_loop()
         got = 0
         while got < view.nbytes:
@@ -670,15 +698,27 @@ class _AsyncBulkSession:
                 raise ConnectionError("the daemon closed the bulk connection")
             got += n
 
-    async def recv_into(self, op: int, view: memoryview | None, nbytes: int):
+    async def reply(self) -> tuple[int, bytes, int]:
         header = bytearray(FRAME.size)
-        await self._recv_exactly(memoryview(header))
-        got_op, length = FRAME.unpack(header)
-        if got_op != op or length != nbytes:
-            raise ConnectionError(f"bulk frame {got_op} ({length} B) where {op} ({nbytes} B) was expected")
-        buf = view if view is not None else memoryview(bytearray(length))
-        await self._recv_exactly(buf[:length])
-        return buf
+        await self.recv_into(memoryview(header))
+        kind, meta_len, data_len = FRAME.unpack(header)
+        meta = bytearray(meta_len)
+        await self.recv_into(memoryview(meta))
+        return _checked_reply(kind, bytes(meta), data_len)
+
+    async def replies(self, request: pb.GetRequest):
+        await self.send(GET, request.SerializeToString())
+        while True:
+            kind, meta, data_len = await self.reply()
+            if kind == END:
+                return
+            yield _chunk_reply(kind, meta), data_len
+
+    async def put(self, header: pb.PutHeader, views: Sequence[memoryview]) -> None:
+        await self.send(PUT, header.SerializeToString(), views)
+        kind, _, _ = await self.reply()
+        if kind != DONE:
+            raise ConnectionError(f"bulk frame of kind {kind} where DONE was expected")
 
     def close(self) -> None:
         self.sock.close()
@@ -698,6 +738,25 @@ def _copy_parts(dst: memoryview, views) -> None:
 
 def _copy(dst: memoryview, src: memoryview) -> None:
     np.copyto(_bytes(dst), _bytes(src))
+
+
+def _copy_out(dst: memoryview, reply: pb.GetReply, slot: memoryview, pool: memoryview | None) -> None:
+    """A chunk's bytes into ``dst``: from the host pool ranges the reply names, else its slot."""
+    runs = reply.pool_runs
+    if not runs:
+        _copy(dst, slot[: reply.chunk_bytes])
+        return
+    if pool is None or sum(runs[1::2]) != dst.nbytes:
+        raise DaemonError(grpc.StatusCode.INTERNAL, "the daemon named host pool ranges that do not fit the chunk")
+    off = 0
+    for start, length in zip(runs[::2], runs[1::2]):
+        _copy(dst[off : off + length], pool[start : start + length])
+        off += length
+
+
+def _check_size(out: memoryview, chunk_bytes: int) -> None:
+    if out.nbytes != chunk_bytes:
+        raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {chunk_bytes} bytes for a {out.nbytes}-byte tensor")
 
 
 class AsyncClient(_ClientBase):
@@ -814,7 +873,7 @@ class AsyncClient(_ClientBase):
         return taken
 
     async def _bulk_take(self) -> _AsyncBulkSession | None:
-        if self.transport in ("shm", "grpc") or not self._bulk_ok:
+        if self.transport == "grpc" or not self._bulk_ok:
             return None
         if self._bulk_idle:
             return self._bulk_idle.pop()
@@ -850,37 +909,33 @@ class AsyncClient(_ClientBase):
 
     async def _put(self, header: pb.PutHeader, views, size: int) -> None:
         shm = await self._shm_or_none()
-        if shm is not None and size <= shm[0].slot_bytes:
-            (slot,) = await self._take(shm[1], 1)
-            try:
-                ref, view = slot
-                await self._copy_off_loop(_copy_parts, view, views)
-                header.slot.CopyFrom(ref)
-                await self._rpc(self._stub.Put, iter([pb.PutRequest(header=header)]))
-            finally:
-                shm[1].put_nowait(slot)
-            return
         session = await self._bulk_take()
-        if session is not None and size <= session.max_frame_bytes:
-            op = session.next_op()
-            header.bulk.CopyFrom(pb.BulkRef(session=session.session, op=op))
-            call = self._stub.Put(iter([pb.PutRequest(header=header)]), timeout=self.timeout_s,
-                                  metadata=self._metadata)
-            try:
-                await asyncio.wait_for(session.send(op, views), self.timeout_s)
-                await call
-            except grpc.RpcError as exc:
+        try:
+            if shm is not None and size <= shm[0].slot_bytes:
+                (slot,) = await self._take(shm[1], 1)
+                try:
+                    ref, view = slot
+                    await self._copy_off_loop(_copy_parts, view, views)
+                    header.slot.CopyFrom(ref)
+                    await self._put_request(header, [], session)
+                finally:
+                    shm[1].put_nowait(slot)
+            elif session is not None and size <= session.max_frame_bytes:
+                await self._put_request(header, views, session)
+            else:
+                await self._rpc(self._stub.Put, self._pieces(header, views))
+        except BaseException:
+            if session is not None:
                 session.close()
-                raise DaemonError(exc.code(), exc.details() or "") from None
-            except BaseException:
-                call.cancel()
-                session.close()
-                raise
-            self._bulk_idle.append(session)
-            return
+            raise
         if session is not None:
             self._bulk_idle.append(session)
-        await self._rpc(self._stub.Put, self._pieces(header, views))
+
+    async def _put_request(self, header: pb.PutHeader, views, session: _AsyncBulkSession | None) -> None:
+        if session is not None:
+            await asyncio.wait_for(session.put(header, views), self.timeout_s)
+        else:
+            await self._rpc(self._stub.Put, iter([pb.PutRequest(header=header)]))
 
     # -- get ------------------------------------------------------------------------------
 
@@ -914,22 +969,25 @@ class AsyncClient(_ClientBase):
 
     async def _get(self, keys: list[ChunkKey], payload: int, outs: list) -> int:
         shm = await self._shm_or_none()
-        if shm is not None and (payload == pb.BLOB or outs[0].nbytes <= shm[0].slot_bytes):
-            done = 0
-            while done < len(keys):
-                slots = await self._take(shm[1], len(keys) - done)
-                try:
-                    got = await self._get_slots(keys[done : done + len(slots)], payload, outs, done, slots)
-                finally:
-                    for s in slots:
-                        shm[1].put_nowait(s)
-                done += got
-                if got < len(slots):
-                    break
-            return done
         session = await self._bulk_take()
         try:
-            got = await self._get_stream(keys, payload, outs, session)
+            if shm is not None and (payload == pb.BLOB or outs[0].nbytes <= shm[0].slot_bytes):
+                got = 0
+                while got < len(keys):
+                    slots = await self._take(shm[1], len(keys) - got)
+                    try:
+                        n = await asyncio.wait_for(
+                            self._get_slots(keys[got : got + len(slots)], payload, outs, got, slots, session,
+                                            shm[0].pool),
+                            self.timeout_s)
+                    finally:
+                        for s in slots:
+                            shm[1].put_nowait(s)
+                    got += n
+                    if n < len(slots):
+                        break
+            else:
+                got = await asyncio.wait_for(self._get_stream(keys, payload, outs, session), self.timeout_s)
         except BaseException:
             if session is not None:
                 session.close()
@@ -938,54 +996,59 @@ class AsyncClient(_ClientBase):
             self._bulk_idle.append(session)
         return got
 
-    async def _get_slots(self, keys, payload, outs, base: int, slots) -> int:
-        request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots])
-        got = 0
+    async def _replies(self, request: pb.GetRequest, session: _AsyncBulkSession | None):
+        """``Client._replies``, asynchronously."""
+        if session is not None:
+            async for item in session.replies(request):
+                yield item
+            return
+        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
-            async for reply in self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata):
-                view = slots[reply.index][1][: reply.chunk_bytes]
-                i = base + reply.index
-                if outs[i] is None:
-                    outs[i] = bytes(view)
-                elif outs[i].nbytes != reply.chunk_bytes:
-                    raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
-                                      f"{outs[i].nbytes}-byte tensor")
-                else:
-                    await self._copy_off_loop(_copy, outs[i], view)
-                got += 1
+            async for reply in call:
+                yield reply, 0
         except grpc.RpcError as exc:
             raise DaemonError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()
+
+    async def _get_slots(self, keys, payload, outs, base: int, slots, session, pool) -> int:
+        pool_views = pool is not None and session is not None and payload == pb.TENSOR
+        request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots],
+                                     pool_views=pool_views)
+        got = 0
+        async for reply, _ in self._replies(request, session):
+            i = base + reply.index
+            if outs[i] is None:
+                outs[i] = bytes(slots[reply.index][1][: reply.chunk_bytes])
+            else:
+                _check_size(outs[i], reply.chunk_bytes)
+                await self._copy_off_loop(_copy_out, outs[i], reply, slots[reply.index][1], pool)
+            got += 1
+        if pool_views:
+            await session.send(RELEASE, b"")
         return got
 
     async def _get_stream(self, keys, payload, outs, session: _AsyncBulkSession | None) -> int:
-        extra = {}
-        if session is not None:
-            extra["bulk"] = pb.BulkRef(session=session.session, op=session.next_op(len(keys)))
-        request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes, **extra)
-        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
+        request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes)
         got, off, buf = 0, 0, None
-        try:
-            async for reply in call:
-                i = reply.index
-                if reply.chunk_bytes:
-                    if outs[i] is not None and outs[i].nbytes != reply.chunk_bytes:
-                        call.cancel()
-                        raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes for a "
-                                          f"{outs[i].nbytes}-byte tensor")
-                    buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
-                    off = 0
-                if session is not None:
-                    await asyncio.wait_for(session.recv_into(extra["bulk"].op + i, buf, reply.chunk_bytes),
-                                           self.timeout_s)
-                else:
-                    data = reply.data  # each access copies: read it once
-                    buf[off : off + len(data)] = data
-                    off += len(data)
-                if reply.last:
-                    outs[i] = outs[i] if outs[i] is not None else buf
-                    got += 1
-        except grpc.RpcError as exc:
-            raise DaemonError(exc.code(), exc.details() or "") from None
+        async for reply, data_len in self._replies(request, session):
+            i = reply.index
+            if reply.chunk_bytes:
+                if outs[i] is not None:
+                    _check_size(outs[i], reply.chunk_bytes)
+                buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
+                off = 0
+            if session is not None:
+                if data_len != reply.chunk_bytes:
+                    raise ConnectionError(f"bulk chunk of {data_len} bytes announced as {reply.chunk_bytes}")
+                await session.recv_into(buf[:data_len])
+            else:
+                data = reply.data  # each access copies: read it once
+                buf[off : off + len(data)] = data
+                off += len(data)
+            if reply.last:
+                outs[i] = outs[i] if outs[i] is not None else buf
+                got += 1
         return got
 
     # -- index operations -----------------------------------------------------------------

@@ -23,13 +23,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
+import xxhash
 
 from kvstore.blob import (
     DTYPE_NAMES,
     HEADER_BYTES,
+    BlobHeader,
     CorruptBlob,
     PayloadChecksumMismatch,
     decode_header,
@@ -43,6 +46,7 @@ from kvstore.fetch import FetchJob
 from kvstore.keys import ChunkKey
 from kvstore.policies import make_policy
 from tiers.base import Tier, TierError, TierFull
+from tiers.host import HostTier
 from kvstore.tier_setup import SharedIndexClient, TierSetup, build_tiers
 
 log = logging.getLogger(__name__)
@@ -94,6 +98,21 @@ class _Entry:
 
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def _split_runs(runs: list[tuple[int, int]], n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Byte ranges split after their first ``n`` bytes."""
+    head: list[tuple[int, int]] = []
+    for i, (offset, length) in enumerate(runs):
+        if n <= 0:
+            return head, runs[i:]
+        if length <= n:
+            head.append((offset, length))
+            n -= length
+            continue
+        head.append((offset, n))
+        return head, [(offset + n, length - n)] + runs[i + 1 :]
+    return head, []
 
 
 EWMA_ALPHA = 0.2
@@ -624,19 +643,65 @@ class Store:
             if tier.size_of(key_id) != size:
                 return self._vanished(key_id, tier)  # replaced meanwhile (another daemon)
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
-        header = decode_header(header_buf)
-        if header.key_id != key_id:
-            raise CorruptBlob(f"{tier.name}: blob names another key")
-        if header.dtype != _torch_dtype(key.namespace.dtype) or header.shape != key.namespace.chunk_shape:
-            raise CorruptBlob(f"{tier.name}: blob holds {header.dtype}{list(header.shape)}")
-        if header.payload_len != size - HEADER_BYTES:
-            raise CorruptBlob(f"{tier.name}: payload length {header.payload_len} != {size - HEADER_BYTES}")
+        header = self._checked_header(tier, key, header_buf, size)
         if self._verify[tier.name] and payload_checksum(payload_buf) != header.payload_checksum:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
         if out is not None and not (direct and header.codec_id == 0):
             codec_by_id(header.codec_id).decode_into(payload_buf, out)
         self._on_hit(key_id, tier, size, elapsed, header_buf, payload_buf)
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
+
+    @staticmethod
+    def _checked_header(tier: Tier, key: ChunkKey, header_buf, size: int) -> BlobHeader:
+        """The header of a ``size``-byte blob read for ``key``; CorruptBlob if it does not fit."""
+        header = decode_header(header_buf)
+        if header.key_id != key.id:
+            raise CorruptBlob(f"{tier.name}: blob names another key")
+        if header.dtype != _torch_dtype(key.namespace.dtype) or header.shape != key.namespace.chunk_shape:
+            raise CorruptBlob(f"{tier.name}: blob holds {header.dtype}{list(header.shape)}")
+        if header.payload_len != size - HEADER_BYTES:
+            raise CorruptBlob(f"{tier.name}: payload length {header.payload_len} != {size - HEADER_BYTES}")
+        return header
+
+    @contextmanager
+    def pinned_payload(self, key: ChunkKey) -> Iterator[list[tuple[int, int]] | None]:
+        """Where a chunk's tensor bytes lie in the first tier's pool, pinned for the ``with``
+        block: (pool offset, length) ranges in order; None when they are not there as raw
+        bytes (absent, or encoded: use ``get_into``). Read them with ``self.first.views``.
+
+        Why: the daemon sends these bytes to a socket, or tells a client that maps the pool
+        where to copy them from, without a copy of its own. Verified like any read (the header
+        always, the payload if the tier verifies payloads) and counted as a hit."""
+        tier = self.first
+        if not isinstance(tier, HostTier):
+            yield None
+            return
+        started = time.perf_counter()
+        with tier.pinned_runs(key.id) as runs:
+            payload = self._raw_payload(tier, key, runs) if runs is not None else None
+            if payload is not None:
+                size = HEADER_BYTES + sum(n for _, n in payload)
+                self._on_hit(key.id, tier, size, time.perf_counter() - started, None, None)
+            yield payload
+
+    def _raw_payload(self, tier: HostTier, key: ChunkKey, runs: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+        """The payload ranges of a pinned blob if it holds raw bytes; a corrupt one is dropped."""
+        size = sum(n for _, n in runs)
+        header_runs, payload = _split_runs(runs, HEADER_BYTES)
+        try:
+            header = self._checked_header(tier, key, b"".join(tier.views(header_runs)), size)
+            if header.codec_id != 0:
+                return None
+            if self._verify[tier.name]:
+                digest = xxhash.xxh3_64()
+                for view in tier.views(payload):
+                    digest.update(view)
+                if digest.intdigest() != header.payload_checksum:
+                    raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
+        except CorruptBlob as exc:
+            self._on_corrupt(key.id, tier, exc)
+            return None
+        return payload
 
     def _vanished(self, key_id: bytes, tier: Tier) -> None:
         """The tier no longer has the value (evicted by Redis, deleted by another daemon)."""

@@ -76,7 +76,7 @@ def same(a, b):
 def test_start_line_names_address_tiers_and_capacities(daemon):
     line = next(line for line in daemon.log if "listening on" in line)
     assert daemon.addr.startswith("127.0.0.1:")
-    assert "host 64MiB" in line and "nvme 256MiB" in line and "shm 16x512KiB" in line
+    assert "host 64MiB" in line and "nvme 256MiB" in line and "shm 16x512KiB + host pool" in line
 
 
 @pytest.mark.parametrize("transport,path", [("shm", "shm"), ("remote", "bulk"), ("grpc", "grpc")])
@@ -97,6 +97,24 @@ def test_round_trip_is_bit_exact_on_every_path(daemon, transport, path, ns):
         assert blob is not None and len(blob) == 128 + values[2].numel() * values[2].element_size()
         client.put_blob(keys[2].id, [blob[:100], blob[100:]])  # pieces, by key id of a known namespace
         assert client.get_into(keys[2], out) and same(out, values[2])
+
+
+@pytest.mark.parametrize("transport", ["shm", "remote"])
+def test_encoded_chunks_take_the_copying_path_beside_zero_copy_ones(daemon, transport):
+    """Raw chunks in host RAM are served without a daemon-side copy (a same-host client copies
+    them out of the shared host pool; a socket sends straight from it); an encoded chunk in
+    the same Get is decoded into a slot or a buffer instead."""
+    keys, values = chunks(3, BIG, seed=31)
+    with connect(daemon, transport=transport) as client:
+        assert transport != "shm" or client._shm_or_none().pool is not None
+        client.put(keys[0], values[0])
+        client.put(keys[1], values[1], codec="int8")
+        client.put(keys[2], values[2])
+        with connect(daemon, transport="grpc") as reference:
+            decoded = reference.get(keys[1:2])[0]
+        assert not same(decoded, values[1])  # int8 is lossy: the daemon really decoded it
+        got = client.get(keys)
+        assert len(got) == 3 and same(got[0], values[0]) and same(got[1], decoded) and same(got[2], values[2])
 
 
 def test_index_operations_match_the_store(daemon):

@@ -14,7 +14,7 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import encode_header
 from kvstore.client import Client
 from kvstore.codecs.raw import tensor_bytes
-from kvstore.daemon.bulk import FRAME, HELLO
+from kvstore.daemon.bulk import CHUNK, DONE, END, ERROR, FRAME, GET, HELLO, PUT, RELEASE
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.daemon.wire import ns_to_proto
 from kvstore.keys import Namespace, chunk_keys
@@ -25,7 +25,7 @@ CONFIG = """
 max_chunk_bytes = "64KiB"
 max_keys_per_request = 8
 [shm]
-slots = 8
+slots = 16
 slot_bytes = "64KiB"
 [store.host]
 capacity_bytes = "16MiB"
@@ -183,22 +183,47 @@ def test_client_disconnecting_mid_get(daemon, stub, client):
     stream = stub.Get(request)
     next(stream)
     stream.cancel()
-    # bulk: ask for chunks on a side channel, then hang up without reading them
-    attach = stub.BulkAttach(pb.BulkAttachRequest())
-    sock = socket.create_connection(("127.0.0.1", attach.port))
-    sock.sendall(HELLO.pack(attach.session, attach.token))
-    assert sock.recv(1) == b"\x01"
-    request.bulk.CopyFrom(pb.BulkRef(session=attach.session, op=0))
-    stream = stub.Get(request)
-    next(stream)
+    # bulk: ask for chunks on a bulk channel, then hang up without reading them
+    sock = attached(stub)
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys])))
+    assert sock.recv(1)
     sock.close()
-    with pytest.raises(grpc.RpcError):
-        list(stream)
     assert len(client.get(keys)) == 4
     still_serving(client)
 
 
-def test_bulk_channel_rejects_bad_tokens_and_oversized_frames(stub, client):
+def attached(stub) -> socket.socket:
+    attach = stub.BulkAttach(pb.BulkAttachRequest())
+    sock = socket.create_connection(("127.0.0.1", attach.port), timeout=30)
+    sock.sendall(HELLO.pack(attach.session, attach.token))
+    assert sock.recv(1) == b"\x01"
+    return sock
+
+
+def frame(kind, message=None, data=b"", data_len=None) -> bytes:
+    meta = b"" if message is None else message if isinstance(message, bytes) else message.SerializeToString()
+    return FRAME.pack(kind, len(meta), len(data) if data_len is None else data_len) + meta + data
+
+
+def recv_exactly(sock, n) -> bytes:
+    out = b""
+    while len(out) < n:
+        more = sock.recv(n - len(out))
+        assert more, "the daemon closed the bulk connection"
+        out += more
+    return out
+
+
+def bulk_error(sock) -> Code:
+    """The status of the ERROR frame the daemon answers with (it must be one)."""
+    kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
+    assert kind == ERROR and data_len == 0
+    error = pb.ErrorReply.FromString(recv_exactly(sock, meta_len))
+    assert error.message, "every error carries a message"
+    return next(c for c in Code if c.value[0] == error.code)
+
+
+def test_bulk_channel_rejects_bad_tokens_and_broken_frames(stub, client):
     attach = stub.BulkAttach(pb.BulkAttachRequest())
     sock = socket.create_connection(("127.0.0.1", attach.port))
     sock.sendall(HELLO.pack(attach.session, b"\0" * 32))
@@ -206,14 +231,65 @@ def test_bulk_channel_rejects_bad_tokens_and_oversized_frames(stub, client):
     sock = socket.create_connection(("127.0.0.1", attach.port))
     sock.sendall(HELLO.pack(attach.session, attach.token))
     assert sock.recv(1) == b"\x01"
-    sock.sendall(FRAME.pack(0, 1 << 30))
-    assert sock.recv(1) == b""  # closed: frame larger than a chunk may be
+    sock.sendall(frame(PUT, data_len=1 << 30))
+    assert closed(sock)  # frame larger than a chunk may be
+    for broken in (frame(CHUNK, data=b"x"), frame(99)):  # not a request kind
+        sock = attached(stub)
+        sock.sendall(broken)
+        assert closed(sock)
+    still_serving(client)
+
+
+def closed(sock) -> bool:
+    """Whether the daemon closed the connection (a reset, when it left bytes unread)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_bulk_channel_bad_requests_get_errors_and_the_channel_stays_usable(stub, client):
     keys, value = keys_and_value(6)
     blob = blob_of(keys[0], value)
-    header = put_header(keys[0], len(blob), bulk=pb.BulkRef(session=attach.session, op=0))
-    assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=header)]))) == Code.FAILED_PRECONDITION
+    sock = attached(stub)
+    sock.sendall(frame(GET, b"\x0a\xff\x01"))  # truncated GetRequest
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT
+    sock.sendall(frame(PUT, b"\x0a\xff\x01", blob))  # truncated PutHeader
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT
+    sock.sendall(frame(GET, pb.GetRequest(namespace=pb.NamespaceSpec(), prefix_hashes=[keys[0].prefix_hash])))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT  # no namespace
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[b"x" * 15])))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT  # key of the wrong length
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob) + 1), blob))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT  # fewer bytes than announced
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob))))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT  # neither bytes nor a slot
+    corrupt = bytearray(blob)
+    corrupt[5000] ^= 0xFF
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob)), bytes(corrupt)))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT
+    slot = pb.SlotRef(lease_id=12345, index=0, generation=1)
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob), slot=slot)))
+    assert bulk_error(sock) == Code.FAILED_PRECONDITION  # forged slot
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob), slot=slot), blob))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT  # a slot and bytes
+    assert client.lookup(keys[:1]) == 0
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob)), blob))  # after all that, a good one
+    kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
+    assert (kind, meta_len, data_len) == (DONE, 0, 0)
+    assert client.lookup(keys[:1]) == 1
+    still_serving(client)
+
+
+def test_bulk_put_that_stops_halfway_stores_nothing(stub, client):
+    keys, value = keys_and_value(8)
+    blob = blob_of(keys[0], value)
+    sock = attached(stub)
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob)), data_len=len(blob)) + blob[:5000])
+    sock.close()
     assert client.lookup(keys[:1]) == 0
     still_serving(client)
+    assert client.lookup(keys[:1]) == 0
 
 
 def test_forged_and_stale_slot_references(stub, client):
@@ -246,3 +322,50 @@ def test_forged_and_stale_slot_references(stub, client):
     stub.ReleaseLease(pb.LeaseRef(lease_id=theirs.lease_id))
     assert client.lookup(keys[:1]) == 0
     still_serving(client)
+
+
+def test_pool_views_stay_pinned_until_release(stub, client):
+    import mmap
+
+    keys, value = keys_and_value(9)
+    client.put(keys[0], value)
+    lease = stub.Lease(pb.LeaseRequest(slots=1))
+    assert lease.pool_path, "the daemon shares its host pool by default"
+    with open(lease.pool_path, "rb") as f:
+        pool = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    sock = attached(stub)
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+                                          payload=pb.TENSOR, slots=[lease.slots[0]], pool_views=True)))
+    kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
+    assert kind == CHUNK and data_len == 0
+    runs = pb.GetReply.FromString(recv_exactly(sock, meta_len)).pool_runs
+    assert FRAME.unpack(recv_exactly(sock, FRAME.size))[0] == END
+    sock.recv(64)  # END's CountReply
+
+    def in_pool() -> bytes:
+        return b"".join(pool[o : o + n] for o, n in zip(runs[::2], runs[1::2]))
+
+    def churn(seed):  # more chunks than the 16 MiB host tier holds: every free page is reused
+        for i in range(1100):
+            client.put(chunk_keys(list(range(seed + i * 32, seed + i * 32 + 32)), NS)[0],
+                       torch.full(NS.chunk_shape, float(i % 7 + 10), dtype=torch.float16))
+
+    expected = bytes(tensor_bytes(value))
+    assert in_pool() == expected
+    client.delete(keys[:1])
+    churn(100_000)
+    assert in_pool() == expected, "pinned pages were reused before RELEASE"
+    sock.sendall(frame(RELEASE))
+    churn(200_000)
+    assert in_pool() != expected, "released pages were never reused"
+    stub.ReleaseLease(pb.LeaseRef(lease_id=lease.lease_id))
+    still_serving(client)
+
+
+def test_pool_views_need_slots_and_a_bulk_channel(stub):
+    keys, _ = keys_and_value(10)
+    request = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash], pool_views=True)
+    assert code_of(lambda: list(stub.Get(request))) == Code.INVALID_ARGUMENT
+    sock = attached(stub)
+    sock.sendall(frame(GET, request))
+    assert bulk_error(sock) == Code.INVALID_ARGUMENT

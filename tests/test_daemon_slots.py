@@ -88,3 +88,21 @@ def test_random_lease_sequences_keep_slots_exclusive(tmp_path_factory, ops):
             assert len(owned) == len(set(owned)) and arena.free_slots == 8 - len(owned)
     finally:
         arena.close()
+
+
+def test_host_pool_is_shared_only_where_the_shm_directory_has_room(tmp_path):
+    from fsfaults import tiny_tmpfs
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.server import Daemon
+
+    config = DaemonConfig()
+    config.store.host.capacity_bytes = 64 << 20
+    config.shm.dir = str(tmp_path)
+    path = Daemon(config)._store_config().host.shm_path
+    assert path is not None and path.startswith(str(tmp_path / "kvstore-pool-"))
+    with tiny_tmpfs(tmp_path / "tiny", 32 << 20) as tiny:
+        config.shm.dir = str(tiny)
+        assert Daemon(config)._store_config().host.shm_path is None  # 64 MiB would not fit: private memory
+    config.shm.share_host_pool = False
+    config.shm.dir = str(tmp_path)
+    assert Daemon(config)._store_config().host.shm_path is None

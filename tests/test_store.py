@@ -398,3 +398,54 @@ def test_default_policy_keeps_the_newest_chunks(tmp_path, with_parents, disk):
         resident = [store.first.contains(k.id) for k in keys]
         assert resident[-4:] == [True] * 4
         assert not all(resident[:8])
+
+
+def _gathered(store, runs) -> bytes:
+    return b"".join(bytes(v) for v in store.first.views(runs))
+
+
+def test_pinned_payload_names_raw_host_bytes_and_keeps_them_until_released(tmp_path):
+    keys, values = chunks(3, seed=21)
+    with Store(config(tmp_path)) as store:
+        store.put(keys[0], values[0])
+        store.put(keys[1], values[1], codec="int8")
+        hits = store.stats().tiers["host"].hits
+        with store.pinned_payload(keys[0]) as runs:
+            assert _gathered(store, runs) == values[0].numpy().tobytes()
+            store.delete(keys[:1])
+            for k, v in zip(*chunks(80, seed=22)):  # churn the pool: pinned pages are not reused
+                store.put(k, v)
+            assert _gathered(store, runs) == values[0].numpy().tobytes()
+        assert store.stats().tiers["host"].hits == hits + 1
+        with store.pinned_payload(keys[1]) as runs:
+            assert runs is None  # encoded: only get_into can decode it
+        with store.pinned_payload(keys[2]) as runs:
+            assert runs is None  # absent
+
+
+def test_pinned_payload_drops_a_corrupt_header():
+    keys, values = chunks(1, seed=23)
+    ram_only = StoreConfig(host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
+                           disk=DiskTierConfig(enabled=False))
+    with Store(ram_only) as store:
+        store.put(keys[0], values[0])
+        with store.first.pinned(keys[0].id) as views:
+            views[0][10] ^= 0xFF  # inside the header: its checksum no longer matches
+        with store.pinned_payload(keys[0]) as runs:
+            assert runs is None
+        assert store.stats().tiers["host"].corruptions == 1 and store.lookup(keys) == 0
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.integers(0, 400))
+def test_split_runs_cuts_byte_ranges_at_any_point(lengths, n):
+    from kvstore.store import _split_runs
+
+    runs, offset = [], 0
+    for length in lengths:
+        runs.append((offset, length))
+        offset += length + 7  # gaps between runs
+    flat = [o + i for o, length in runs for i in range(length)]
+    head, tail = _split_runs(runs, n)
+    assert [o + i for o, length in head for i in range(length)] == flat[:n]
+    assert [o + i for o, length in tail for i in range(length)] == flat[n:]
+    assert all(length > 0 for _, length in head + tail)

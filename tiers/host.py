@@ -77,8 +77,18 @@ class HostTier(PagedTier):
         Yields None if the key is absent. The pages stay allocated to this value until the
         block ends, even if the key is deleted or replaced meanwhile.
         """
+        with self.pinned_runs(key) as runs:
+            yield None if runs is None else self.views(runs)
+
+    @contextmanager
+    def pinned_runs(self, key: bytes) -> Iterator[list[tuple[int, int]] | None]:
+        """``pinned``, as (pool offset, length) ranges: for a process that maps the same pool."""
         with self.table.reading(key) as value:
-            yield None if value is None else [memoryview(self._mmap)[o : o + n] for o, n in value.runs]
+            yield None if value is None else list(value.runs)
+
+    def views(self, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Views of pool ranges (valid while they are pinned)."""
+        return [memoryview(self._mmap)[o : o + n] for o, n in runs]
 
     def read(self, key: bytes) -> bytes | None:
         with self.pinned(key) as views:

@@ -52,31 +52,21 @@ class SlotRef(_message.Message):
     generation: int
     def __init__(self, lease_id: _Optional[int] = ..., index: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class BulkRef(_message.Message):
-    __slots__ = ("session", "op")
-    SESSION_FIELD_NUMBER: _ClassVar[int]
-    OP_FIELD_NUMBER: _ClassVar[int]
-    session: int
-    op: int
-    def __init__(self, session: _Optional[int] = ..., op: _Optional[int] = ...) -> None: ...
-
 class PutHeader(_message.Message):
-    __slots__ = ("namespace", "prefix_hash", "parent_hash", "durable", "blob_bytes", "slot", "bulk")
+    __slots__ = ("namespace", "prefix_hash", "parent_hash", "durable", "blob_bytes", "slot")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     BLOB_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
-    BULK_FIELD_NUMBER: _ClassVar[int]
     namespace: NamespaceSpec
     prefix_hash: bytes
     parent_hash: bytes
     durable: bool
     blob_bytes: int
     slot: SlotRef
-    bulk: BulkRef
-    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., durable: _Optional[bool] = ..., blob_bytes: _Optional[int] = ..., slot: _Optional[_Union[SlotRef, _Mapping]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., durable: _Optional[bool] = ..., blob_bytes: _Optional[int] = ..., slot: _Optional[_Union[SlotRef, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -91,32 +81,34 @@ class PutReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "prefix_hashes", "payload", "slots", "bulk", "piece_bytes")
+    __slots__ = ("namespace", "prefix_hashes", "payload", "slots", "piece_bytes", "pool_views")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
-    BULK_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_VIEWS_FIELD_NUMBER: _ClassVar[int]
     namespace: NamespaceSpec
     prefix_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     payload: Payload
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
-    bulk: BulkRef
     piece_bytes: int
-    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., payload: _Optional[_Union[Payload, str]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
+    pool_views: bool
+    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., payload: _Optional[_Union[Payload, str]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., piece_bytes: _Optional[int] = ..., pool_views: _Optional[bool] = ...) -> None: ...
 
 class GetReply(_message.Message):
-    __slots__ = ("index", "chunk_bytes", "data", "last")
+    __slots__ = ("index", "chunk_bytes", "data", "last", "pool_runs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    POOL_RUNS_FIELD_NUMBER: _ClassVar[int]
     index: int
     chunk_bytes: int
     data: bytes
     last: bool
-    def __init__(self, index: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    pool_runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., pool_runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("namespace", "prefix_hashes")
@@ -231,7 +223,7 @@ class LeaseRef(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("lease_id", "path", "nonce", "slot_bytes", "slots", "offsets", "ttl_s")
+    __slots__ = ("lease_id", "path", "nonce", "slot_bytes", "slots", "offsets", "ttl_s", "pool_path")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +231,7 @@ class LeaseReply(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     path: str
     nonce: bytes
@@ -246,7 +239,8 @@ class LeaseReply(_message.Message):
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     ttl_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., path: _Optional[str] = ..., nonce: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    pool_path: str
+    def __init__(self, lease_id: _Optional[int] = ..., path: _Optional[str] = ..., nonce: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., pool_path: _Optional[str] = ...) -> None: ...
 
 class BulkAttachRequest(_message.Message):
     __slots__ = ()
@@ -263,3 +257,11 @@ class BulkAttachReply(_message.Message):
     token: bytes
     max_frame_bytes: int
     def __init__(self, port: _Optional[int] = ..., session: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class ErrorReply(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

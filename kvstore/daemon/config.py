@@ -22,6 +22,10 @@ class ShmConfig:
     # A lease not renewed or used for this long is reclaimed (the client died).
     lease_ttl_s: float = 30.0
     max_slots_per_lease: int = 16
+    # Put the host tier's pool in a file under ``dir`` too, so same-host clients copy chunks
+    # straight out of it (one copy per Get instead of two). It gives those clients (same uid:
+    # the files are 0600) nothing the slot arena does not: they can read any slot already.
+    share_host_pool: bool = True
 
 
 @dataclass
@@ -44,6 +48,8 @@ class LimitsConfig:
     # Largest gRPC message either way (inline pieces are smaller than this).
     max_message_bytes: int = 16 << 20
     inline_piece_bytes: int = 4 << 20
+    # Chunks of one Get read at once (in executor threads) while earlier ones travel.
+    get_read_ahead: int = 3
 
 
 @dataclass

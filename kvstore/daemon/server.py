@@ -11,6 +11,7 @@ error and exit code 1, so shutdown is bounded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -29,8 +30,9 @@ from kvstore.daemon.bulk import BulkServer
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.service import KVStoreService, register
-from kvstore.daemon.slots import SlotArena
+from kvstore.daemon.slots import PREFIXES, SlotArena, remove_orphans, shm_file_path
 from kvstore.daemon.wire import split_host_port
+from kvstore.config import StoreConfig
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -69,7 +71,7 @@ class Daemon:
                 raise ValueError("TLS needs both a certificate and a key")
             tls = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
         loop = asyncio.get_running_loop()
-        self.store = await loop.run_in_executor(self._executor, Store, cfg.store)
+        self.store = await loop.run_in_executor(self._executor, Store, self._store_config())
         if cfg.shm.enabled:
             s = cfg.shm
             self.arena = SlotArena(s.dir, s.slots, s.slot_bytes, s.lease_ttl_s, s.max_slots_per_lease)
@@ -77,7 +79,6 @@ class Daemon:
             b = cfg.bulk
             self.bulk = BulkServer(host, b.port, b.max_sessions, cfg.limits.max_chunk_bytes,
                                    b.frame_timeout_s, b.socket_buffer_bytes, self.pool)
-            self.bulk.start()
         self.metrics = DaemonMetrics(self.store.stats, self._gauges)
         options = [
             ("grpc.max_send_message_length", cfg.limits.max_message_bytes),
@@ -93,6 +94,8 @@ class Daemon:
         self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
                                       self.pool, "")
         register(self.service, self._server)
+        if self.bulk is not None:
+            self.bulk.start(self.service.bulk_request)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
@@ -112,9 +115,26 @@ class Daemon:
         tiers = ", ".join(f"{t.name} {_human(t.capacity_bytes)}" for t in self.store.tiers)
         log.info("kvstore daemon listening on %s (tiers: %s; shm %s; bulk %s; metrics %s; auth %s; tls %s)",
                  self.address, tiers,
-                 f"{self.arena.slots}x{_human(self.arena.slot_bytes)}" if self.arena else "off",
+                 f"{self.arena.slots}x{_human(self.arena.slot_bytes)}"
+                 f"{' + host pool' if self.service.pool_path else ''}" if self.arena else "off",
                  f"port {self.bulk.port}" if self.bulk else "off", metrics_at,
                  "token" if token else "off", "on" if tls else "off")
+
+    def _store_config(self) -> StoreConfig:
+        """The store's config, with the host pool in a shared file when same-host clients
+        may read from it (``shm.share_host_pool``) and the shm directory has room for it."""
+        cfg = self.config
+        host = cfg.store.host
+        if not (cfg.shm.enabled and cfg.shm.share_host_pool) or host.shm_path is not None:
+            return cfg.store
+        remove_orphans(cfg.shm.dir)
+        free = os.statvfs(cfg.shm.dir)
+        if free.f_bavail * free.f_frsize < host.capacity_bytes * 1.05 + (64 << 20):
+            log.warning("%s has too little room for the %s host pool: clients copy out of slots instead",
+                        cfg.shm.dir, _human(host.capacity_bytes))
+            return cfg.store
+        path = shm_file_path(cfg.shm.dir, PREFIXES[1])
+        return dataclasses.replace(cfg.store, host=dataclasses.replace(host, shm_path=path))
 
     def _gauges(self) -> dict[str, int]:
         return {
@@ -136,12 +156,13 @@ class Daemon:
         say("shutting down: finishing in-flight requests (up to %.1f s)", self.config.shutdown_grace_s)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            await self._server.stop(self.config.shutdown_grace_s)
+        grace = self.config.shutdown_grace_s
+        stopping = [self._server.stop(grace)] if self._server is not None else []
+        if self.bulk is not None:
+            stopping.append(self.bulk.close(grace))
+        await asyncio.gather(*stopping)
         if self._expiry is not None:
             self._expiry.cancel()
-        if self.bulk is not None:
-            await self.bulk.close()
         await asyncio.to_thread(self._executor.shutdown, True)  # Store calls of cancelled RPCs finish
         if self.store is not None:
             pending = self.store.stats().write_behind_pending_bytes

@@ -8,12 +8,16 @@ unless the whole blob arrived and verified.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import grpc
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -22,7 +26,7 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, CorruptBlob, verify_blob
 from kvstore.codecs import codec_by_id
 from kvstore.daemon.buffers import BufferPool
-from kvstore.daemon.bulk import BulkError, BulkServer
+from kvstore.daemon.bulk import CHUNK, DONE, END, ERROR, GET, BulkError, BulkServer, Channel
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.slots import SlotArena, SlotError
@@ -30,6 +34,7 @@ from kvstore.daemon.wire import keys_from_proto, ns_from_proto, stats_to_proto
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.store import Store, StoreClosed
 from tiers.base import TierError, TierFull
+from tiers.host import HostTier
 
 SLOT_STATUS = {
     "stale": grpc.StatusCode.FAILED_PRECONDITION,
@@ -45,6 +50,10 @@ class Fail(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+# what a handler turns into a status (anything else is a bug and propagates)
+_USER_ERRORS = (Fail, SlotError, BulkError, CorruptBlob, TierError, StoreClosed, OSError, ValueError, TypeError)
 
 
 def _translate(exc: Exception) -> Fail:
@@ -127,7 +136,7 @@ def _timed(fn):
         start = time.perf_counter()
         try:
             return await fn(self, request if fn.__name__ == "Put" else _parse(request), context)
-        except (Fail, SlotError, BulkError, CorruptBlob, TierError, StoreClosed, OSError, ValueError, TypeError) as exc:
+        except _USER_ERRORS as exc:
             fail = _translate(exc)
             self.metrics.rpc_errors.labels(name, fail.code.name).inc()
             await context.abort(fail.code, str(fail))
@@ -135,6 +144,18 @@ def _timed(fn):
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
 
     return wrapper
+
+
+@dataclass
+class _Read:
+    """One chunk read for a Get: where its bytes are and what to release once it is sent."""
+
+    nbytes: int
+    data: object = None  # bytes to send (a pooled buffer or a blob); None: in its slot or pool_runs
+    pool_runs: list[tuple[int, int]] | None = None  # pinned in the host pool, (offset, length)
+    release: Callable[[], object] | None = None  # unpins pool_runs
+    pooled: np.ndarray | None = None  # give back to the buffer pool
+    index: int = 0
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -145,6 +166,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.arena, self.bulk, self.metrics, self.address = arena, bulk, metrics, address
         self.limits = config.limits
         self.io_inflight = 0
+        first = store.first
+        # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
+        self.pool_path = first.shm_path if isinstance(first, HostTier) and arena is not None else None
 
     async def _run(self, fn, *args, **kwargs):
         """Run a blocking call in the bounded executor; ``io_inflight`` counts queued + running."""
@@ -188,12 +212,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"{ns.dtype}{list(ns.chunk_shape)}")
         self.store.put_blob(key.id, [blob], parent=parent, durable=durable)
 
-    @_timed
-    async def Put(self, request_iterator, context):
-        first = await _next(request_iterator)
-        if first is None or not first.HasField("header"):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
-        h = first.header
+    async def _store(self, h: pb.PutHeader, blob: np.ndarray | None = None, inline=None) -> int:
+        """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame),
+        or arriving as the ``inline`` pieces of a Put stream. Returns its size."""
         ns = ns_from_proto(h.namespace)
         key = keys_from_proto(ns, [h.prefix_hash])[0]
         parent = keys_from_proto(ns, [h.parent_hash])[0].id if h.parent_hash else None
@@ -204,29 +225,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this daemon")
             with self.arena.using([(h.slot.lease_id, h.slot.index, h.slot.generation)], size) as (view,):
                 await self._run(self._verify_and_put, key, view, parent, h.durable)
-        elif h.HasField("bulk"):
-            if self.bulk is None:
-                raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "the bulk channel is disabled on this daemon")
-            session = self.bulk.get(h.bulk.session)
-            try:
-                buf = await self.bulk.take_frame(session, h.bulk.op)
-            except BulkError:
-                self.bulk.close_session(session)
-                raise
-            try:
-                if buf.nbytes != size:
-                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {buf.nbytes} bytes, header says {size}")
-                await self._run(self._verify_and_put, key, buf, parent, h.durable)
-            finally:
-                self.pool.give(buf)
+        elif blob is not None:
+            if blob.nbytes != size:
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
+            await self._run(self._verify_and_put, key, blob, parent, h.durable)
         else:
             buf = self.pool.take(size)
             try:
-                await self._put_inline(first, request_iterator, memoryview(buf), size)
+                await inline(memoryview(buf), size)
                 await self._run(self._verify_and_put, key, buf, parent, h.durable)
             finally:
                 self.pool.give(buf)
         self.metrics.wrote(ns, size)
+        return size
+
+    @_timed
+    async def Put(self, request_iterator, context):
+        first = await _next(request_iterator)
+        if first is None or not first.HasField("header"):
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
+        await self._store(first.header, inline=functools.partial(self._put_inline, first, request_iterator))
         return pb.PutReply()
 
     @staticmethod
@@ -249,50 +267,55 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- get ------------------------------------------------------------------------------
 
-    def _read(self, key: ChunkKey, payload: int, slot_view=None, chunk_bytes: int = 0):
-        """The chunk's bytes (a pooled buffer for TENSOR, or the blob), or True when placed in
-        ``slot_view``; None on a miss."""
+    def _read(self, key: ChunkKey, payload: int, slot_view, chunk_bytes: int, pinnable: bool) -> "_Read | None":
+        """Read one chunk (in an executor thread): pinned in the host pool if ``pinnable`` and
+        it lies there raw; else into ``slot_view``, or into a pooled buffer (TENSOR) or as the
+        blob (BLOB). None on a miss."""
         ns = key.namespace
+        if pinnable:
+            pin = self.store.pinned_payload(key)
+            runs = pin.__enter__()
+            if runs is not None:
+                return _Read(chunk_bytes, pool_runs=runs, release=functools.partial(pin.__exit__, None, None, None))
+            pin.__exit__(None, None, None)
         if payload == pb.TENSOR:
             dtype = getattr(torch, ns.dtype)
             if slot_view is not None:
                 out = torch.frombuffer(slot_view, dtype=dtype).view(ns.chunk_shape)
-                return True if self.store.get_into(key, out) else None
+                return _Read(chunk_bytes) if self.store.get_into(key, out) else None
             buf = self.pool.take(chunk_bytes)
             if self.store.get_into(key, torch.from_numpy(buf).view(dtype).view(ns.chunk_shape)):
-                return buf
+                return _Read(chunk_bytes, data=buf, pooled=buf)
             self.pool.give(buf)
             return None
         blob = self.store.get_blob(key)
-        if blob is None or slot_view is None:
-            return blob
+        if blob is None:
+            return None
+        if slot_view is None:
+            return _Read(len(blob), data=blob)
         if len(blob) > len(slot_view):
             raise Fail(grpc.StatusCode.OUT_OF_RANGE, f"blob of {len(blob)} bytes does not fit the slot")
         slot_view[: len(blob)] = blob
-        return len(blob)
+        return _Read(len(blob))
 
-    async def _read_one(self, key: ChunkKey, payload: int, slot, chunk_bytes: int):
+    async def _read_one(self, key: ChunkKey, payload: int, slot, chunk_bytes: int, pinnable: bool):
         if slot is None:
-            return await self._run(self._read, key, payload, None, chunk_bytes)
+            return await self._run(self._read, key, payload, None, chunk_bytes, pinnable)
         nbytes = chunk_bytes if payload == pb.TENSOR else self.arena.slot_bytes
         with self.arena.using([(slot.lease_id, slot.index, slot.generation)], nbytes) as (view,):
-            result = await self._run(self._read, key, payload, view)
-        return None if result is None else (chunk_bytes if result is True else result)
+            return await self._run(self._read, key, payload, view, chunk_bytes, pinnable)
 
-    async def Get(self, request, context):
-        start = time.perf_counter()
-        try:
-            async for reply in self._get(request, context):
-                yield reply
-        except (Fail, SlotError, BulkError, CorruptBlob, TierError, StoreClosed, OSError, ValueError, TypeError) as exc:
-            fail = _translate(exc)
-            self.metrics.rpc_errors.labels("Get", fail.code.name).inc()
-            await context.abort(fail.code, str(fail))
-        finally:
-            self.metrics.rpc_seconds.labels("Get").observe(time.perf_counter() - start)
+    def _done(self, read: "_Read") -> None:
+        if read.release is not None:
+            read.release()
+        if read.pooled is not None:
+            self.pool.give(read.pooled)
 
-    async def _get(self, request, context):
-        request = _parse(request)
+    async def _chunks(self, request, held: list | None = None):
+        """Validate a GetRequest, then yield one ``_Read`` per chunk, in order, until the first
+        miss. ``held`` (bulk channel only) takes the release of chunks the client copies out of
+        the host pool itself (``pool_views``); anything else a chunk holds (pool pins, pooled
+        buffers) is released when the consumer asks for the next one."""
         ns, keys = self._keys(request)
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
@@ -304,58 +327,109 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this daemon")
             if len(slots) != len(keys):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
-        session = None
-        if request.HasField("bulk"):
-            if self.bulk is None:
-                raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "the bulk channel is disabled on this daemon")
-            session = self.bulk.get(request.bulk.session)
-        piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
-        if not keys:
-            return
-        pending = asyncio.ensure_future(self._read_one(keys[0], payload, slots[0] if slots else None, chunk_bytes))
+        if request.pool_views and (held is None or not slots):
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
+        # the socket of a bulk channel sends straight from the pool; a client that maps it copies from it
+        pinnable = payload == pb.TENSOR and held is not None and (
+            not slots or (request.pool_views and self.pool_path is not None))
+        # read ahead: the next chunks are read (in parallel executor threads) while this one travels
+        pending: collections.deque = collections.deque()
+        queued = 0
+
+        def refill() -> None:
+            nonlocal queued
+            while queued < len(keys) and len(pending) < self.limits.get_read_ahead:
+                pending.append(asyncio.ensure_future(self._read_one(
+                    keys[queued], payload, slots[queued] if slots else None, chunk_bytes, pinnable)))
+                queued += 1
+
+        refill()
         try:
             for i in range(len(keys)):
-                result = await pending
-                pending = None
-                if result is None:
+                read = await pending.popleft()
+                if read is None:
                     self.metrics.miss(ns)
                     return
-                if i + 1 < len(keys):  # read the next chunk while this one travels
-                    pending = asyncio.ensure_future(
-                        self._read_one(keys[i + 1], payload, slots[i + 1] if slots else None, chunk_bytes))
-                if slots:
-                    self.metrics.hit(ns, result)
-                    yield pb.GetReply(index=i, chunk_bytes=result, last=True)
-                    continue
+                read.index = i
+                refill()
+                self.metrics.hit(ns, read.nbytes)
+                if read.pool_runs is not None and slots:
+                    held.append(read.release)
+                    read.release = None
                 try:
-                    async for reply in self._send(ns, session, request.bulk.op, i, result, piece):
-                        yield reply
+                    yield read
                 finally:
-                    if payload == pb.TENSOR:
-                        self.pool.give(result)
+                    self._done(read)
         finally:
-            if pending is not None:
+            for future in pending:
                 try:
-                    await pending  # the executor may be writing into a slot: finish before releasing it
+                    read = await future  # the executor may be writing into a slot: finish before releasing it
                 except Exception:
-                    pass
+                    continue
+                if read is not None:
+                    self._done(read)
 
-    async def _send(self, ns: Namespace, session, op: int, i: int, data, piece: int):
-        """One chunk's replies, inline or followed by its bulk frame ``op + i``."""
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        self.metrics.hit(ns, n)
-        if session is not None:
-            yield pb.GetReply(index=i, chunk_bytes=n, last=True)
-            try:
-                await self.bulk.send_frame(session, op + i, view)
-            except OSError as exc:
-                self.bulk.close_session(session)
-                raise Fail(grpc.StatusCode.ABORTED, f"bulk session broke while sending: {exc}") from None
-            return
-        for off in range(0, n, piece):
-            yield pb.GetReply(index=i, chunk_bytes=n if off == 0 else 0,
-                              data=bytes(view[off : off + piece]), last=off + piece >= n)
+    async def Get(self, request, context):
+        start = time.perf_counter()
+        try:
+            request = _parse(request)
+            piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
+            async for read in self._chunks(request):
+                if read.data is None:
+                    yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
+                    continue
+                view = memoryview(read.data).cast("B")
+                for off in range(0, read.nbytes, piece):
+                    yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes if off == 0 else 0,
+                                      data=bytes(view[off : off + piece]), last=off + piece >= read.nbytes)
+        except _USER_ERRORS as exc:
+            fail = _translate(exc)
+            self.metrics.rpc_errors.labels("Get", fail.code.name).inc()
+            await context.abort(fail.code, str(fail))
+        finally:
+            self.metrics.rpc_seconds.labels("Get").observe(time.perf_counter() - start)
+
+    # -- the bulk channel -------------------------------------------------------------------
+
+    async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None) -> None:
+        """Answer one request of a bulk channel (see kvstore/daemon/bulk.py): the same work
+        as the Get and Put RPCs, with replies as frames. Connection errors propagate (the
+        channel closes); request errors become an ERROR frame."""
+        name = "Get" if kind == GET else "Put"
+        start = time.perf_counter()
+        try:
+            if kind == GET:
+                request = _parse(_safe_parser(pb.GetRequest)(meta))
+                sent = 0
+                async for read in self._chunks(request, channel.held):
+                    reply = pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
+                    body = read.data
+                    if read.pool_runs is not None:
+                        if request.pool_views:
+                            reply.pool_runs.extend(x for run in read.pool_runs for x in run)
+                        else:
+                            body = self.store.first.views(read.pool_runs)
+                    await channel.send(CHUNK, reply.SerializeToString(), body)
+                    sent += 1
+                await channel.send(END, pb.CountReply(count=sent).SerializeToString())
+            else:
+                header = _parse(_safe_parser(pb.PutHeader)(meta))
+                if header.HasField("slot") and data is not None:
+                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put names a slot and carries bytes")
+                if not header.HasField("slot") and data is None:
+                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put carries neither bytes nor a slot")
+                await self._store(header, blob=data)
+                await channel.send(DONE)
+        except ConnectionError:
+            raise  # the channel broke: nobody to answer
+        except _USER_ERRORS as exc:
+            fail = _translate(exc)
+            self.metrics.rpc_errors.labels(name, fail.code.name).inc()
+            await channel.send(ERROR, pb.ErrorReply(code=fail.code.value[0], message=str(fail)).SerializeToString())
+        finally:
+            if data is not None:
+                self.pool.give(data)
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
 
     # -- index operations -----------------------------------------------------------------
 
@@ -409,7 +483,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.LeaseReply(
             lease_id=lease.lease_id, path=a.path, nonce=a.nonce, slot_bytes=a.slot_bytes, ttl_s=a.lease_ttl_s,
             slots=[pb.SlotRef(lease_id=lease.lease_id, index=i, generation=a.generation(i)) for i in lease.slots],
-            offsets=[a.offset(i) for i in lease.slots],
+            offsets=[a.offset(i) for i in lease.slots], pool_path=self.pool_path or "",
         )
 
     def _need_arena(self) -> SlotArena:

@@ -1,10 +1,12 @@
 """The shared-memory slot arena: fixed-size slots in one /dev/shm file, leased to clients.
 
-Why a separate arena instead of putting the host tier in /dev/shm: a client that could map
-the host tier's pool could read every tenant's chunks and corrupt the store's own pages.
-Slots are staging buffers only: a client writes a blob into its slot and the daemon copies
-it into the store after verifying it (Put), or the daemon places a chunk in the client's
-slot (Get). One copy each side, no payload bytes on the socket.
+Slots are staging buffers: a client writes a blob into its slot and the daemon copies it
+into the store only after verifying it (Put: a client never writes into the store's own
+pages), or the daemon places a chunk in the client's slot (Get of a chunk that is not raw
+in host RAM: encoded, or on a slower tier). Raw chunks in host RAM need no slot when the
+daemon shares its host pool (``shm.share_host_pool``): the client maps the pool read-only
+and copies them out itself. Neither file widens who can read what: both are 0600, so only
+processes of the daemon's own user map them, and such a process can read any slot anyway.
 
 Safety: a slot belongs to at most one lease at a time; every reference names the lease (a
 random 63-bit id), the slot index and the slot's generation, which is bumped whenever the
@@ -28,15 +30,21 @@ ARENA_HEADER_BYTES = 4096
 NONCE_BYTES = 16
 
 
-PREFIX = "kvstore-slots-"
+PREFIXES = ("kvstore-slots-", "kvstore-pool-")  # slot arenas, shared host pools
 
 
-def _remove_orphans(directory: str) -> None:
-    """Delete arenas left by daemons that died without cleaning up (kill -9)."""
+def shm_file_path(directory: str, prefix: str) -> str:
+    """A new file name under ``directory`` that names this process (see ``remove_orphans``)."""
+    return os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}")
+
+
+def remove_orphans(directory: str) -> None:
+    """Delete arenas and pools left by daemons that died without cleaning up (kill -9)."""
     for name in os.listdir(directory):
-        if not name.startswith(PREFIX):
+        prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+        if prefix is None:
             continue
-        pid = name[len(PREFIX) :].split("-")[0]
+        pid = name[len(prefix) :].split("-")[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             try:
                 os.unlink(os.path.join(directory, name))
@@ -75,8 +83,8 @@ class SlotArena:
             raise ValueError(f"shm.slot_bytes must be a positive multiple of {mmap.PAGESIZE}")
         if self.slots <= 0:
             raise ValueError("shm.slots must be positive")
-        _remove_orphans(self.dir)
-        self.path = os.path.join(self.dir, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        remove_orphans(self.dir)
+        self.path = shm_file_path(self.dir, PREFIXES[0])
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, ARENA_HEADER_BYTES + self.slots * self.slot_bytes)
