@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="TLS certificate chain (PEM)")
     p.add_argument("--tls-key", help="TLS private key (PEM)")
     p.add_argument("--no-shm", action="store_true", help="disable the shared-memory slots")
-    p.add_argument("--no-bulk", action="store_true", help="disable the bulk TCP side channel")
+    p.add_argument("--no-bulk", action="store_true", help="disable the bulk TCP channel")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("stats", help="print a running daemon's tiers, usage and hit rates")
     _add_remote(p)

@@ -4,12 +4,16 @@ an in-process Store or a daemon interchangeably.
 Chunk bytes take the fastest path available, chosen once per client:
 
 - ``shm``: the daemon runs on this host (we can map its slot arena and read its nonce):
-  the blob is copied into a leased shared-memory slot, only the slot reference travels;
-- ``bulk``: a plain TCP side channel authenticated by a one-time token from an RPC;
+  a put's blob is copied into a leased shared-memory slot, only the slot reference travels;
+  a get copies raw chunks straight out of the daemon's host pool (mapped read-only), others
+  out of slots;
+- ``bulk``: chunk bytes on a plain TCP connection authenticated by a one-time token from an RPC;
 - ``grpc``: bytes pieces inside gRPC messages (works everywhere, TLS included).
 
+Gets and puts go over a bulk channel whenever the daemon offers one (shm included: gRPC costs
+about as much per message as moving a 4 MiB chunk), else over gRPC.
 ``transport="auto"`` picks shm, else bulk, else grpc; ``"shm"`` or ``"remote"`` (bulk, else
-grpc) or ``"grpc"`` force one. Calls fail with ``DaemonError`` (the gRPC status code and
+grpc) or ``"grpc"`` (no bulk channel either) force one. Calls fail with ``DaemonError`` (the gRPC status code and
 message); only UNAVAILABLE is retried, with exponential backoff, because every operation
 is idempotent. One channel, one lease and a pool of bulk connections are reused across calls;
 ``Client`` is thread-safe; ``AsyncClient`` is its asyncio twin (grpc.aio, event-loop sockets).
@@ -393,7 +397,7 @@ class Client(_ClientBase):
             reply = self._rpc(self._stub.BulkAttach, pb.BulkAttachRequest())
         except DaemonError as exc:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                self._bulk_ok = False  # the daemon has no side channel: use gRPC bytes
+                self._bulk_ok = False  # the daemon has no bulk channel: use gRPC
                 return None
             raise
         return _BulkSession(self.host, reply, self.timeout_s)

@@ -1,2 +1,2 @@
-"""The sidecar daemon: one Store served over gRPC, with same-host shared-memory slots and a
-bulk TCP side channel for payloads (see docs/daemon.md)."""
+"""The sidecar daemon: one Store served over gRPC, with same-host shared memory (slots and
+the host pool) and a bulk TCP channel for Gets and Puts (see docs/daemon.md)."""

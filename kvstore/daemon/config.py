@@ -30,7 +30,7 @@ class ShmConfig:
 
 @dataclass
 class BulkConfig:
-    """Plain TCP side channel for chunk bytes (off when TLS is on: it is not encrypted)."""
+    """Plain TCP channel for Gets and Puts (off when TLS is on: it is not encrypted)."""
 
     enabled: bool = True
     port: int = 0  # 0 = any free port, advertised through BulkAttach

@@ -1,5 +1,5 @@
 """The daemon process: one Store behind a grpc.aio server, plus the health and reflection
-services, the shared-memory slot arena, the bulk side channel and the metrics endpoint.
+services, the shared-memory slot arena, the bulk channel and the metrics endpoint.
 
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the server stops accepting and gives
 in-flight RPCs ``shutdown_grace_s``, then the Store flushes its write-behind queues and
@@ -75,7 +75,7 @@ class Daemon:
         if cfg.shm.enabled:
             s = cfg.shm
             self.arena = SlotArena(s.dir, s.slots, s.slot_bytes, s.lease_ttl_s, s.max_slots_per_lease)
-        if cfg.bulk.enabled and tls is None:  # the side channel is not encrypted
+        if cfg.bulk.enabled and tls is None:  # the bulk channel is not encrypted
             b = cfg.bulk
             self.bulk = BulkServer(host, b.port, b.max_sessions, cfg.limits.max_chunk_bytes,
                                    b.frame_timeout_s, b.socket_buffer_bytes, self.pool)
