@@ -4,6 +4,7 @@ nothing half-written becomes visible, and the daemon keeps serving everyone else
 import socket
 import struct
 import threading
+import time
 
 import grpc
 import pytest
@@ -27,6 +28,8 @@ max_keys_per_request = 8
 [shm]
 slots = 16
 slot_bytes = "64KiB"
+[bulk]
+frame_timeout_s = 2.0
 [store.host]
 capacity_bytes = "16MiB"
 page_bytes = 4096
@@ -369,3 +372,24 @@ def test_pool_views_need_slots_and_a_bulk_channel(stub):
     sock = attached(stub)
     sock.sendall(frame(GET, request))
     assert bulk_error(sock) == Code.INVALID_ARGUMENT
+
+
+def test_a_bulk_client_that_stops_reading_is_cut_off(stub, client):
+    keys, value = keys_and_value(11)
+    for k in keys:
+        client.put(k, value)
+    sock = attached(stub)
+    get = frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys],
+                                   payload=pb.TENSOR))
+    sock.sendall(get * 400)  # 25 MiB of replies: more than both socket buffers hold
+    time.sleep(4)  # the daemon's send waits for us for frame_timeout_s (2 s), then gives up
+    sock.settimeout(10)
+    received = 0
+    with pytest.raises((ConnectionResetError, EOFError)):
+        while True:
+            data = sock.recv(1 << 20)
+            if not data:
+                raise EOFError
+            received += len(data)
+    assert received < 400 * 4 * (16 << 10)
+    still_serving(client)

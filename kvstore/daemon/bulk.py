@@ -73,8 +73,8 @@ class Session:
 class Channel:
     """An attached connection, as the request handler sees it: it sends reply frames."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock, self.timeout_s = sock, timeout_s
         self.held: list[Callable[[], object]] = []  # releases of chunks the client is copying
 
     def release(self) -> None:
@@ -83,14 +83,20 @@ class Channel:
             release()
 
     async def send(self, kind: int, meta: bytes = b"", data=None) -> None:
-        """One frame; ``data`` is a buffer, a list of buffers (sent back to back), or None."""
+        """One frame; ``data`` is a buffer, a list of buffers (sent back to back), or None.
+        A frame the peer has not taken within ``timeout_s`` cuts it off (ConnectionError): what
+        a Get holds for it (pinned pages, buffers) must not stay held forever."""
         loop = asyncio.get_running_loop()
         parts = [] if data is None else data if isinstance(data, list) else [data]
         views = [memoryview(p).cast("B") for p in parts]
-        await loop.sock_sendall(self.sock, FRAME.pack(kind, len(meta), sum(v.nbytes for v in views)) + meta)
-        for view in views:
-            if view.nbytes:
-                await loop.sock_sendall(self.sock, view)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await loop.sock_sendall(self.sock, FRAME.pack(kind, len(meta), sum(v.nbytes for v in views)) + meta)
+                for view in views:
+                    if view.nbytes:
+                        await loop.sock_sendall(self.sock, view)
+        except TimeoutError:
+            raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
 
 
 # handler(channel, kind, meta, data): answer one request; data is a pool buffer or None and
@@ -181,7 +187,7 @@ class BulkServer:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             conn.setsockopt(socket.SOL_SOCKET, opt, self.socket_buffer_bytes)
         session = None
-        channel = Channel(conn)
+        channel = Channel(conn, self.frame_timeout_s)
         try:
             session = await self._attach(conn)
             if session is None:
