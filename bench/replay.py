@@ -11,6 +11,12 @@ after the first miss is recomputed, not loaded), bytes read and written, and mod
 per request = measured load time + missed tokens / ``--prefill-tok-s`` (the prefill cost
 model; calibrate it with ``kvbench engine`` or a real engine's prefill throughput).
 Capacities are percentages of the replayed requests' distinct blocks, as in ``kvbench policies``.
+
+A policy name ending in ``+compress`` (e.g. ``default+compress``) runs that policy with joint
+compression and eviction (kvstore/placement.py): a victim may stay in its tier re-encoded by a
+codec the ``--verdicts`` file allows, valued with the same prefill cost model. Synthetic
+payloads are random fp16, so lossy codecs shrink them as they would real KV (lossless lz4 does
+not, as on real fp16 KV), while the quality cost comes from the verdict file's model.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 
 from bench.cli import UsageError
 from bench.traces import load_trace
-from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
+from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.policies import POLICIES
 from kvstore.store import Store
@@ -37,7 +43,8 @@ from kvstore.store import Store
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("replay", help="replay a trace through the real Store and its tiers")
     p.add_argument("--trace", required=True, help="trace file (Mooncake JSONL or text) or synthetic[:k=v,...]")
-    p.add_argument("--policies", default="lru,arc,default", help="eviction policies to compare")
+    p.add_argument("--policies", default="lru,arc,default,default+compress",
+                   help="eviction policies to compare; NAME+compress adds joint compression")
     p.add_argument("--requests", type=int, default=1000, help="replay the first N requests")
     p.add_argument("--host-pct", type=float, default=1.0, help="host RAM capacity, %% of distinct blocks")
     p.add_argument("--disk-pct", type=float, default=10.0, help="local disk capacity, %% of distinct blocks")
@@ -46,9 +53,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens", type=int, default=128, help="tokens per chunk (one trace block)")
     p.add_argument("--prefill-tok-s", type=float, default=20000.0, help="prefill cost model: tokens per second")
+    p.add_argument("--verdicts", default=str(DEFAULT_VERDICTS), help="codec verdict file for +compress")
+    p.add_argument("--quality-weight-s", type=float, default=PlacementConfig.quality_weight_s,
+                   help="placement's lambda: seconds one percent of perplexity change costs per use")
     p.add_argument("--dir", help="directory for the disk tier (default: temporary)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
+
+
+COMPRESS = "+compress"
+DEFAULT_VERDICTS = Path(__file__).parent / "data" / "verdicts" / "SmolLM2-135M-Instruct.Q4_1.float16.json"
 
 
 def _key(ns: Namespace, block_id) -> ChunkKey:
@@ -65,10 +79,13 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path) -> dict:
     chunk = torch.randn(ns.chunk_shape).half()
     blob = chunk.numel() * chunk.element_size() + 4096
     distinct = len({b for r in requests for b in r})
+    compress = policy.endswith(COMPRESS)
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=max(4, int(distinct * args.host_pct / 100)) * blob, page_bytes=4096, prefault=False),
         disk=DiskTierConfig(path=str(root / policy), capacity_bytes=max(4, int(distinct * args.disk_pct / 100)) * blob),
-        eviction_policy=policy,
+        eviction_policy=policy.removesuffix(COMPRESS),
+        placement=PlacementConfig(enabled=compress, verdicts=[args.verdicts] if compress else [],
+                                  quality_weight_s=args.quality_weight_s, prefill_tokens_per_s=args.prefill_tok_s),
     )
     longest = max(len(r) for r in requests)
     outs = [torch.empty_like(chunk) for _ in range(longest)]
@@ -92,11 +109,14 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path) -> dict:
                 print(f"  {policy}: {done}/{len(requests)} requests", file=sys.stderr)
         store.flush()
         stats = store.stats().tiers
+        placed = store.placement_stats()
     return {
         "hit_pct": {name: 100 * n / accesses for name, n in served.items()},
         "total_hit_pct": 100 * sum(served.values()) / accesses,
         "bytes_read": {n: s.bytes_read for n, s in stats.items()},
         "bytes_written": {n: s.bytes_written for n, s in stats.items()},
+        "lossy_hit_pct": 100 * sum(placed.lossy_hits.values()) / accesses,
+        "recodes": placed.recodes,
         "ttft": _percentiles(ttft),
     }
 
@@ -105,7 +125,7 @@ def run(args) -> int:
     if args.requests <= 0 or args.prefill_tok_s <= 0:
         raise UsageError("--requests and --prefill-tok-s must be positive")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in names if p != "default" and p not in POLICIES]
+    unknown = [p for p in names if p.removesuffix(COMPRESS) != "default" and p.removesuffix(COMPRESS) not in POLICIES]
     if unknown:
         raise UsageError(f"unknown policies {unknown}; known: default, {', '.join(sorted(POLICIES))}")
     trace = load_trace(args.trace)
@@ -120,7 +140,8 @@ def run(args) -> int:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     report = {"trace": trace.name, "requests": len(requests), "host_pct": args.host_pct,
-              "disk_pct": args.disk_pct, "prefill_tok_s": args.prefill_tok_s, "policies": results}
+              "disk_pct": args.disk_pct, "prefill_tok_s": args.prefill_tok_s,
+              "quality_weight_s": args.quality_weight_s, "policies": results}
     _print(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -130,8 +151,10 @@ def run(args) -> int:
 def _print(report: dict) -> None:
     print(f"{report['trace']}: {report['requests']} requests; host {report['host_pct']}%, "
           f"disk {report['disk_pct']}% of distinct blocks")
-    print(f"{'policy':<12} {'host hit%':>9} {'nvme hit%':>9} {'TTFT mean':>10} {'p50':>8} {'p90':>8} {'p99':>8}")
+    print(f"{'policy':<18} {'host hit%':>9} {'nvme hit%':>9} {'lossy%':>7} {'read MB':>8} {'written MB':>10} "
+          f"{'TTFT mean':>10} {'p50':>8} {'p90':>8} {'p99':>8}")
     for name, r in report["policies"].items():
         h, t = r["hit_pct"], r["ttft"]
-        print(f"{name:<12} {h.get('host', 0):9.2f} {h.get('nvme', 0):9.2f} {t['mean_s']:10.4f} "
-              f"{t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")
+        read, written = sum(r["bytes_read"].values()) / 1e6, sum(r["bytes_written"].values()) / 1e6
+        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('nvme', 0):9.2f} {r['lossy_hit_pct']:7.2f} {read:8.1f} "
+              f"{written:10.1f} {t['mean_s']:10.4f} {t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")

@@ -101,6 +101,15 @@ def payload_checksum(payload) -> int:
 
 def encode_header(key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, payload) -> bytes:
     """The 128-byte header for ``payload``; the blob is header + payload."""
+    return _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)
+
+
+def reencoded_header(header: BlobHeader, codec_id: int, payload) -> bytes:
+    """The header of the same chunk as ``header`` names, re-encoded into ``payload``."""
+    return _pack_header(header.namespace_fp, header.prefix_hash, codec_id, header.dtype, header.shape, payload)
+
+
+def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: torch.dtype, shape, payload) -> bytes:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES.values())}")
     shape = tuple(int(d) for d in shape)
@@ -109,7 +118,7 @@ def encode_header(key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, paylo
     dims = shape + (0,) * (MAX_DIMS - len(shape))
     fixed = _FIXED.pack(
         MAGIC, VERSION, HEADER_BYTES, codec_id, DTYPE_CODES[dtype], len(shape), 0,
-        key.namespace.fingerprint, key.prefix_hash, *dims, len(payload), payload_checksum(payload),
+        namespace_fp, prefix_hash, *dims, len(payload), payload_checksum(payload),
     )
     return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
 

@@ -143,6 +143,26 @@ class WriteBehindConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Joint compression and eviction (docs/placement.md): when a tier needs room, its
+    eviction victim may stay re-encoded smaller instead of leaving."""
+
+    enabled: bool = False
+    # Private tiers whose victims may be re-encoded in place (shared tiers never are).
+    tiers: list[str] = field(default_factory=lambda: ["host", "nvme"])
+    # Candidate codecs; a lossy one is used only where a verdict file allows it for the dtype.
+    codecs: list[str] = field(default_factory=lambda: ["lz4", "int8", "mixed75", "mixed50", "int4"])
+    # Codec verdict files written by `kvbench probe-codec` for the served model.
+    verdicts: list[str] = field(default_factory=list)
+    # Lambda: seconds of load time that one percent of perplexity change costs, per use.
+    quality_weight_s: float = 0.01
+    # Prefill cost model: recomputing a chunk costs its tokens / this (calibrate with the engine).
+    prefill_tokens_per_s: float = 20000.0
+    # A tier's read bandwidth until the store has measured reads from it.
+    assumed_read_bytes_per_s: int = 1_000_000_000
+
+
+@dataclass
 class StoreConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
@@ -151,6 +171,7 @@ class StoreConfig:
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     shared_index: SharedIndexConfig = field(default_factory=SharedIndexConfig)
     write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Tiers that receive a copy of every new chunk, written behind; unset = every enabled
     # tier below host RAM. Names: gpu, nvme, pfs, redis.
     replicate_to: list[str] | None = None

@@ -9,6 +9,10 @@ chunk; a hit below the first tier is promoted into it. Lookups answer from the i
 index and never do I/O. Every blob read is verified; a corrupt replica is deleted, counted,
 and the next replica is tried.
 
+With placement enabled (kvstore/placement.py), a tier that needs room may keep its eviction
+victim re-encoded smaller instead of dropping it; the index then records that copy's size
+and codec, and readers decode it into their buffers as usual.
+
 Each tier has its own eviction policy. A chunk is evictable from a tier unless it is pinned
 or (first tier only) it still has copies queued. Thread-safe: one lock guards the index,
 the policies and the counters; copies and tier I/O run outside it.
@@ -38,12 +42,15 @@ from kvstore.blob import (
     decode_header,
     encode_header,
     payload_checksum,
+    reencoded_header,
+    verify_blob,
 )
-from kvstore.codecs import codec_by_id, get_codec
+from kvstore.codecs import Codec, codec_by_id, get_codec
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import StoreConfig
 from kvstore.fetch import FetchJob
 from kvstore.keys import ChunkKey
+from kvstore.placement import Placement
 from kvstore.policies import make_policy
 from tiers.base import Tier, TierError, TierFull
 from tiers.host import HostTier
@@ -86,14 +93,59 @@ class StoreStats:
 
 
 @dataclass
+class PlacementStats:
+    recodes: dict[str, int]  # copies placement re-encoded in place, per tier
+    recode_failures: int  # re-encodes that failed or did not shrink; those copies were evicted
+    lossy_hits: dict[str, int]  # hits served from a lossy encoding, per tier
+
+
+@dataclass
 class _Entry:
-    size: int  # blob bytes
+    size: int  # blob bytes as put (the encoding write-behind copies)
     replicas: set[str] = field(default_factory=set)
     pending: int = 0  # queued copies to replica tiers
     pinned_until: float = 0.0
     parent: bytes | None = None  # the previous chunk's key id, for policies that use prefix structure
     waiters: list[threading.Event] = field(default_factory=list)
     copy_error: Exception | None = None
+    header: BlobHeader | None = None  # the put blob's header, when it was written through this store
+    encodings: dict[str, tuple[int, int]] = field(default_factory=dict)  # tier -> (size, codec id), re-encoded copies
+    recoding: set[str] = field(default_factory=set)  # tiers re-encoding their copy now
+
+    def size_in(self, tier_name: str) -> int:
+        return self.encodings[tier_name][0] if tier_name in self.encodings else self.size
+
+    def codec_in(self, tier_name: str) -> int | None:
+        if tier_name in self.encodings:
+            return self.encodings[tier_name][1]
+        return None if self.header is None else self.header.codec_id
+
+
+@dataclass
+class _Recode:
+    """A victim placement re-encodes in place: popped from its tier's policy, done outside the lock."""
+
+    tier: Tier
+    key_id: bytes
+    entry: _Entry
+    size: int  # the copy's size when planned
+    codec: Codec
+
+
+_REENCODED = object()  # a replica was re-encoded while being read: read it again
+
+
+def _leading_header(parts) -> BlobHeader | None:
+    """The header at the start of a blob given in pieces, or None if it is not one."""
+    head = bytearray()
+    for part in parts:
+        head += memoryview(part).cast("B")[: HEADER_BYTES - len(head)]
+        if len(head) == HEADER_BYTES:
+            break
+    try:
+        return decode_header(head)
+    except CorruptBlob:
+        return None
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -151,6 +203,14 @@ class Store:
         self.fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
         self.shared_tiers = [t for t in self.tiers if t.shared]
         self.shared_index = SharedIndexClient(config) if config.shared_index.enabled else None
+        self.placement = Placement(config.placement) if config.placement.enabled else None
+        shared_named = [t.name for t in self.shared_tiers if t.name in config.placement.tiers]
+        if self.placement is not None and shared_named:
+            raise ValueError(f"placement.tiers names shared tiers {shared_named}; only private tiers are re-encoded")
+        self._placement_tiers = set(config.placement.tiers) if self.placement is not None else set()
+        self._recodes = {t.name: 0 for t in self.tiers}
+        self._lossy_hits = {t.name: 0 for t in self.tiers}
+        self._recode_failures = 0
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._index: dict[bytes, _Entry] = {}
@@ -201,14 +261,14 @@ class Store:
             self._sync_policies(key_id, entry)
             found += 1
         with self._lock:
-            self._evict_to_fit(tier, 0)
+            self._evict_to_fit(tier, 0, recode=False)
         if found:
             log.info("%s: recovered %d chunks (%d bytes)", tier.name, found, tier.used_bytes)
 
     # -- policy membership ------------------------------------------------------------------------
 
     def _evictable_from(self, tier_name: str, entry: _Entry) -> bool:
-        if tier_name not in entry.replicas or entry.pinned_until > time.monotonic():
+        if tier_name not in entry.replicas or tier_name in entry.recoding or entry.pinned_until > time.monotonic():
             return False
         return not (tier_name == self.first.name and entry.pending)
 
@@ -217,7 +277,7 @@ class Store:
         for name, policy in self._policies.items():
             want = self._evictable_from(name, entry)
             if want and key_id not in policy:
-                policy.on_insert(key_id, self._by_name[name].footprint(entry.size), entry.parent)
+                policy.on_insert(key_id, self._by_name[name].footprint(entry.size_in(name)), entry.parent)
             elif not want and key_id in policy:
                 policy.on_remove(key_id)
 
@@ -269,7 +329,7 @@ class Store:
             self._check_open()
             self._puts += 1
             entry = self._index.get(key_id)
-            present = entry is not None and self.first.name in entry.replicas and entry.size == size
+            present = entry is not None and self.first.name in entry.replicas and entry.size_in(self.first.name) == size
             if present:
                 if key_id in self._policies[self.first.name]:
                     self._policies[self.first.name].on_hit(key_id)
@@ -314,17 +374,28 @@ class Store:
                 self._pending_bytes -= size
                 self._changed.notify_all()
 
-    def _write_first(self, key_id: bytes, parts, size: int, parent: bytes | None, wait: bool = True) -> _Entry:
+    def _write_first(
+        self,
+        key_id: bytes,
+        parts,
+        size: int,
+        parent: bytes | None,
+        wait: bool = True,
+        encoding: tuple[int, int] | None = None,
+    ) -> _Entry:
         """Copy a blob into the first tier, evicting as needed; call without the lock held.
 
         Eviction happens under the lock, the copy outside it; if another writer took the
         room meanwhile, evict again. ``wait=False`` gives up (TierFull) instead of waiting
-        for queued copies to free room.
+        for queued copies to free room. ``encoding`` (size, codec id) marks a promoted copy
+        that placement re-encoded: the same chunk, so the other copies stay.
         """
         tier = self.first
+        header = _leading_header(parts)
+        if self.placement is not None and header is not None and not self.placement.profiled(header.dtype, header.shape):
+            self.placement.profile(header.dtype, header.shape)
         while True:
-            with self._lock:
-                self._evict_to_fit(tier, tier.footprint(size), exclude=key_id, wait=wait)
+            self._make_room(tier, tier.footprint(size), exclude=key_id, wait=wait)
             try:
                 tier.write(key_id, parts)
                 break
@@ -334,12 +405,19 @@ class Store:
             self._stats[tier.name].bytes_written += size
             entry = self._index.get(key_id)
             if entry is None:
-                entry = self._index[key_id] = _Entry(size=size)
+                entry = self._index[key_id] = _Entry(size=size, header=header)
+            elif encoding is not None:
+                entry.encodings[tier.name] = encoding
             elif entry.size != size:
                 for name in list(entry.replicas):  # re-encoded: other copies are stale
                     if name != tier.name:
                         self._drop_replica(key_id, entry, self._by_name[name])
                 entry.size = size
+                entry.header = header
+                entry.encodings.clear()
+            else:
+                entry.encodings.pop(tier.name, None)
+                entry.header = entry.header or header
             entry.replicas.add(tier.name)
             entry.parent = parent if parent is not None else entry.parent
             self._sync_policies(key_id, entry)
@@ -364,9 +442,23 @@ class Store:
             if entry is not None:
                 self._sync_policies(key_id, entry)
 
-    def _evict_to_fit(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True) -> None:
+    def _make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True) -> None:
+        """Evict from ``tier`` until ``need`` more bytes fit, re-encoding the victims placement
+        keeps outside the lock; call without the lock held."""
+        while True:
+            with self._lock:
+                job = self._evict_to_fit(tier, need, exclude=exclude, wait=wait)
+            if job is None:
+                return
+            self._recode(job)
+
+    def _evict_to_fit(
+        self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True, recode: bool = True
+    ) -> _Recode | None:
         """Evict from ``tier`` until ``need`` more bytes fit (lock held); with ``wait``, wait
-        for queued copies when only their chunks are left."""
+        for queued copies when only their chunks are left. With ``recode``, stops at the
+        first victim placement would rather keep re-encoded and returns it (the caller
+        re-encodes it outside the lock, then calls again)."""
         self._expire_pins()
         policy = self._policies[tier.name]
         while tier.capacity_bytes - tier.used_bytes < need:
@@ -380,12 +472,101 @@ class Store:
                 raise TierFull(f"{tier.name}: cannot make room for {need} bytes (the rest is pinned or in use)") from None
             if victim == exclude:
                 continue
-            self._stats[tier.name].evictions += 1
             entry = self._index.get(victim)
+            job = self._plan_recode(tier, victim, entry) if recode and entry is not None else None
+            if job is not None:
+                entry.recoding.add(tier.name)
+                return job
+            self._stats[tier.name].evictions += 1
             if entry is None:
                 self._delete_from(tier, victim)
             else:
                 self._drop_replica(victim, entry, tier)
+        return None
+
+    # -- placement: re-encoding victims in place ---------------------------------------------------
+
+    def _read_bytes_per_s(self, tier_name: str) -> float:
+        gbps = self._stats[tier_name].read_gbps
+        return gbps * 1e9 if gbps > 0 else float(self.config.placement.assumed_read_bytes_per_s)
+
+    def _plan_recode(self, tier: Tier, key_id: bytes, entry: _Entry) -> _Recode | None:
+        """The re-encoding placement wants for a victim just evicted from ``tier``, or None
+        to drop it (lock held). Only chunks whose header this store has seen are planned."""
+        header = entry.header
+        if self.placement is None or tier.name not in self._placement_tiers or header is None:
+            return None
+        if not self.placement.profiled(header.dtype, header.shape) or (tier is self.first and entry.pending):
+            return None
+        reuse = self._policies[tier.name].reuse_estimate(key_id)
+        if reuse <= 0:
+            return None
+        fallback_s = self.placement.recompute_s(header.shape)
+        for name in entry.replicas - {tier.name}:
+            fallback_s = min(fallback_s, self.placement.load_s(
+                header.dtype, header.shape, entry.size_in(name), entry.codec_in(name), self._read_bytes_per_s(name)))
+        size = entry.size_in(tier.name)
+        choice = self.placement.choose(
+            header.dtype, header.shape, size, reuse, fallback_s, self._read_bytes_per_s(tier.name), tier.footprint)
+        return None if choice is None else _Recode(tier, key_id, entry, size, choice.codec)
+
+    def _recode(self, job: _Recode) -> None:
+        """Read, verify, decode and re-encode a victim outside the lock, then swap it in."""
+        parts = None
+        try:
+            blob = job.tier.read(job.key_id)
+            if blob is not None and len(blob) == job.size:
+                header, payload = verify_blob(blob)
+                tensor = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
+                encoded = job.codec.encode(tensor)
+                parts = [reencoded_header(header, job.codec.codec_id, encoded), encoded]
+        except (CorruptBlob, TierError, OSError, ValueError, KeyError) as exc:
+            log.warning("%s: re-encoding %s as %s failed: %s", job.tier.name, job.key_id.hex(), job.codec.name, exc)
+        with self._lock:
+            self._finish_recode(job, parts)
+
+    def _finish_recode(self, job: _Recode, parts: list | None) -> None:
+        """Swap the re-encoded copy in, or evict the victim as usual if that failed (lock held).
+        A chunk changed meanwhile (deleted, replaced, copies queued) is left as it is."""
+        tier, key_id, entry, name = job.tier, job.key_id, job.entry, job.tier.name
+        entry.recoding.discard(name)
+        if self._index.get(key_id) is not entry:
+            return
+        unchanged = name in entry.replicas and entry.size_in(name) == job.size and tier.size_of(key_id) == job.size
+        if not unchanged or (tier is self.first and entry.pending):
+            self._sync_policies(key_id, entry)
+            return
+        if parts is not None:
+            size = sum(len(p) for p in parts)
+            if tier.footprint(size) < tier.footprint(job.size) and self._replace(tier, key_id, parts):
+                entry.encodings[name] = (size, job.codec.codec_id)
+                self._recodes[name] += 1
+                self._stats[name].bytes_written += size
+                if self._evictable_from(name, entry):
+                    self._policies[name].reinstate(key_id, tier.footprint(size), entry.parent)
+                self._sync_policies(key_id, entry)
+                return
+        self._recode_failures += 1
+        self._stats[name].evictions += 1
+        self._drop_replica(key_id, entry, tier)
+
+    @staticmethod
+    def _replace(tier: Tier, key_id: bytes, parts: list) -> bool:
+        """Replace a value atomically; where the tier has no room for both copies at once (host
+        pages), delete the old one first. False if the tier ends up without the new copy."""
+        try:
+            tier.write(key_id, parts)
+            return True
+        except TierFull:
+            pass
+        except TierError:
+            return False
+        try:
+            tier.delete(key_id)
+            tier.write(key_id, parts)
+            return True
+        except TierError:
+            return False
 
     def _delete_from(self, tier: Tier, key_id: bytes) -> None:
         """Delete one copy; a tier that cannot be reached keeps it (counted, not raised)."""
@@ -421,8 +602,7 @@ class Store:
         with self.first.pinned(key_id) as views:
             if views is not None and sum(len(v) for v in views) == size:
                 try:
-                    with self._lock:
-                        self._evict_to_fit(tier, tier.footprint(size), exclude=key_id)
+                    self._make_room(tier, tier.footprint(size), exclude=key_id)
                     tier.write(key_id, views)
                     written = True
                     if tier.shared and self.shared_index is not None:
@@ -623,7 +803,15 @@ class Store:
         return None
 
     def _read_tier(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
-        """Read and verify one replica; True/blob bytes on success, None if it vanished."""
+        """Read and verify one replica; True/blob bytes on success, None if it vanished. A
+        replica placement re-encoded while it was being read is read again."""
+        for _ in range(2):
+            result = self._read_tier_once(tier, key, out)
+            if result is not _REENCODED:
+                return result
+        return None
+
+    def _read_tier_once(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
         key_id = key.id
         size = tier.size_of(key_id)
         if size is None:
@@ -648,7 +836,7 @@ class Store:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
         if out is not None and not (direct and header.codec_id == 0):
             codec_by_id(header.codec_id).decode_into(payload_buf, out)
-        self._on_hit(key_id, tier, size, elapsed, header_buf, payload_buf)
+        self._on_hit(key_id, tier, size, elapsed, header.codec_id, header_buf, payload_buf)
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
 
     @staticmethod
@@ -681,7 +869,7 @@ class Store:
             payload = self._raw_payload(tier, key, runs) if runs is not None else None
             if payload is not None:
                 size = HEADER_BYTES + sum(n for _, n in payload)
-                self._on_hit(key.id, tier, size, time.perf_counter() - started, None, None)
+                self._on_hit(key.id, tier, size, time.perf_counter() - started, 0, None, None)
             yield payload
 
     def _raw_payload(self, tier: HostTier, key: ChunkKey, runs: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
@@ -703,10 +891,13 @@ class Store:
             return None
         return payload
 
-    def _vanished(self, key_id: bytes, tier: Tier) -> None:
-        """The tier no longer has the value (evicted by Redis, deleted by another daemon)."""
+    def _vanished(self, key_id: bytes, tier: Tier):
+        """The tier no longer has the value read (evicted by Redis, deleted by another daemon),
+        or placement re-encoded it meanwhile: then ``_REENCODED``, and the index is right."""
         with self._lock:
             entry = self._index.get(key_id)
+            if entry is not None and tier.name in entry.replicas and tier.size_of(key_id) == entry.size_in(tier.name):
+                return _REENCODED
             if entry is not None and tier.name in entry.replicas:
                 entry.replicas.discard(tier.name)
                 self._sync_policies(key_id, entry)
@@ -716,9 +907,13 @@ class Store:
             self._index_updates.put((tier.name, key_id))
         return None
 
-    def _on_hit(self, key_id: bytes, tier: Tier, size: int, elapsed: float, header_buf, payload_buf) -> None:
+    def _on_hit(
+        self, key_id: bytes, tier: Tier, size: int, elapsed: float, codec_id: int, header_buf, payload_buf
+    ) -> None:
         with self._lock:
             self._hits += 1
+            if not codec_by_id(codec_id).lossless:
+                self._lossy_hits[tier.name] += 1
             stats = self._stats[tier.name]
             stats.hits += 1
             stats.bytes_read += size
@@ -731,10 +926,11 @@ class Store:
                 if key_id in policy:
                     policy.on_hit(key_id)
             promote = self.config.promote_on_read and tier is not self.first
-            promote = promote and self.first.name not in entry.replicas and entry.size == size
+            promote = promote and self.first.name not in entry.replicas and entry.size_in(tier.name) == size
+            encoding = None if size == entry.size else (size, codec_id)
         if promote:
             try:
-                self._write_first(key_id, [header_buf, payload_buf], size, None, wait=False)
+                self._write_first(key_id, [header_buf, payload_buf], size, None, wait=False, encoding=encoding)
             except TierFull:
                 pass  # the first tier is full of pinned or queued chunks: serve without promoting
 
@@ -870,6 +1066,10 @@ class Store:
                 write_behind_queue=sum(q.qsize() for q in self._queues.values()),
                 write_behind_dropped=self._dropped,
             )
+
+    def placement_stats(self) -> PlacementStats:
+        with self._lock:
+            return PlacementStats(dict(self._recodes), self._recode_failures, dict(self._lossy_hits))
 
     def close(self) -> None:
         """Flush queued copies, stop the workers and release the tiers."""

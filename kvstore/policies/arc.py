@@ -102,6 +102,16 @@ class ARCPolicy(EvictionPolicy):
             self._push("b1", key, size)
         return key
 
+    def reinstate(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """Back from the ghost list ``evict`` put it on to the list it left, without
+        moving ``p`` (a reinstatement is not a ghost hit)."""
+        for ghost, resident in (("b1", "t1"), ("b2", "t2")):
+            if key in getattr(self, "_" + ghost):
+                self._pop(ghost, key)
+                self._push(resident, key, size)
+                return
+        self._push("t1", key, size)
+
     def on_remove(self, key: Hashable) -> None:
         for lst in ("t1", "t2"):
             if key in getattr(self, "_" + lst):

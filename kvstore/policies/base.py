@@ -11,7 +11,12 @@ removing. The owner reports every access and every change of residency:
   prefix structure: a chunk is only usable if all chunks before it are resident too;
 - ``evict()`` when space is needed: the policy picks a resident key, forgets it as
   resident (keeping any history it wants) and returns it, and the owner deletes it;
-- ``on_remove(key)`` when a key leaves for another reason (deleted, corrupt, pinned).
+- ``on_remove(key)`` when a key leaves for another reason (deleted, corrupt, pinned);
+- ``reinstate(key, size, parent)`` when the key ``evict`` just returned stays resident after
+  all, re-encoded smaller (placement compressed it in place instead of dropping it).
+
+Placement also asks ``reuse_estimate(key)`` for a resident key or the key ``evict`` just
+returned: how much further use the policy expects of it, relative to a typical chunk.
 
 Keys are opaque hashables. Sizes are bytes; capacity is the tier's capacity in bytes.
 """
@@ -52,6 +57,16 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evict(self) -> Hashable:
         """Choose, forget and return a resident key; LookupError when none is resident."""
+
+    def reinstate(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """The key ``evict`` just returned stays resident, now ``size`` bytes. Not an access:
+        a policy that learns from accesses must not count it. Default: a new insertion."""
+        self.on_insert(key, size, parent)
+
+    def reuse_estimate(self, key: Hashable) -> float:
+        """Expected further use of ``key`` relative to a typical resident chunk (1.0); 0.0
+        means none. Default: no statistics, so every chunk is typical."""
+        return 1.0
 
     @abstractmethod
     def __len__(self) -> int:

@@ -49,6 +49,7 @@ REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
 REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not a prompt start
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
+TAIL_REUSE = 0.03  # a prompt tail's expected reuse relative to other chunks (Mooncake: 0.8% vs 25%)
 
 EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
     LRUPolicy,
@@ -83,6 +84,7 @@ class ShadowVotePolicy(EvictionPolicy):
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
         self._removed: OrderedDict[Hashable, None] = OrderedDict()  # recently on_remove'd keys
+        self._last_victim: tuple[Hashable, float] | None = None  # (key, support) of the latest evict
 
     def _rate(self, key: Hashable, support: float | None = None) -> None:
         if support is None:
@@ -169,8 +171,28 @@ class ShadowVotePolicy(EvictionPolicy):
         while heap:
             _, stamp, key = heapq.heappop(heap)
             if key in support and support[key][1] == stamp:
+                self._last_victim = (key, support[key][0])
                 return self._forget(key)
         raise LookupError("no resident key to evict")
+
+    def reinstate(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """Resident again with the experts' current support; the shadows, which only model
+        which keys are worth keeping, do not see it (it is not an access)."""
+        self._resident[key] = (size, parent)
+        self._rate(key)
+
+    def reuse_estimate(self, key: Hashable) -> float:
+        """``TAIL_REUSE`` for a dropped prompt tail, else 1.0. A victim's support is by
+        construction the least in the cache (usually no expert holds it), so it says nothing
+        about reuse beyond the order ``evict`` already used; tails are the one class of
+        chunk the policy knows to be nearly dead."""
+        if key in self._support:
+            support = self._support[key][0]
+        elif self._last_victim is not None and self._last_victim[0] == key:
+            support = self._last_victim[1]
+        else:
+            return 1.0
+        return TAIL_REUSE if support == TAIL else 1.0
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._resident:

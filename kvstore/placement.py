@@ -1,0 +1,158 @@
+"""Joint compression and eviction: when a tier needs room, its eviction victim either stays
+there re-encoded smaller or leaves (lower tiers keep their copies).
+
+The tier's policy picks the victim, the chunk it expects least of; placement picks what
+becomes of it. Every option is valued in seconds saved per expected use of the chunk:
+
+    gain(T, c) = fallback_s - load_s(T, c) - quality_weight_s x |perplexity change of c, %|
+
+``fallback_s`` is what serving the chunk costs without this copy: loading the fastest other
+replica, or recomputing its tokens (the prefill cost model). ``load_s(T, c)`` is the blob's
+bytes over T's measured read bandwidth plus c's measured decode time. The quality cost is
+paid on every use, like the time saved, so both scale with the policy's expected reuse.
+The victim is re-encoded into the candidate with the highest ``reuse x gain / bytes`` when
+that beats what a typical chunk (reuse 1) earns per byte stored raw in T, the price of a
+byte there; otherwise it is dropped. Each later eviction of the same chunk plans again: a
+still smaller encoding, or out. Model and parameters: docs/placement.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvstore.blob import DTYPE_NAMES, HEADER_BYTES
+from kvstore.codecs import Codec, get_codec
+from kvstore.codecs.raw import RawCodec
+from kvstore.config import PlacementConfig
+
+VERDICT_SCHEMA = "kvstore.codec-verdicts/1"
+
+
+@dataclass(frozen=True)
+class CodecProfile:
+    """How a codec does on chunks of one shape and dtype, measured once."""
+
+    payload_ratio: float  # payload bytes / raw tensor bytes
+    decode_s: float  # seconds to decode one chunk
+
+
+@dataclass(frozen=True)
+class Choice:
+    codec: Codec
+    footprint: int  # expected bytes of the tier's capacity the re-encoded blob takes
+    utility_per_byte: float  # reuse x gain / footprint, seconds per byte
+
+
+def load_verdicts(paths: list[str]) -> dict[str, dict[str, float]]:
+    """``{dtype: {codec name: |perplexity change %|}}`` for the codecs each file allows."""
+    allowed: dict[str, dict[str, float]] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"placement.verdicts: cannot read {path}: {exc}") from None
+        if not isinstance(data, dict) or data.get("schema") != VERDICT_SCHEMA:
+            raise ValueError(f"placement.verdicts: {path} is not a {VERDICT_SCHEMA} file")
+        dtype = data.get("dtype")
+        if dtype in allowed:
+            raise ValueError(f"placement.verdicts: two files give verdicts for {dtype}")
+        allowed[dtype] = {
+            name: abs(float(v["ppl_change_pct"]))
+            for name, v in data.get("codecs", {}).items()
+            if v.get("allowed") is True and "ppl_change_pct" in v
+        }
+    return allowed
+
+
+class Placement:
+    def __init__(self, config: PlacementConfig) -> None:
+        if config.quality_weight_s < 0 or config.prefill_tokens_per_s <= 0 or config.assumed_read_bytes_per_s <= 0:
+            raise ValueError("placement: quality_weight_s must be >= 0, prefill_tokens_per_s and "
+                             "assumed_read_bytes_per_s positive")
+        self.config = config
+        try:
+            self._codecs = [get_codec(name) for name in config.codecs]
+        except KeyError as exc:
+            raise ValueError(f"placement.codecs: {exc.args[0]}") from None
+        self._raw = RawCodec()
+        self._quality = load_verdicts(config.verdicts)
+        self._profiles: dict[tuple[torch.dtype, tuple[int, ...]], dict[int, CodecProfile]] = {}
+
+    def candidates(self, dtype: torch.dtype) -> list[Codec]:
+        """Lossless codecs always; a lossy one only where a verdict allows it for ``dtype``."""
+        allowed = self._quality.get(DTYPE_NAMES[dtype], {})
+        return [c for c in self._codecs if c.lossless or c.name in allowed]
+
+    def quality_loss(self, codec: Codec, dtype: torch.dtype) -> float:
+        """The codec's |perplexity change| in percent (0 for lossless codecs)."""
+        return 0.0 if codec.lossless else self._quality[DTYPE_NAMES[dtype]][codec.name]
+
+    def recompute_s(self, shape: tuple[int, ...]) -> float:
+        """Prefill cost model: a chunk ``[layers, 2, tokens, heads, head_dim]`` costs its tokens."""
+        return shape[2] / self.config.prefill_tokens_per_s
+
+    def profiled(self, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+        return (dtype, shape) in self._profiles
+
+    def profile(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Measure every candidate's size ratio and decode time on a random chunk of this
+        shape and dtype (once; lossy sizes do not depend on the values, and lz4 barely
+        shrinks real fp16 KV either)."""
+        sample = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        raw_bytes = sample.numel() * sample.element_size()
+        profiles = {}
+        for codec in [self._raw, *self.candidates(dtype)]:
+            payload = codec.encode(sample)
+            started = time.perf_counter()
+            codec.decode(payload, shape, dtype)
+            profiles[codec.codec_id] = CodecProfile(len(payload) / raw_bytes, time.perf_counter() - started)
+        self._profiles[(dtype, shape)] = profiles
+
+    def load_s(
+        self, dtype: torch.dtype, shape: tuple[int, ...], blob_bytes: int, codec_id: int | None, read_bytes_per_s: float
+    ) -> float:
+        """Seconds to serve a blob: its bytes over the tier's bandwidth, plus the codec's
+        decode time (a codec that is not a candidate counts as free to decode)."""
+        profile = self._profiles[(dtype, shape)].get(codec_id)
+        return blob_bytes / read_bytes_per_s + (profile.decode_s if profile else 0.0)
+
+    def choose(
+        self,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        blob_bytes: int,
+        reuse: float,
+        fallback_s: float,
+        read_bytes_per_s: float,
+        footprint: Callable[[int], int],
+    ) -> Choice | None:
+        """The encoding a victim of ``blob_bytes`` should be re-encoded into, or None to drop it.
+
+        Needs ``profile(dtype, shape)`` first. ``fallback_s`` is the cost of serving the chunk
+        without this copy; ``read_bytes_per_s`` the tier's read bandwidth; ``footprint`` the
+        capacity the tier charges for a blob of so many bytes (pages, blocks), which is what
+        an encoding must shrink and what utility is counted per.
+        """
+        profiles = self._profiles[(dtype, shape)]
+        raw_bytes = math.prod(shape) * dtype.itemsize
+        raw_blob = HEADER_BYTES + raw_bytes
+        raw_gain = fallback_s - self.load_s(dtype, shape, raw_blob, 0, read_bytes_per_s)
+        price = max(0.0, raw_gain / footprint(raw_blob))
+        best: Choice | None = None
+        for codec in self.candidates(dtype):
+            size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
+            if footprint(size) >= footprint(blob_bytes):
+                continue
+            load_s = self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
+            gain = fallback_s - load_s - self.config.quality_weight_s * self.quality_loss(codec, dtype)
+            density = reuse * gain / footprint(size)
+            if gain > 0 and density > price and (best is None or density > best.utility_per_byte):
+                best = Choice(codec, footprint(size), density)
+        return best

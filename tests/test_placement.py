@@ -1,0 +1,242 @@
+import json
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.placement import Placement, load_verdicts
+from kvstore.store import Store
+
+PAGE = 4096
+NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 8 KiB fp16 chunks
+SHAPE = NS.chunk_shape
+RAW_BLOB = 128 + 8192
+
+
+def verdict_file(tmp_path, dtype="float16", **codecs) -> str:
+    """A verdict file allowing the named codecs (name=ppl change %) for ``dtype``."""
+    path = tmp_path / f"verdicts-{dtype}.json"
+    path.write_text(json.dumps({
+        "schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": dtype,
+        "codecs": {name: {"ppl_change_pct": ppl, "allowed": True} for name, ppl in codecs.items()}
+        | {"int4": {"ppl_change_pct": 9.0, "allowed": False}},
+    }))
+    return str(path)
+
+
+def placement(tmp_path, **kw) -> Placement:
+    kw.setdefault("verdicts", [verdict_file(tmp_path, int8=0.02)])
+    p = Placement(PlacementConfig(enabled=True, **kw))
+    p.profile(torch.float16, SHAPE)
+    return p
+
+
+def int8_bound(original: torch.Tensor) -> torch.Tensor:
+    """docs/codecs.md: max|row| / 254, plus rounding to fp16 at the decoded magnitude."""
+    x = original.float()
+    row_max = x.abs().amax(dim=-1, keepdim=True)
+    return row_max / 254 + 2**-10 * (x.abs() + row_max / 254) + 2**-14 + 2**-22 * row_max
+
+
+def within_int8(got: torch.Tensor, original: torch.Tensor) -> bool:
+    return bool(((got.float() - original.float()).abs() <= int8_bound(original)).all())
+
+
+def chunks(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
+    return keys, [torch.randn(SHAPE, generator=gen).half() for _ in keys]
+
+
+def store_config(tmp_path, host_chunks, disk_chunks=None, verdicts=None, **placement_kw) -> StoreConfig:
+    return StoreConfig(
+        host=HostTierConfig(capacity_bytes=host_chunks * 3 * PAGE, page_bytes=PAGE, prefault=False),
+        disk=DiskTierConfig(path=str(tmp_path / "data"), capacity_bytes=(disk_chunks or 1) * 3 * PAGE,
+                            enabled=disk_chunks is not None),
+        write_behind=WriteBehindConfig(max_pending_bytes=host_chunks * 3 * PAGE // 2),
+        placement=PlacementConfig(enabled=True, codecs=["int8"],
+                                  verdicts=[verdicts or verdict_file(tmp_path, int8=0.02)], **placement_kw),
+    )
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def test_only_codecs_a_verdict_allows_for_the_dtype_are_candidates(tmp_path):
+    p = placement(tmp_path)
+    assert [c.name for c in p.candidates(torch.float16)] == ["lz4", "int8"]  # int4 is not allowed
+    assert [c.name for c in p.candidates(torch.bfloat16)] == ["lz4"]  # no verdict for bf16: lossless only
+
+
+def test_compresses_a_victim_that_would_otherwise_be_recomputed(tmp_path):
+    p = placement(tmp_path)
+    choice = p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n)
+    assert choice is not None and choice.codec.name == "int8" and choice.footprint < RAW_BLOB
+
+
+def test_drops_a_victim_a_faster_replica_serves_anyway(tmp_path):
+    p = placement(tmp_path)
+    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, 1e-9, 1e9, lambda n: n) is None
+
+
+def test_quality_weight_can_price_a_lossy_codec_out(tmp_path):
+    p = placement(tmp_path, quality_weight_s=1.0)  # 0.02% x 1 s = 20 ms per use > a 16-token recompute
+    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+
+
+def test_low_reuse_is_not_worth_the_bytes(tmp_path):
+    p = placement(tmp_path)
+    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 0.03, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+
+
+def test_an_encoding_must_shrink_the_tiers_footprint(tmp_path):
+    p = placement(tmp_path)
+    whole_pages = lambda n: -(-n // 16384) * 16384  # noqa: E731  (int8 saves less than a page here)
+    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, whole_pages) is None
+
+
+def test_verdict_files_are_checked(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a kvstore.codec-verdicts/1 file"):
+        load_verdicts([str(bad)])
+    one = verdict_file(tmp_path, int8=0.1)
+    with pytest.raises(ValueError, match="two files give verdicts for float16"):
+        load_verdicts([one, one])
+    assert load_verdicts([verdict_file(tmp_path, int8=-0.5)]) == {"float16": {"int8": 0.5}}
+    with pytest.raises(ValueError, match="placement.codecs"):
+        Placement(PlacementConfig(codecs=["zstd"]))
+
+
+# -- in the Store -----------------------------------------------------------------------------
+
+
+def test_host_victims_are_compressed_in_place_and_read_back_within_the_bound(tmp_path):
+    keys, values = chunks(12)
+    with Store(store_config(tmp_path, host_chunks=8)) as store:  # RAM only: dropping means recomputing
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        placed = store.placement_stats()
+        assert placed.recodes["host"] > 0
+        present = [i for i, k in enumerate(keys) if store.contains(k)]
+        assert len(present) > 8  # more chunks than fit raw
+        out = torch.empty(SHAPE, dtype=torch.float16)
+        for i in present:
+            assert store.get_into(keys[i], out)
+            assert within_int8(out, values[i])
+        assert store.placement_stats().lossy_hits["host"] > 0
+        assert store.stats().tiers["host"].used_bytes <= store.stats().tiers["host"].capacity_bytes
+
+
+def test_disabled_placement_drops_victims(tmp_path):
+    keys, values = chunks(12)
+    cfg = store_config(tmp_path, host_chunks=8)
+    cfg.placement.enabled = False
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        assert sum(store.contains(k) for k in keys) == 8
+        assert store.placement_stats().recodes["host"] == 0
+
+
+def test_host_keeps_nothing_lossy_while_the_disk_holds_the_raw_copy(tmp_path):
+    keys, values = chunks(12)
+    with Store(store_config(tmp_path, host_chunks=8, disk_chunks=64)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+            store.flush()
+        for k, v in zip(keys, values):  # reads from the disk: its measured bandwidth beats decoding
+            assert torch.equal(store.get([k])[0], v)
+        assert store.placement_stats().recodes == {"host": 0, "nvme": 0}
+
+
+def test_disk_victims_are_compressed_and_promoted_as_they_are(tmp_path):
+    keys, values = chunks(16)
+    with Store(store_config(tmp_path, host_chunks=4, disk_chunks=8)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+            store.flush()
+        assert store.placement_stats().recodes["nvme"] > 0
+        on_disk = [i for i, k in enumerate(keys) if "nvme" in store.replicas([k])[0]] if keys else []
+        assert len(on_disk) > 8
+        for i in on_disk:
+            got = store.get([keys[i]])
+            assert len(got) == 1 and within_int8(got[0], values[i])
+        stats = store.stats().tiers
+        assert stats["nvme"].used_bytes <= stats["nvme"].capacity_bytes
+        assert stats["host"].used_bytes <= stats["host"].capacity_bytes
+
+
+def test_a_chunk_that_cannot_be_encoded_is_evicted_as_usual(tmp_path):
+    keys, values = chunks(12)
+    for v in values:
+        v.view(-1)[0] = float("nan")  # lossy codecs refuse NaN
+    with Store(store_config(tmp_path, host_chunks=8)) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        placed = store.placement_stats()
+        assert placed.recode_failures > 0 and placed.recodes["host"] == 0
+        present = [i for i, k in enumerate(keys) if store.contains(k)]
+        assert len(present) == 8
+        for i in present:
+            got = store.get([keys[i]])[0]
+            assert torch.equal(got.view(torch.int16), values[i].view(torch.int16))
+
+
+def test_placement_refuses_shared_tiers(tmp_path):
+    cfg = store_config(tmp_path, host_chunks=8)
+    cfg.placement.tiers = ["host", "pfs"]
+    cfg.pfs.enabled, cfg.pfs.path = True, str(tmp_path / "pfs")
+    with pytest.raises(ValueError, match="shared tiers"):
+        Store(cfg)
+
+
+def test_concurrent_readers_see_whole_chunks_while_victims_are_re_encoded(tmp_path):
+    keys, values = chunks(40)
+    errors = []
+    with Store(store_config(tmp_path, host_chunks=10)) as store:
+        for k, v in zip(keys[:10], values[:10]):
+            store.put(k, v)
+
+        def read():
+            out = torch.empty(SHAPE, dtype=torch.float16)
+            for _ in range(20):
+                for i in range(40):
+                    if store.get_into(keys[i], out) and not within_int8(out, values[i]):
+                        errors.append(i)
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for t in readers:
+            t.start()
+        for k, v in zip(keys[10:], values[10:]):
+            store.put(k, v)
+        for t in readers:
+            t.join()
+        assert store.placement_stats().recodes["host"] > 0
+    assert errors == []
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 23)), min_size=1, max_size=80),
+       host_chunks=st.integers(4, 10), disk_chunks=st.sampled_from([None, 6, 12]))
+def test_placement_never_exceeds_capacity_and_never_serves_a_wrong_chunk(tmp_path_factory, ops, host_chunks, disk_chunks):
+    tmp_path = tmp_path_factory.mktemp("p")
+    keys, values = chunks(24)
+    with Store(store_config(tmp_path, host_chunks=host_chunks, disk_chunks=disk_chunks)) as store:
+        out = torch.empty(SHAPE, dtype=torch.float16)
+        for op, i in ops:
+            if op == "put":
+                store.put(keys[i], values[i])
+            elif op == "get":
+                present = store.contains(keys[i])
+                assert store.get_into(keys[i], out) == present  # an indexed chunk is never lost
+                if present:
+                    assert within_int8(out, values[i])
+            else:
+                store.delete([keys[i]])
+                assert not store.contains(keys[i])
+            for tier in store.stats().tiers.values():
+                assert tier.used_bytes <= tier.capacity_bytes
