@@ -26,3 +26,18 @@ def test_replay_rejects_unknown_policies(tmp_path, capsys):
     trace.write_text("1 2\n")
     assert main(["replay", "--trace", str(trace), "--policies", "belady-ish"]) == 2
     assert "unknown policies" in capsys.readouterr().err
+
+
+def test_replay_with_joint_compression_keeps_more_chunks_than_fit_raw(tmp_path):
+    trace = tmp_path / "trace.txt"
+    # six one-block prompts in a loop: LRU on 4 raw chunks per tier never hits; compressed, 6 fit
+    trace.write_text("".join(f"{i}\n" for i in range(6)) * 5)
+    out = tmp_path / "replay.json"
+    rc = main(["replay", "--trace", str(trace), "--policies", "lru,lru+compress", "--dir", str(tmp_path / "d"),
+               "--json", str(out)])
+    assert rc == 0
+    plain, compressed = (json.loads(out.read_text())["policies"][p] for p in ("lru", "lru+compress"))
+    assert plain["lossy_hit_pct"] == 0 and sum(plain["recodes"].values()) == 0
+    assert plain["total_hit_pct"] == 0
+    assert compressed["recodes"]["nvme"] > 0 and compressed["total_hit_pct"] > 0
+    assert compressed["lossy_hit_pct"] > 0

@@ -28,9 +28,17 @@ capacity_bytes = "64MiB"
 path = "/tmp/kv"
 capacity_bytes = "1GiB"
 fsync = true
+[placement]
+enabled = true
+codecs = ["int8"]
+verdicts = ["bench/data/verdicts/SmolLM2-135M-Instruct.Q4_1.float16.json"]
+quality_weight_s = 0.02
+assumed_read_bytes_per_s = "2GB/s"
 """
     )
     cfg = load_config(path)
+    assert cfg.placement.enabled and cfg.placement.codecs == ["int8"] and cfg.placement.quality_weight_s == 0.02
+    assert cfg.placement.assumed_read_bytes_per_s == 2 * 10**9 and cfg.placement.tiers == ["host", "nvme"]
     assert cfg.host.capacity_bytes == 64 << 20
     assert cfg.disk.capacity_bytes == 1 << 30 and cfg.disk.fsync and cfg.disk.path == "/tmp/kv"
     assert cfg.eviction_policy == "lru"
@@ -45,6 +53,8 @@ fsync = true
         ({"disk": {"fsync": "yes"}}, "disk.fsync"),
         ({"host": {"capacity_bytes": "big"}}, "host.capacity_bytes"),
         ({"host": 3}, "host"),
+        ({"placement": {"lambda": 1}}, "placement"),
+        ({"placement": {"codecs": "int8"}}, "placement.codecs"),
     ],
 )
 def test_errors_name_the_key(data, where):

@@ -140,3 +140,71 @@ def test_shadow_vote_returning_key_is_not_a_prompt_start():
     assert policy._support["a2"][0] != TAIL
     policy.on_insert("b1", 1, None)  # a real new prompt: a1 was the last chunk inserted
     assert policy._support["a1"][0] == TAIL
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 25), st.integers(1, 20), st.booleans()), min_size=1, max_size=300))
+def test_reinstated_victims_stay_tracked_consistently(name, ops):
+    """Placement keeps some victims re-encoded smaller: evict, then reinstate with a new size.
+    The policy must then track exactly the owner's resident set, within its capacity."""
+    policy = make_policy(name, 100)
+    resident: dict[int, int] = {}
+    for key, size, keep in ops:
+        if key in resident:
+            policy.on_hit(key)
+            continue
+        policy.on_miss(key)
+        if not policy.admit(key, size, None):
+            continue
+        resident[key] = size
+        policy.on_insert(key, size, None)
+        while sum(resident.values()) > 100:
+            victim = policy.evict()
+            assert victim in resident and victim not in policy
+            assert policy.reuse_estimate(victim) >= 0
+            if keep and resident[victim] > 1:
+                resident[victim] //= 2
+                policy.reinstate(victim, resident[victim], None)
+            else:
+                del resident[victim]
+        assert len(policy) == len(resident) and all(k in policy for k in resident)
+
+
+def test_arc_reinstates_a_victim_to_the_list_it_left_without_moving_p():
+    policy = make_policy("arc", 2)
+    for key in (1, 2):
+        policy.on_miss(key)
+        policy.on_insert(key, 1)
+    policy.on_hit(2)  # 2 moves to T2
+    policy.on_miss(3)
+    policy.on_insert(3, 1)
+    victim = policy.evict()
+    assert victim == 1 and 1 in policy._b1
+    p = policy.p
+    policy.reinstate(1, 1)
+    assert 1 in policy._t1 and 1 not in policy._b1 and policy.p == p
+
+
+def test_shadow_vote_expects_no_reuse_of_a_dropped_prompt_tail():
+    from kvstore.policies.shadow_vote import TAIL_REUSE
+
+    policy = make_policy("shadow-vote", 10)
+    for key, parent in ((1, None), (2, 1), (3, 2)):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, parent)
+    policy.on_hit(1)  # the next prompt starts: 3 was its previous prompt's tail
+    assert policy.reuse_estimate(2) == 1.0
+    assert policy.evict() == 3 and policy.reuse_estimate(3) == TAIL_REUSE  # asked right after evict
+    assert policy.evict() == 2 and policy.reuse_estimate(2) == 1.0
+
+
+def test_shadow_vote_reinstate_is_not_an_access():
+    policy = make_policy("shadow-vote", 2)
+    for key in (1, 2, 3):
+        policy.on_miss(key)
+        policy.on_insert(key, 1)
+    hits = [s.window_hits for s in policy._shadows]
+    victim = policy.evict()
+    policy.reinstate(victim, 1)
+    assert [s.window_hits for s in policy._shadows] == hits and victim in policy
