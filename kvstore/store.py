@@ -602,8 +602,7 @@ class Store:
         with self.first.pinned(key_id) as views:
             if views is not None and sum(len(v) for v in views) == size:
                 try:
-                    self._make_room(tier, tier.footprint(size), exclude=key_id)
-                    tier.write(key_id, views)
+                    self._write_replica(tier, key_id, views, size)
                     written = True
                     if tier.shared and self.shared_index is not None:
                         self.shared_index.add(tier.name, [key_id], [size])  # visible before durable returns
@@ -633,6 +632,22 @@ class Store:
                     w.set()
                 entry.waiters.clear()
             self._changed.notify_all()
+
+    def _write_replica(self, tier: Tier, key_id: bytes, views, size: int) -> None:
+        """Make room and write one copy. Room is made under the lock and the write happens
+        outside it, so another copy worker may take the room meanwhile: then make room again
+        (the tier now counts that worker's write) instead of dropping the copy. A TierFull
+        while the tier's own count shows room is the medium's (file system full, Redis out of
+        memory): raised, not retried."""
+        need = tier.footprint(size)
+        while True:
+            self._make_room(tier, need, exclude=key_id)
+            try:
+                tier.write(key_id, views)
+                return
+            except TierFull:
+                if tier.capacity_bytes - tier.used_bytes >= need:
+                    raise
 
     def _index_loop(self) -> None:
         """Apply shared-index removals in the background (they happen under the store lock)."""

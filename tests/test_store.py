@@ -449,3 +449,27 @@ def test_split_runs_cuts_byte_ranges_at_any_point(lengths, n):
     assert [o + i for o, length in head for i in range(length)] == flat[:n]
     assert [o + i for o, length in tail for i in range(length)] == flat[n:]
     assert all(length > 0 for _, length in head + tail)
+
+
+def test_copy_workers_racing_for_disk_room_never_drop_a_copy(tmp_path, monkeypatch):
+    """Copy workers each make room for their chunk, then write outside the lock: one used to
+    find the room taken by another (TierFull) and drop its copy. It must evict again instead.
+    The disk's writes start 2 ms late here, which widens the window the race needs."""
+    from tiers.nvme import DiskTier
+
+    write = DiskTier.write
+
+    def late_write(self, key, parts):
+        time.sleep(0.002)
+        return write(self, key, parts)
+
+    monkeypatch.setattr(DiskTier, "write", late_write)
+    cfg = config(tmp_path, host=256 * PAGE, disk=12 * PAGE, pending=64 * PAGE)
+    cfg.write_behind.workers = 4
+    keys, values = chunks(200, seed=41)
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        store.flush()
+        stats = store.stats()
+        assert stats.write_behind_dropped == 0 and stats.tiers["nvme"].errors == 0
