@@ -151,11 +151,13 @@ class _BulkSession:
         self._recv_exactly(view)
 
     def replies(self, request: pb.GetRequest):
-        """Send a Get; yield ``(GetReply, data_len)`` per chunk (read the data before the next)."""
+        """Send a Get; yield ``(GetReply, data_len)`` per chunk (read the data before the next).
+        Once all arrived, RELEASE unpins what the daemon held for us."""
         self.send(GET, request.SerializeToString())
         while True:
             kind, meta, data_len = self.reply()
             if kind == END:
+                self.send(RELEASE, b"")
                 return
             yield _chunk_reply(kind, meta), data_len
 
@@ -545,7 +547,7 @@ class Client(_ClientBase):
 
     def _get_slots(self, keys, payload, outs, base: int, slots, session, pool) -> int:
         """Chunks placed in ``slots``, or (``pool`` mapped, bulk channel) read straight out of
-        the daemon's host pool, pinned there until we send RELEASE."""
+        the daemon's host pool, pinned there until the session sends RELEASE."""
         pool_views = pool is not None and session is not None and payload == pb.TENSOR
         request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots],
                                      pool_views=pool_views)
@@ -558,8 +560,6 @@ class Client(_ClientBase):
                 _check_size(outs[i], reply.chunk_bytes)
                 _copy_out(outs[i], reply, slots[reply.index][1], pool)
             got += 1
-        if pool_views:
-            session.send(RELEASE, b"")
         return got
 
     def _get_stream(self, keys, payload, outs, session: _BulkSession | None) -> int:
@@ -715,6 +715,7 @@ class _AsyncBulkSession:
         while True:
             kind, meta, data_len = await self.reply()
             if kind == END:
+                await self.send(RELEASE, b"")
                 return
             yield _chunk_reply(kind, meta), data_len
 
@@ -1028,8 +1029,6 @@ class AsyncClient(_ClientBase):
                 _check_size(outs[i], reply.chunk_bytes)
                 await self._copy_off_loop(_copy_out, outs[i], reply, slots[reply.index][1], pool)
             got += 1
-        if pool_views:
-            await session.send(RELEASE, b"")
         return got
 
     async def _get_stream(self, keys, payload, outs, session: _AsyncBulkSession | None) -> int:

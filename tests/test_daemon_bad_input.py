@@ -393,3 +393,24 @@ def test_a_bulk_client_that_stops_reading_is_cut_off(stub, client):
             received += len(data)
     assert received < 400 * 4 * (16 << 10)
     still_serving(client)
+
+
+def test_chunks_sent_by_reference_stay_pinned_until_release(stub, client):
+    """The daemon sendfile()s raw chunks out of the host pool: the socket holds the pages by
+    reference, so they must not be reused until the client has read them and sent RELEASE."""
+    keys, value = keys_and_value(12)
+    client.put(keys[0], value)
+    sock = attached(stub)
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+                                          payload=pb.TENSOR)))
+    time.sleep(0.5)  # the chunk now waits in the socket, unread
+    client.delete(keys[:1])
+    for i in range(1100):  # more chunks than the 16 MiB host tier holds: every free page is reused
+        client.put(chunk_keys(list(range(300_000 + i * 32, 300_000 + i * 32 + 32)), NS)[0],
+                   torch.full(NS.chunk_shape, float(i % 7 + 10), dtype=torch.float16))
+    kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
+    assert kind == CHUNK and data_len == len(tensor_bytes(value))
+    recv_exactly(sock, meta_len)
+    assert recv_exactly(sock, data_len) == bytes(tensor_bytes(value))
+    sock.sendall(frame(RELEASE))
+    still_serving(client)

@@ -19,8 +19,8 @@ the client, answered by frames from the daemon::
     GET    meta GetRequest                   -> CHUNK per chunk, then END; or ERROR
     PUT    meta PutHeader, data the blob     -> DONE or ERROR   (no data when header.slot is set)
     RELEASE                                  -> (no answer) unpin the host-pool chunks of the
-                                                last GET with pool_views; so do the next
-                                                request and closing the connection
+                                                last GET (clients send it after END); so do
+                                                the next request and closing the connection
     CHUNK  meta GetReply, data the chunk's bytes (none when it went into a slot)
     END    meta CountReply (chunks sent)
     DONE   no meta
@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -97,6 +98,42 @@ class Channel:
                         await loop.sock_sendall(self.sock, view)
         except TimeoutError:
             raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
+
+    async def send_file_ranges(self, kind: int, meta: bytes, file, runs: list[tuple[int, int]]) -> None:
+        """One frame whose data is (offset, length) ranges of ``file``, sent with sendfile():
+        the kernel takes the pages by reference, so they must stay unchanged until the peer
+        has read them (the caller keeps them pinned until RELEASE)."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await loop.sock_sendall(self.sock, FRAME.pack(kind, len(meta), sum(n for _, n in runs)) + meta)
+                for offset, length in runs:
+                    await self._sendfile(file.fileno(), offset, length)
+        except TimeoutError:
+            raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
+
+    async def _sendfile(self, fd: int, offset: int, count: int) -> None:
+        """sendfile() until done, waiting only when the socket is full. (The event loop's
+        sock_sendfile takes an extra loop turn per call, and a chunk can be many ranges.)"""
+        while count:
+            try:
+                sent = os.sendfile(self.sock.fileno(), fd, offset, count)
+            except BlockingIOError:
+                await self._writable()
+                continue
+            if sent == 0:
+                raise ConnectionError("sendfile() sent nothing: the pool file is shorter than its pages")
+            offset, count = offset + sent, count - sent
+
+    async def _writable(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
 
 
 # handler(channel, kind, meta, data): answer one request; data is a pool buffer or None and

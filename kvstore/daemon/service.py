@@ -313,9 +313,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def _chunks(self, request, held: list | None = None):
         """Validate a GetRequest, then yield one ``_Read`` per chunk, in order, until the first
-        miss. ``held`` (bulk channel only) takes the release of chunks the client copies out of
-        the host pool itself (``pool_views``); anything else a chunk holds (pool pins, pooled
-        buffers) is released when the consumer asks for the next one."""
+        miss. ``held`` (bulk channel only) takes the release of chunks pinned in the host pool
+        (the client copies them out itself, or the socket sends the pages by reference);
+        anything else a chunk holds (pooled buffers) is released when the consumer asks for
+        the next one."""
         ns, keys = self._keys(request)
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
@@ -353,7 +354,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 read.index = i
                 refill()
                 self.metrics.hit(ns, read.nbytes)
-                if read.pool_runs is not None and slots:
+                if read.pool_runs is not None:  # pinned until the client's RELEASE
                     held.append(read.release)
                     read.release = None
                 try:
@@ -403,13 +404,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 sent = 0
                 async for read in self._chunks(request, channel.held):
                     reply = pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
-                    body = read.data
-                    if read.pool_runs is not None:
-                        if request.pool_views:
-                            reply.pool_runs.extend(x for run in read.pool_runs for x in run)
-                        else:
-                            body = self.store.first.views(read.pool_runs)
-                    await channel.send(CHUNK, reply.SerializeToString(), body)
+                    if read.pool_runs is None:
+                        await channel.send(CHUNK, reply.SerializeToString(), read.data)
+                    elif request.pool_views:
+                        reply.pool_runs.extend(x for run in read.pool_runs for x in run)
+                        await channel.send(CHUNK, reply.SerializeToString())
+                    elif self.store.first.pool_file is not None:
+                        await channel.send_file_ranges(CHUNK, reply.SerializeToString(), self.store.first.pool_file,
+                                                       read.pool_runs)
+                    else:
+                        await channel.send(CHUNK, reply.SerializeToString(), self.store.first.views(read.pool_runs))
                     sent += 1
                 await channel.send(END, pb.CountReply(count=sent).SerializeToString())
             else:
