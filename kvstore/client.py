@@ -564,26 +564,13 @@ class Client(_ClientBase):
 
     def _get_stream(self, keys, payload, outs, session: _BulkSession | None) -> int:
         request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes)
-        got, off, buf = 0, 0, None
+        sink = _StreamSink(outs)
         for reply, data_len in self._replies(request, session):
-            i = reply.index
-            if reply.chunk_bytes:
-                if outs[i] is not None:
-                    _check_size(outs[i], reply.chunk_bytes)
-                buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
-                off = 0
-            if session is not None:
-                if data_len != reply.chunk_bytes:
-                    raise ConnectionError(f"bulk chunk of {data_len} bytes announced as {reply.chunk_bytes}")
-                session.recv_into(buf[:data_len])
-            else:
-                data = reply.data  # each access copies: read it once
-                buf[off : off + len(data)] = data
-                off += len(data)
-            if reply.last:
-                outs[i] = outs[i] if outs[i] is not None else buf
-                got += 1
-        return got
+            view = sink.take(reply, data_len, bulk=session is not None)
+            if view is not None:
+                session.recv_into(view)
+            sink.done(reply)
+        return sink.got
 
     # -- index operations -----------------------------------------------------------------
 
@@ -757,6 +744,39 @@ def _copy_out(dst: memoryview, reply: pb.GetReply, slot: memoryview, pool: memor
     for start, length in zip(runs[::2], runs[1::2]):
         _copy(dst[off : off + length], pool[start : start + length])
         off += length
+
+
+class _StreamSink:
+    """Where the chunks of a Get that carries bytes (gRPC pieces or bulk frames) go: into
+    ``outs`` (views to fill, or None entries replaced by new buffers)."""
+
+    def __init__(self, outs: list) -> None:
+        self.outs, self.got = outs, 0
+        self._buf, self._off = None, 0
+
+    def take(self, reply: pb.GetReply, data_len: int, bulk: bool) -> memoryview | None:
+        """Place one reply's bytes: inline pieces are copied here; for a bulk frame, the view
+        to receive its ``data_len`` bytes into is returned."""
+        out = self.outs[reply.index]
+        if reply.chunk_bytes:
+            if out is not None:
+                _check_size(out, reply.chunk_bytes)
+            self._buf = out if out is not None else memoryview(bytearray(reply.chunk_bytes))
+            self._off = 0
+        if bulk:
+            if data_len != reply.chunk_bytes:
+                raise ConnectionError(f"bulk chunk of {data_len} bytes announced as {reply.chunk_bytes}")
+            return self._buf[:data_len]
+        data = reply.data  # each access copies: read it once
+        self._buf[self._off : self._off + len(data)] = data
+        self._off += len(data)
+        return None
+
+    def done(self, reply: pb.GetReply) -> None:
+        if reply.last:
+            if self.outs[reply.index] is None:
+                self.outs[reply.index] = self._buf
+            self.got += 1
 
 
 def _check_size(out: memoryview, chunk_bytes: int) -> None:
@@ -1033,26 +1053,13 @@ class AsyncClient(_ClientBase):
 
     async def _get_stream(self, keys, payload, outs, session: _AsyncBulkSession | None) -> int:
         request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.piece_bytes)
-        got, off, buf = 0, 0, None
+        sink = _StreamSink(outs)
         async for reply, data_len in self._replies(request, session):
-            i = reply.index
-            if reply.chunk_bytes:
-                if outs[i] is not None:
-                    _check_size(outs[i], reply.chunk_bytes)
-                buf = outs[i] if outs[i] is not None else memoryview(bytearray(reply.chunk_bytes))
-                off = 0
-            if session is not None:
-                if data_len != reply.chunk_bytes:
-                    raise ConnectionError(f"bulk chunk of {data_len} bytes announced as {reply.chunk_bytes}")
-                await session.recv_into(buf[:data_len])
-            else:
-                data = reply.data  # each access copies: read it once
-                buf[off : off + len(data)] = data
-                off += len(data)
-            if reply.last:
-                outs[i] = outs[i] if outs[i] is not None else buf
-                got += 1
-        return got
+            view = sink.take(reply, data_len, bulk=session is not None)
+            if view is not None:
+                await session.recv_into(view)
+            sink.done(reply)
+        return sink.got
 
     # -- index operations -----------------------------------------------------------------
 
