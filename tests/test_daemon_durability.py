@@ -1,7 +1,10 @@
 """What survives the daemon going away: a restart keeps the disk tier's chunks, SIGTERM during
 a write storm loses nothing acknowledged, kill -9 never leaves a corrupt chunk readable."""
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -112,3 +115,30 @@ def test_kill_9_during_a_write_storm_never_leaves_a_corrupt_chunk_readable(tmp_p
             else:
                 assert i not in durable, f"durable chunk {i} lost"
         assert readable >= len(durable)
+
+
+def test_a_spawned_daemon_does_not_outlive_the_process_that_started_it(tmp_path):
+    """A test run or benchmark that dies must not leave daemons (and /dev/shm files) behind."""
+    script = (
+        "import os, sys\n"
+        "from kvstore.daemon.spawn import DaemonProcess\n"
+        f"d = DaemonProcess(['--listen', '127.0.0.1:0', '--data-dir', {str(tmp_path / 'data')!r}, '--host-bytes', '16MiB'])\n"
+        "print(d.proc.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _running(pid):
+        assert time.monotonic() < deadline, "the daemon outlived its parent"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,8 +1,13 @@
 """Start a daemon as a child process and learn its address from its start-up log line
-(benchmarks and tests use it; ``--listen HOST:0`` picks a free port race-free)."""
+(benchmarks and tests use it; ``--listen HOST:0`` picks a free port race-free).
+
+The child gets SIGTERM when the thread that started it exits (Linux's parent-death signal),
+so a test run or benchmark that dies never leaves daemons, and their /dev/shm files,
+behind. Start it from a thread that outlives it (the main thread, in tests and kvbench)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -13,6 +18,15 @@ import time
 from collections import deque
 
 _READY = re.compile(r"kvstore daemon listening on (\S+) ")
+PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent goes (a no-op off Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 class DaemonProcess:
@@ -24,6 +38,7 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
+            preexec_fn=_terminate_with_parent,
         )
         self.log: deque[str] = deque(maxlen=2000)
         self.addr = ""
