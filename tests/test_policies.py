@@ -186,17 +186,25 @@ def test_arc_reinstates_a_victim_to_the_list_it_left_without_moving_p():
     assert 1 in policy._t1 and 1 not in policy._b1 and policy.p == p
 
 
-def test_shadow_vote_expects_no_reuse_of_a_dropped_prompt_tail():
-    from kvstore.policies.shadow_vote import TAIL_REUSE
-
-    policy = make_policy("shadow-vote", 10)
-    for key, parent in ((1, None), (2, 1), (3, 2)):
-        policy.on_miss(key)
-        policy.on_insert(key, 1, parent)
-    policy.on_hit(1)  # the next prompt starts: 3 was its previous prompt's tail
-    assert policy.reuse_estimate(2) == 1.0
-    assert policy.evict() == 3 and policy.reuse_estimate(3) == TAIL_REUSE  # asked right after evict
-    assert policy.evict() == 2 and policy.reuse_estimate(2) == 1.0
+def test_shadow_vote_learns_which_chunks_come_back():
+    """Each conversation turn re-reads the previous prompt's full chunks, never its partly
+    filled tail: the policy learns that tails are not reused and hit chunks are."""
+    policy = make_policy("shadow-vote", 24)
+    assert policy.reuse_estimate("anything") == 1.0  # nothing learned yet
+    for turn in range(60):
+        a, b, tail = 3 * turn, 3 * turn + 1, 3 * turn + 2
+        if turn:
+            policy.on_hit(a - 3)  # the new prompt starts with the previous one's chunks
+            policy.on_hit(b - 3)
+        for key, parent in ((a, None), (b, a), (tail, b)):
+            policy.on_miss(key)
+            policy.on_insert(key, 1, parent)
+            while len(policy) > 24:
+                policy.evict()
+    policy.on_hit(177)  # a new prompt starts: 179 is now a dropped tail
+    assert policy.reuse_estimate(179) < 0.2 < 1.0 < policy.reuse_estimate(178)
+    victim = policy.evict()
+    assert victim == 179 and policy.reuse_estimate(179) < 0.2  # asked right after evict
 
 
 def test_shadow_vote_reinstate_is_not_an_access():

@@ -49,7 +49,6 @@ REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
 REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not a prompt start
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
-TAIL_REUSE = 0.03  # a prompt tail's expected reuse relative to other chunks (Mooncake: 0.8% vs 25%)
 
 EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
     LRUPolicy,
@@ -57,6 +56,46 @@ EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
     S3FIFOPolicy,
     lambda capacity: LIRSPolicy(capacity, history=LONG_HISTORY),
 )
+
+
+class ReuseClasses:
+    """Expected reuse by what a chunk has shown so far, learned online: the chance that a
+    resident chunk of each class (a dropped prompt tail, or hit 0, 1, 2+ times since it came
+    in) is hit again before it leaves, relative to that chance over all chunks. Nothing is
+    assumed about the workload; the counts start even (add-one smoothing)."""
+
+    CLASSES = 4  # 0: prompt tail, 1: no hit yet, 2: one hit, 3: two or more
+
+    def __init__(self) -> None:
+        self.hits: dict[Hashable, int] = {}  # resident key -> hits since it came in
+        self._again = [0] * self.CLASSES  # chunks of the class that were hit again
+        self._left = [0] * self.CLASSES  # chunks of the class that left without another hit
+
+    @staticmethod
+    def klass(hits: int, tail: bool) -> int:
+        return 0 if tail else 1 + min(hits, 2)
+
+    def on_hit(self, key: Hashable, tail: bool) -> None:
+        hits = self.hits.get(key, 0)
+        self._again[self.klass(hits, tail)] += 1
+        self.hits[key] = hits + 1
+
+    def on_leave(self, key: Hashable, tail: bool) -> int:
+        """Count the chunk as gone without another hit; returns its hits."""
+        hits = self.hits.pop(key, 0)
+        self._left[self.klass(hits, tail)] += 1
+        return hits
+
+    def on_return(self, key: Hashable, hits: int, tail: bool) -> None:
+        """Undo ``on_leave``: the chunk stayed after all (kept re-encoded)."""
+        self._left[self.klass(hits, tail)] -= 1
+        self.hits[key] = hits
+
+    def estimate(self, hits: int, tail: bool) -> float:
+        c = self.klass(hits, tail)
+        p = (self._again[c] + 1) / (self._again[c] + self._left[c] + 2)
+        overall = (sum(self._again) + 1) / (sum(self._again) + sum(self._left) + 2)
+        return p / overall
 
 
 @dataclass
@@ -84,7 +123,8 @@ class ShadowVotePolicy(EvictionPolicy):
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
         self._removed: OrderedDict[Hashable, None] = OrderedDict()  # recently on_remove'd keys
-        self._last_victim: tuple[Hashable, float] | None = None  # (key, support) of the latest evict
+        self._reuse = ReuseClasses()
+        self._last_victim: tuple[Hashable, int, bool] | None = None  # (key, hits, tail) of the latest evict
 
     def _rate(self, key: Hashable, support: float | None = None) -> None:
         if support is None:
@@ -151,6 +191,7 @@ class ShadowVotePolicy(EvictionPolicy):
 
     def on_hit(self, key: Hashable) -> None:
         if key in self._resident:
+            self._reuse.on_hit(key, self._support[key][0] == TAIL)
             size, parent = self._resident[key]
             self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen)
             self._fresh = None
@@ -163,6 +204,8 @@ class ShadowVotePolicy(EvictionPolicy):
         self._fresh = key
 
     def _forget(self, key: Hashable) -> Hashable:
+        tail = self._support[key][0] == TAIL
+        self._last_victim = (key, self._reuse.on_leave(key, tail), tail)
         del self._resident[key], self._support[key]
         return key
 
@@ -171,7 +214,6 @@ class ShadowVotePolicy(EvictionPolicy):
         while heap:
             _, stamp, key = heapq.heappop(heap)
             if key in support and support[key][1] == stamp:
-                self._last_victim = (key, support[key][0])
                 return self._forget(key)
         raise LookupError("no resident key to evict")
 
@@ -179,20 +221,20 @@ class ShadowVotePolicy(EvictionPolicy):
         """Resident again with the experts' current support; the shadows, which only model
         which keys are worth keeping, do not see it (it is not an access)."""
         self._resident[key] = (size, parent)
+        if self._last_victim is not None and self._last_victim[0] == key:
+            self._reuse.on_return(key, self._last_victim[1], self._last_victim[2])
         self._rate(key)
 
     def reuse_estimate(self, key: Hashable) -> float:
-        """``TAIL_REUSE`` for a dropped prompt tail, else 1.0. A victim's support is by
-        construction the least in the cache (usually no expert holds it), so it says nothing
-        about reuse beyond the order ``evict`` already used; tails are the one class of
-        chunk the policy knows to be nearly dead."""
+        """How likely the chunk is to be hit again, relative to chunks in general, from the
+        class it is in (a dropped prompt tail, or 0, 1, 2+ hits so far; see ``ReuseClasses``).
+        Asked of a resident key or the key ``evict`` just returned. A victim's vote support
+        says nothing more: it is by construction the least in the cache."""
         if key in self._support:
-            support = self._support[key][0]
-        elif self._last_victim is not None and self._last_victim[0] == key:
-            support = self._last_victim[1]
-        else:
-            return 1.0
-        return TAIL_REUSE if support == TAIL else 1.0
+            return self._reuse.estimate(self._reuse.hits.get(key, 0), self._support[key][0] == TAIL)
+        if self._last_victim is not None and self._last_victim[0] == key:
+            return self._reuse.estimate(self._last_victim[1], self._last_victim[2])
+        return 1.0
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._resident:
