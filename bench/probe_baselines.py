@@ -38,14 +38,14 @@ class TruncateCodec(Codec):
         planes = tensor.contiguous().reshape(-1).view(torch.uint8).reshape(-1, size)
         return tensor_bytes(planes[:, size // 2 :].contiguous()).tobytes()
 
-    def decode(self, payload, shape, dtype) -> torch.Tensor:
-        out = torch.zeros(shape, dtype=dtype)
+    def decode_into(self, payload, out: torch.Tensor) -> None:
         size = out.element_size()
         high = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         if high.numel() != out.numel() * (size - size // 2):
             raise ValueError("truncate payload has the wrong length")
-        out.reshape(-1).view(torch.uint8).reshape(-1, size)[:, size // 2 :] = high.reshape(-1, size - size // 2)
-        return out
+        planes = out.reshape(-1).view(torch.uint8).reshape(-1, size)
+        planes[:, : size // 2] = 0
+        planes[:, size // 2 :] = high.reshape(-1, size - size // 2)
 
 
 def baselines() -> list[Codec]:

@@ -43,9 +43,15 @@ class Tier(ABC):
         Atomic: a reader sees either the old value, nothing, or the whole new value.
         """
 
-    @abstractmethod
     def read(self, key: bytes) -> Buffer | None:
-        """The value's bytes (possibly a zero-copy view), or None if absent."""
+        """The value's bytes (possibly a zero-copy view), or None if absent. This default
+        reads into a new buffer of the recorded size; a file shorter than that reads short."""
+        size = self.size_of(key)
+        if size is None:
+            return None
+        buf = bytearray(size)
+        got = self.read_into(key, memoryview(buf))
+        return None if got is None else bytes(buf[:got])
 
     @abstractmethod
     def read_into(self, key: bytes, out: memoryview) -> int | None:

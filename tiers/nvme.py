@@ -163,14 +163,6 @@ class DiskTier(Tier):
             return TierUnavailable(f"{self.name}: {self.root}: {exc.strerror}")
         return TierUnavailable(f"{self.name}: I/O error: {exc}")
 
-    def read(self, key: bytes) -> bytes | None:
-        size = self._sizes.get(key)
-        if size is None:
-            return None
-        buf = bytearray(size)
-        got = self.read_into(key, memoryview(buf))
-        return None if got is None else bytes(buf[:got])
-
     def read_into(self, key: bytes, out) -> int | None:
         """Read the value into ``out`` (one buffer or a list, filled in order).
 

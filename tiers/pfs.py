@@ -124,14 +124,6 @@ class PfsTier(DiskTier):
     def contains(self, key: bytes) -> bool:
         return self.size_of(key) is not None
 
-    def read(self, key: bytes) -> bytes | None:
-        size = self.size_of(key)
-        if size is None:
-            return None
-        buf = bytearray(size)
-        got = self.read_into(key, memoryview(buf))
-        return None if got is None else bytes(buf[:got])
-
     def read_into(self, key: bytes, out) -> int | None:
         """Read the file into ``out`` (one buffer or a list, filled in order).
 

@@ -24,9 +24,11 @@ class Codec(ABC):
         """Payload bytes for a contiguous CPU tensor; may be a view into ``tensor``."""
 
     @abstractmethod
+    def decode_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        """Decode straight into a caller's contiguous tensor of the encoded shape and dtype."""
+
     def decode(self, payload: bytes | memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor of ``shape`` and ``dtype`` that ``payload`` encodes."""
-
-    def decode_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
-        """Decode straight into a caller's tensor; codecs override this to skip a copy."""
-        out.copy_(self.decode(payload, tuple(out.shape), out.dtype))
+        out = torch.empty(shape, dtype=dtype)
+        self.decode_into(payload, out)
+        return out

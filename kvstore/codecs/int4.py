@@ -49,11 +49,6 @@ class Int4Codec(Codec):
         require_finite(tensor, self.name)
         return pack(*quantize_rows(tensor.reshape(rows_of(tuple(tensor.shape)))))
 
-    def decode(self, payload, shape, dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        self.decode_into(payload, out)
-        return out
-
     def decode_into(self, payload, out: torch.Tensor) -> None:
         rows, width = rows_of(tuple(out.shape))
         padded = padded_width(width)

@@ -38,11 +38,6 @@ class Int8Codec(Codec):
         q, scale = quantize_rows(tensor.reshape(rows_of(tuple(tensor.shape))))
         return pack(q, scale)
 
-    def decode(self, payload, shape, dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        self.decode_into(payload, out)
-        return out
-
     def decode_into(self, payload, out: torch.Tensor) -> None:
         rows, width = rows_of(tuple(out.shape))
         sections = Sections(payload, self.name)

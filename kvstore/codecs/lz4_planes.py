@@ -44,11 +44,6 @@ class Lz4PlanesCodec(Codec):
             parts += [_PLANE.pack(mode, len(data)), data]
         return b"".join(parts)
 
-    def decode(self, payload, shape, dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        self.decode_into(payload, out)
-        return out
-
     def decode_into(self, payload, out: torch.Tensor) -> None:
         target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
         elements = _element_bytes(target)

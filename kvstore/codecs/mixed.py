@@ -101,11 +101,6 @@ class MixedPrecisionCodec(Codec):
         p4, s4, z4 = int4.quantize_rows(rows[levels == INT4].reshape(-1, head_dim))
         return pack(pack_levels(levels), rows[levels == FULL], q8, s8, p4, s4, z4)
 
-    def decode(self, payload, shape, dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        self.decode_into(payload, out)
-        return out
-
     def decode_into(self, payload, out: torch.Tensor) -> None:
         layers, heads, head_dim = _check_shape(tuple(out.shape), self.name)
         tokens = out.shape[2]

@@ -24,11 +24,6 @@ class RawCodec(Codec):
     def encode(self, tensor: torch.Tensor) -> memoryview:
         return tensor_bytes(tensor)
 
-    def decode(self, payload, shape, dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        self.decode_into(payload, out)
-        return out
-
     def decode_into(self, payload, out: torch.Tensor) -> None:
         dst = tensor_bytes(out)
         if len(payload) != len(dst):
