@@ -216,3 +216,55 @@ def test_shadow_vote_reinstate_is_not_an_access():
     victim = policy.evict()
     policy.reinstate(victim, 1)
     assert [s.window_hits for s in policy._shadows] == hits and victim in policy
+
+
+def test_lrfu_remembers_the_frequency_of_evicted_keys():
+    """A popular key pushed out by a long burst of new keys keeps its CRF: back in the cache,
+    it outlasts newer keys seen once (LRU, or an LRFU that forgot, would evict it first)."""
+    from kvstore.policies.lrfu import LRFUPolicy
+
+    def survives(policy):
+        resident: list[int] = []
+
+        def access(key):
+            if key in resident:
+                policy.on_hit(key)
+                return
+            policy.on_miss(key)
+            policy.on_insert(key, 1, None)
+            resident.append(key)
+            while len(resident) > 4:
+                resident.remove(policy.evict())
+
+        for _ in range(20):
+            access(0)
+        for key in range(1, 180):  # pushes key 0 out, but fewer than 64 x 4 keys accessed since it
+            access(key)
+        assert 0 not in policy
+        access(0)
+        for key in range(180, 184):
+            access(key)
+        return 0 in policy
+
+    assert survives(LRFUPolicy(4, history=64))
+    assert not survives(LRFUPolicy(4, history=0))
+
+
+def test_lrfu_forgets_keys_that_are_only_missed():
+    """Lookups of absent keys that are never stored must not grow the policy's memory."""
+    from kvstore.policies.lrfu import LRFUPolicy
+
+    policy = LRFUPolicy(10, history=2)
+    for key in range(3):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, None)
+    for key in range(100, 10_000):
+        policy.on_miss(key)
+    assert len(policy._crf) <= 3 + 2 * 3
+
+
+def test_lrfu_rejects_a_non_positive_half_life():
+    from kvstore.policies.lrfu import LRFUPolicy
+
+    with pytest.raises(ValueError):
+        LRFUPolicy(10, half_life=0)

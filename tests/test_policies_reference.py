@@ -10,6 +10,7 @@ from bench.sim import simulate_opt
 from bench.traces import Trace
 from kvstore.policies import make_policy
 from kvstore.policies.arc import ARCPolicy
+from kvstore.policies.lrfu import LRFUPolicy
 from kvstore.policies.lru import LRUPolicy
 from kvstore.policies.shadow_vote import ShadowVotePolicy
 
@@ -113,6 +114,29 @@ def test_shadow_vote_with_one_expert_is_that_expert(seq, capacity):
     assert hits_of(alone, seq, capacity) == reference_arc(seq, capacity)
 
 
+def reference_lrfu(accesses, capacity, half_life):
+    """LRFU by its definition: every resident key's CRF is the sum of 2 ** (-age / half-life)
+    over all its accesses so far (nothing forgotten); evict the least."""
+    times: dict[int, list[int]] = {}
+    resident, out = set(), []
+    for now, key in enumerate(accesses):
+        out.append(key in resident)
+        times.setdefault(key, []).append(now)
+        resident.add(key)
+        if len(resident) > capacity:
+            crf = {k: sum(2.0 ** (-(now - t) / (half_life * capacity)) for t in times[k]) for k in resident}
+            resident.remove(min(resident, key=crf.__getitem__))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(accesses, zipfish), st.integers(1, 12), st.sampled_from([0.37, 1.7, 8.3]))
+def test_lrfu_matches_reference(seq, capacity, half_life):
+    # half-lives chosen so that two different access histories never have equal CRFs
+    policy = LRFUPolicy(capacity, half_life=half_life, history=1e9)
+    assert hits_of(policy, seq, capacity) == reference_lrfu(seq, capacity, half_life)
+
+
 def brute_force_opt(seq, capacity):
     """Most hits any eviction/bypass schedule can get (exhaustive; tiny inputs only)."""
 
@@ -144,5 +168,5 @@ def test_every_policy_stays_below_opt_on_a_skewed_trace():
     rng = random.Random(3)
     trace = Trace("t", [[int(rng.paretovariate(1.1)) % 300] for _ in range(5000)])
     opt = simulate_opt(trace, 30).hits
-    for name in ("lru", "arc", "s3fifo", "lirs", "wtinylfu", "default"):
+    for name in ("lru", "arc", "s3fifo", "lirs", "lrfu", "wtinylfu", "default"):
         assert hits_of(make_policy(name, 30), [r[0] for r in trace.requests], 30).count(True) <= opt

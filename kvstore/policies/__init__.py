@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.arc import ARCPolicy
 from kvstore.policies.lirs import LIRSPolicy
+from kvstore.policies.lrfu import LRFUPolicy
 from kvstore.policies.lru import LRUPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
 from kvstore.policies.shadow_vote import ShadowVotePolicy
@@ -32,7 +33,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return cls(capacity_bytes)
 
 
-for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, WTinyLFUPolicy, ShadowVotePolicy):
+for _cls in (LRUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, LRFUPolicy, WTinyLFUPolicy, ShadowVotePolicy):
     register(_cls)
 
 __all__ = ["EvictionPolicy", "POLICIES", "DEFAULT_POLICY", "register", "make_policy"]

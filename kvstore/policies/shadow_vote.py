@@ -2,16 +2,19 @@
 cache; the real cache keeps what the recently best of them would keep, and evicts first
 what none of them wants.
 
-No single eviction order wins everywhere: on chat traces a frequency/IRR policy (LIRS)
-wins small caches by far and loses large ones to recency (LRU, ARC), and on other
-workloads several policies tie. Which regime a tier is in depends on its size and on the
-workload of the hour, so instead of guessing, the policy measures:
+No single eviction order wins everywhere: on chat traces frequency-aware policies (LIRS,
+LRFU with a long half-life) win small caches by far and lose large ones to recency (LRU,
+ARC), and on other workloads several policies tie. Which regime a tier is in depends on
+its size and on the workload of the hour, so instead of guessing, the policy measures:
 
-- Every access is replayed into each expert, which keeps its own resident set over the
-  same capacity (keys and sizes only, no data). Hits are counted per window of accesses
-  and smoothed into a score.
+- Every access is replayed into each expert (LRU, ARC, S3-FIFO, a long-history LIRS and
+  LRFU at three half-lives), which keeps its own resident set over the same capacity
+  (keys and sizes only, no data). Hits are counted per window of accesses and smoothed
+  into a score.
 - Each expert's vote weighs ``(score / best score) ** SHARPNESS``: the leader weighs 1,
-  an expert 1% behind about 0.8, one 10% behind about 0.1. A resident key's *support* is
+  an expert 0.1% behind about 0.8, 1% behind about 0.13, 3% behind nothing to speak of.
+  Experts that differ only in a parameter (the LRFUs) are rarely far apart, so the vote
+  must be this sharp to follow the best of them. A resident key's *support* is
   the weight of the experts holding it; the real cache evicts the key with the least
   support (oldest first among equals) from a heap. So it holds what the leader holds,
   and where near-equal experts disagree, what more of them agree on. With one expert
@@ -24,8 +27,8 @@ workload of the hour, so instead of guessing, the policy measures:
   at all (an owner that never passes ``parent`` gives no prompt boundaries), and never for
   a key coming back after ``on_remove`` (an owner pinning or unpinning a chunk).
 
-Cost: one O(1) step of every expert per access, plus O(log n) heap work for the keys the
-access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
+Cost: one step of every expert per access (O(1), O(log n) for the LRFUs), plus O(log n)
+heap work for the keys the access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
 rebuilds the heap in O(resident keys x experts).
 """
 
@@ -39,14 +42,16 @@ from typing import Callable, Hashable
 from kvstore.policies.arc import ARCPolicy
 from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.lirs import LIRSPolicy
+from kvstore.policies.lrfu import LRFUPolicy
 from kvstore.policies.lru import LRUPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
 
 WINDOW = 2048  # accesses per scoring window
 SMOOTHING = 0.1  # weight of the newest window in each expert's score
-SHARPNESS = 20.0  # how fast an expert's vote fades as it falls behind the leader
+SHARPNESS = 200.0  # how fast an expert's vote fades as it falls behind the leader
 REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
+LRFU_HALF_LIVES = (8.0, 16.0, 32.0)  # in capacities of traffic: from recency-leaning to frequency-leaning
 REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not a prompt start
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
 
@@ -55,6 +60,7 @@ EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
     ARCPolicy,
     S3FIFOPolicy,
     lambda capacity: LIRSPolicy(capacity, history=LONG_HISTORY),
+    *(lambda capacity, h=h: LRFUPolicy(capacity, half_life=h) for h in LRFU_HALF_LIVES),
 )
 
 
