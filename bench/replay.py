@@ -114,14 +114,13 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path) -> dict:
                 print(f"  {policy}: {done}/{len(requests)} requests", file=sys.stderr)
         store.flush()
         stats = store.stats().tiers
-        placed = store.placement_stats()
     return {
         "hit_pct": {name: 100 * n / accesses for name, n in served.items()},
         "total_hit_pct": 100 * sum(served.values()) / accesses,
         "bytes_read": {n: s.bytes_read for n, s in stats.items()},
         "bytes_written": {n: s.bytes_written for n, s in stats.items()},
-        "lossy_hit_pct": 100 * sum(placed.lossy_hits.values()) / accesses,
-        "recodes": placed.recodes,
+        "lossy_hit_pct": 100 * sum(s.lossy_hits for s in stats.values()) / accesses,
+        "recodes": {n: s.recodes for n, s in stats.items()},
         "ttft": _percentiles(ttft),
     }
 

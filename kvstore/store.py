@@ -77,6 +77,8 @@ class TierStats:
     corruptions: int = 0
     errors: int = 0
     read_gbps: float = 0.0  # EWMA of recent reads' bandwidth
+    recodes: int = 0  # copies placement re-encoded in place instead of evicting them
+    lossy_hits: int = 0  # hits served from a lossy encoding
 
 
 @dataclass
@@ -90,13 +92,7 @@ class StoreStats:
     write_behind_pending_bytes: int = 0
     write_behind_queue: int = 0
     write_behind_dropped: int = 0
-
-
-@dataclass
-class PlacementStats:
-    recodes: dict[str, int]  # copies placement re-encoded in place, per tier
-    recode_failures: int  # re-encodes that failed or did not shrink; those copies were evicted
-    lossy_hits: dict[str, int]  # hits served from a lossy encoding, per tier
+    recode_failures: int = 0  # placement re-encodes that failed or did not shrink; those copies were evicted
 
 
 @dataclass
@@ -208,8 +204,6 @@ class Store:
         if self.placement is not None and shared_named:
             raise ValueError(f"placement.tiers names shared tiers {shared_named}; only private tiers are re-encoded")
         self._placement_tiers = set(config.placement.tiers) if self.placement is not None else set()
-        self._recodes = {t.name: 0 for t in self.tiers}
-        self._lossy_hits = {t.name: 0 for t in self.tiers}
         self._recode_failures = 0
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -540,7 +534,7 @@ class Store:
             size = sum(len(p) for p in parts)
             if tier.footprint(size) < tier.footprint(job.size) and self._replace(tier, key_id, parts):
                 entry.encodings[name] = (size, job.codec.codec_id)
-                self._recodes[name] += 1
+                self._stats[name].recodes += 1
                 self._stats[name].bytes_written += size
                 if self._evictable_from(name, entry):
                     self._policies[name].reinstate(key_id, tier.footprint(size), entry.parent)
@@ -927,9 +921,8 @@ class Store:
     ) -> None:
         with self._lock:
             self._hits += 1
-            if not codec_by_id(codec_id).lossless:
-                self._lossy_hits[tier.name] += 1
             stats = self._stats[tier.name]
+            stats.lossy_hits += not codec_by_id(codec_id).lossless
             stats.hits += 1
             stats.bytes_read += size
             gbps = size / max(elapsed, 1e-9) / 1e9
@@ -1080,11 +1073,8 @@ class Store:
                 write_behind_pending_bytes=self._pending_bytes,
                 write_behind_queue=sum(q.qsize() for q in self._queues.values()),
                 write_behind_dropped=self._dropped,
+                recode_failures=self._recode_failures,
             )
-
-    def placement_stats(self) -> PlacementStats:
-        with self._lock:
-            return PlacementStats(dict(self._recodes), self._recode_failures, dict(self._lossy_hits))
 
     def close(self) -> None:
         """Flush queued copies, stop the workers and release the tiers."""

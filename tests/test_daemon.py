@@ -148,6 +148,8 @@ def test_stats_metrics_and_cli(daemon, capsys):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'kvstore_tier_hits_total{tier="host"}' in text
     assert 'kvstore_tier_capacity_bytes{tier="nvme"}' in text
+    assert 'kvstore_tier_recodes_total{tier="host"} 0.0' in text and "kvstore_recode_failures_total 0.0" in text
+    assert 'kvstore_tier_lossy_hits_total{tier="nvme"} 0.0' in text
     assert "kvstore_write_behind_queue" in text and "kvstore_io_inflight" in text
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
     assert re.search(r'kvstore_namespace_misses_total\{model="test-model",namespace="[0-9a-f]{12}"\} [1-9]', text)

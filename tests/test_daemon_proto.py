@@ -34,3 +34,16 @@ def test_the_service_has_the_stores_operations():
     assert {"Put", "Get", "Lookup", "Contains", "Prefetch", "Pin", "Unpin", "Delete", "Stats"} <= set(methods)
     assert methods["Put"].client_streaming and methods["Get"].server_streaming
     assert Path(ROOT / "proto" / "kvstore.proto").exists()
+
+
+def test_stats_cross_the_wire_whole():
+    """Every StoreStats and TierStats field, placement's counters included, survives the proto."""
+    from dataclasses import fields
+
+    from kvstore.daemon.wire import stats_from_proto, stats_to_proto
+    from kvstore.store import StoreStats, TierStats
+
+    tier = TierStats(**{f.name: (7.5 if f.type in (float, "float") else "host" if f.name == "name" else i + 1)
+                        for i, f in enumerate(fields(TierStats))})
+    stats = StoreStats(tiers={"host": tier}, **{f.name: i + 1 for i, f in enumerate(fields(StoreStats)) if f.name != "tiers"})
+    assert stats_from_proto(stats_to_proto(stats)) == stats

@@ -127,15 +127,14 @@ def test_host_victims_are_compressed_in_place_and_read_back_within_the_bound(tmp
     with Store(store_config(tmp_path, host_chunks=8)) as store:  # RAM only: dropping means recomputing
         for k, v in zip(keys, values):
             store.put(k, v)
-        placed = store.placement_stats()
-        assert placed.recodes["host"] > 0
+        assert store.stats().tiers["host"].recodes > 0
         present = [i for i, k in enumerate(keys) if store.contains(k)]
         assert len(present) > 8  # more chunks than fit raw
         out = torch.empty(SHAPE, dtype=torch.float16)
         for i in present:
             assert store.get_into(keys[i], out)
             assert within_int8(out, values[i])
-        assert store.placement_stats().lossy_hits["host"] > 0
+        assert store.stats().tiers["host"].lossy_hits > 0
         assert store.stats().tiers["host"].used_bytes <= store.stats().tiers["host"].capacity_bytes
 
 
@@ -147,7 +146,7 @@ def test_disabled_placement_drops_victims(tmp_path):
         for k, v in zip(keys, values):
             store.put(k, v)
         assert sum(store.contains(k) for k in keys) == 8
-        assert store.placement_stats().recodes["host"] == 0
+        assert store.stats().tiers["host"].recodes == 0
 
 
 def test_host_keeps_nothing_lossy_while_the_disk_holds_the_raw_copy(tmp_path):
@@ -158,7 +157,7 @@ def test_host_keeps_nothing_lossy_while_the_disk_holds_the_raw_copy(tmp_path):
             store.flush()
         for k, v in zip(keys, values):  # the disk's raw copy loads faster than int8 decodes
             assert torch.equal(store.get([k])[0], v)
-        assert store.placement_stats().recodes == {"host": 0, "nvme": 0}
+        assert {n: t.recodes for n, t in store.stats().tiers.items()} == {"host": 0, "nvme": 0}
 
 
 def test_disk_victims_are_compressed_and_promoted_as_they_are(tmp_path):
@@ -167,7 +166,7 @@ def test_disk_victims_are_compressed_and_promoted_as_they_are(tmp_path):
         for k, v in zip(keys, values):
             store.put(k, v)
             store.flush()
-        assert store.placement_stats().recodes["nvme"] > 0
+        assert store.stats().tiers["nvme"].recodes > 0
         on_disk = [i for i, k in enumerate(keys) if store.contains(k) and "nvme" in store.replicas([k])[0]]
         assert len(on_disk) > 8
         for i in on_disk:
@@ -185,8 +184,8 @@ def test_a_chunk_that_cannot_be_encoded_is_evicted_as_usual(tmp_path):
     with Store(store_config(tmp_path, host_chunks=8)) as store:
         for k, v in zip(keys, values):
             store.put(k, v)
-        placed = store.placement_stats()
-        assert placed.recode_failures > 0 and placed.recodes["host"] == 0
+        stats = store.stats()
+        assert stats.recode_failures > 0 and stats.tiers["host"].recodes == 0
         present = [i for i, k in enumerate(keys) if store.contains(k)]
         assert len(present) == 8
         for i in present:
@@ -223,7 +222,7 @@ def test_concurrent_readers_see_whole_chunks_while_victims_are_re_encoded(tmp_pa
             store.put(k, v)
         for t in readers:
             t.join()
-        assert store.placement_stats().recodes["host"] > 0
+        assert store.stats().tiers["host"].recodes > 0
     assert errors == []
 
 

@@ -155,7 +155,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors", "read_gbps")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors", "read_gbps", "recodes", "lossy_hits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,8 @@ class TierStats(_message.Message):
     CORRUPTIONS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     READ_GBPS_FIELD_NUMBER: _ClassVar[int]
+    RECODES_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_HITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -180,10 +182,12 @@ class TierStats(_message.Message):
     corruptions: int
     errors: int
     read_gbps: float
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., corruptions: _Optional[int] = ..., errors: _Optional[int] = ..., read_gbps: _Optional[float] = ...) -> None: ...
+    recodes: int
+    lossy_hits: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., corruptions: _Optional[int] = ..., errors: _Optional[int] = ..., read_gbps: _Optional[float] = ..., recodes: _Optional[int] = ..., lossy_hits: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("tiers", "chunks", "puts", "hits", "misses", "pinned", "write_behind_pending_bytes", "write_behind_queue", "write_behind_dropped", "address", "shm_slots_free", "bulk_sessions")
+    __slots__ = ("tiers", "chunks", "puts", "hits", "misses", "pinned", "write_behind_pending_bytes", "write_behind_queue", "write_behind_dropped", "address", "shm_slots_free", "bulk_sessions", "recode_failures")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +200,7 @@ class StatsReply(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHM_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     BULK_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RECODE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     chunks: int
     puts: int
@@ -208,7 +213,8 @@ class StatsReply(_message.Message):
     address: str
     shm_slots_free: int
     bulk_sessions: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., puts: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., write_behind_pending_bytes: _Optional[int] = ..., write_behind_queue: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., address: _Optional[str] = ..., shm_slots_free: _Optional[int] = ..., bulk_sessions: _Optional[int] = ...) -> None: ...
+    recode_failures: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., puts: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., write_behind_pending_bytes: _Optional[int] = ..., write_behind_queue: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., address: _Optional[str] = ..., shm_slots_free: _Optional[int] = ..., bulk_sessions: _Optional[int] = ..., recode_failures: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("slots",)

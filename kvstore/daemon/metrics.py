@@ -15,7 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvstore.keys import Namespace
 from kvstore.store import StoreStats
 
-_TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors")
+_TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors",
+                  "recodes", "lossy_hits")
 _TIER_GAUGES = ("used_bytes", "capacity_bytes", "chunks")
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -46,6 +47,8 @@ class _StoreCollector:
             yield GaugeMetricFamily(f"kvstore_{name}", name.replace("_", " "), value=value)
         yield CounterMetricFamily("kvstore_write_behind_dropped", "copies to replica tiers that failed",
                                   value=s.write_behind_dropped)
+        yield CounterMetricFamily("kvstore_recode_failures", "placement re-encodes that failed or did not shrink",
+                                  value=s.recode_failures)
 
 
 class DaemonMetrics:
