@@ -332,16 +332,13 @@ class Store:
         reserved = 0 if present or not self.replica_tiers else size
         if not present:
             try:
-                entry = self._write_first(key_id, parts, size, parent)
+                entry = self._write_first(key_id, parts, size, parent, replicate=reserved)
             except BaseException:
                 self._release_reservation(reserved)
                 raise
         with self._lock:
-            missing = [t for t in self.replica_tiers if t.name not in entry.replicas]
-            if missing and not entry.pending:
-                self._queue_copies(key_id, entry, missing, reserved)
-            elif reserved:
-                self._release_reservation(reserved)
+            if present:
+                self._replicate(key_id, entry, 0)
             if waiter is not None:
                 if entry.pending:
                     entry.waiters.append(waiter)
@@ -376,13 +373,18 @@ class Store:
         parent: bytes | None,
         wait: bool = True,
         encoding: tuple[int, int] | None = None,
+        replicate: int | None = None,
     ) -> _Entry:
         """Copy a blob into the first tier, evicting as needed; call without the lock held.
 
         Eviction happens under the lock, the copy outside it; if another writer took the
         room meanwhile, evict again. ``wait=False`` gives up (TierFull) instead of waiting
         for queued copies to free room. ``encoding`` (size, codec id) marks a promoted copy
-        that placement re-encoded: the same chunk, so the other copies stay.
+        that placement re-encoded: the same chunk, so the other copies stay. With
+        ``replicate`` (the queue room reserved for it) the copies to the replica tiers are
+        queued under the same lock as the write: the first tier's policy sees the put as an
+        access, in put order, and the chunk leaves the policy until its copies are done
+        without ever being evictable before they are queued.
         """
         tier = self.first
         header = _leading_header(parts)
@@ -415,7 +417,18 @@ class Store:
             entry.replicas.add(tier.name)
             entry.parent = parent if parent is not None else entry.parent
             self._sync_policies(key_id, entry)
+            if replicate is not None:
+                self._replicate(key_id, entry, replicate)
             return entry
+
+    def _replicate(self, key_id: bytes, entry: _Entry, reserved: int) -> None:
+        """Queue copies to the replica tiers that lack the chunk, unless some are queued
+        already (lock held); ``reserved`` bytes of queue room were counted for them."""
+        missing = [t for t in self.replica_tiers if t.name not in entry.replicas]
+        if missing and not entry.pending:
+            self._queue_copies(key_id, entry, missing, reserved)
+        elif reserved:
+            self._release_reservation(reserved)
 
     def _queue_copies(self, key_id: bytes, entry: _Entry, tiers: list[Tier], reserved: int = 0) -> None:
         """Queue copies to ``tiers`` (lock held); ``reserved`` bytes were counted already."""

@@ -138,8 +138,8 @@ def test_shadow_vote_returning_key_is_not_a_prompt_start():
     policy.on_remove("a1")
     policy.on_insert("a1", 1, None)
     assert policy._support["a2"][0] != TAIL
-    policy.on_insert("b1", 1, None)  # a real new prompt: a1 was the last chunk inserted
-    assert policy._support["a1"][0] == TAIL
+    policy.on_insert("b1", 1, None)  # a real new prompt: a2 was the last chunk it inserted
+    assert policy._support["a2"][0] == TAIL and policy._support["a1"][0] != TAIL
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -268,3 +268,17 @@ def test_lrfu_rejects_a_non_positive_half_life():
 
     with pytest.raises(ValueError):
         LRFUPolicy(10, half_life=0)
+
+
+def test_shadow_vote_key_handed_back_after_on_remove_is_not_an_access():
+    """A Store removes a key from its policy while the chunk is pinned and hands it back when
+    unpinned; the experts must not count that as another access."""
+    policy = make_policy("shadow-vote", 2)
+    for key, parent in ((1, None), (2, 1)):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, parent)
+    hits, accesses = [s.window_hits for s in policy._shadows], policy._accesses
+    policy.on_remove(1)
+    policy.on_insert(1, 1, None)
+    assert [s.window_hits for s in policy._shadows] == hits and policy._accesses == accesses
+    assert 1 in policy and len(policy) == 2

@@ -473,3 +473,26 @@ def test_copy_workers_racing_for_disk_room_never_drop_a_copy(tmp_path, monkeypat
         store.flush()
         stats = store.stats()
         assert stats.write_behind_dropped == 0 and stats.tiers["nvme"].errors == 0
+
+
+def test_a_put_reaches_the_first_tiers_policy_as_one_access_in_put_order(tmp_path):
+    """The first tier's policy sees each put when it happens; the chunk then leaves the
+    policy until its copies are done (it must not be evicted before) and comes back, which
+    shadow-vote does not count as another access."""
+    keys, values = chunks(3)
+    with Store(config(tmp_path)) as store:
+        calls = []
+        policy = store._policies["host"]
+        for name in ("on_insert", "on_remove", "on_hit"):
+            method = getattr(policy, name)
+            setattr(policy, name, lambda *a, _name=name, _method=method: (calls.append((_name, a[0])), _method(*a)))
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        store.flush()
+        firsts = [key for name, key in calls if name == "on_insert"]
+        assert [k.id for k in keys] == list(dict.fromkeys(firsts))  # first insertions in put order
+        for k in keys:
+            assert [name for name, key in calls if key == k.id] == ["on_insert", "on_remove", "on_insert"]
+        accesses = policy._accesses
+        store.put(keys[0], values[0])  # already there: an access
+        assert calls[-1] == ("on_hit", keys[0].id) and policy._accesses == accesses + 1

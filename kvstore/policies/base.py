@@ -11,7 +11,9 @@ removing. The owner reports every access and every change of residency:
   prefix structure: a chunk is only usable if all chunks before it are resident too;
 - ``evict()`` when space is needed: the policy picks a resident key, forgets it as
   resident (keeping any history it wants) and returns it, and the owner deletes it;
-- ``on_remove(key)`` when a key leaves for another reason (deleted, corrupt, pinned);
+- ``on_remove(key)`` when a key leaves for another reason (deleted, corrupt, pinned, or,
+  in a Store's first tier, while its copies to lower tiers are queued); an ``on_insert``
+  of the same key later hands it back, which a policy may treat as no access;
 - ``reinstate(key, size, parent)`` when the key ``evict`` just returned stays resident after
   all, re-encoded smaller (placement compressed it in place instead of dropping it).
 

@@ -24,8 +24,10 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   prompt's partly filled last chunk, whose hash no later prompt can share; it leaves
   every shadow and is evicted first. (A Store that only saves full chunks never has such
   tails; then the rule never fires.) The rule only fires once parents have been reported
-  at all (an owner that never passes ``parent`` gives no prompt boundaries), and never for
-  a key coming back after ``on_remove`` (an owner pinning or unpinning a chunk).
+  at all (an owner that never passes ``parent`` gives no prompt boundaries).
+- A key coming back after ``on_remove`` (an owner unpinning a chunk, or a Store's first
+  tier once the chunk's copies are done) is resident again but is not an access: the
+  experts, which kept it, do not see it twice.
 
 Cost: one step of every expert per access (O(1), O(log n) for the LRFUs), plus O(log n)
 heap work for the keys the access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
@@ -52,7 +54,7 @@ SHARPNESS = 200.0  # how fast an expert's vote fades as it falls behind the lead
 REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
 LRFU_HALF_LIVES = (8.0, 16.0, 32.0)  # in capacities of traffic: from recency-leaning to frequency-leaning
-REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not a prompt start
+REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not an access
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
 
 EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
@@ -205,8 +207,10 @@ class ShadowVotePolicy(EvictionPolicy):
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._resident[key] = (size, parent)
         self._parents_seen = self._parents_seen or parent is not None
-        returning = self._removed.pop(key, 0) is None
-        self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen and not returning)
+        if self._removed.pop(key, 0) is None:
+            self._rate(key)  # handed back (unpinned, copied): resident again, but not an access
+            return
+        self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen)
         self._fresh = key
 
     def _forget(self, key: Hashable) -> Hashable:
