@@ -282,3 +282,21 @@ def test_shadow_vote_key_handed_back_after_on_remove_is_not_an_access():
     policy.on_insert(1, 1, None)
     assert [s.window_hits for s in policy._shadows] == hits and policy._accesses == accesses
     assert 1 in policy and len(policy) == 2
+
+
+def test_shadow_vote_key_handed_back_keeps_its_reuse_class_and_tail_mark():
+    """A chunk pinned and unpinned has not left the cache: the reuse statistics placement
+    reads must not count it as gone without a hit, and a dropped tail stays one."""
+    from kvstore.policies.shadow_vote import TAIL, ShadowVotePolicy
+
+    policy = ShadowVotePolicy(8)
+    policy.on_insert("a1", 1, None)
+    policy.on_insert("a2", 1, "a1")
+    policy.on_hit("a1")
+    policy.on_insert("b1", 1, None)  # a2 becomes the dropped tail of prompt a
+    counts = (list(policy._reuse._again), list(policy._reuse._left), dict(policy._reuse.hits))
+    for key in ("a1", "a2"):
+        policy.on_remove(key)
+        policy.on_insert(key, 1, None if key == "a1" else "a1")
+    assert (list(policy._reuse._again), list(policy._reuse._left), dict(policy._reuse.hits)) == counts
+    assert policy._support["a2"][0] == TAIL and policy._support["a1"][0] != TAIL

@@ -97,7 +97,8 @@ class ReuseClasses:
     def on_return(self, key: Hashable, hits: int, tail: bool) -> None:
         """Undo ``on_leave``: the chunk stayed after all (kept re-encoded)."""
         self._left[self.klass(hits, tail)] -= 1
-        self.hits[key] = hits
+        if hits:
+            self.hits[key] = hits
 
     def estimate(self, hits: int, tail: bool) -> float:
         c = self.klass(hits, tail)
@@ -130,7 +131,7 @@ class ShadowVotePolicy(EvictionPolicy):
         self._accesses = 0
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
-        self._removed: OrderedDict[Hashable, None] = OrderedDict()  # recently on_remove'd keys
+        self._removed: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()  # recently on_remove'd keys -> (hits, tail)
         self._reuse = ReuseClasses()
         self._last_victim: tuple[Hashable, int, bool] | None = None  # (key, hits, tail) of the latest evict
 
@@ -207,8 +208,11 @@ class ShadowVotePolicy(EvictionPolicy):
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._resident[key] = (size, parent)
         self._parents_seen = self._parents_seen or parent is not None
-        if self._removed.pop(key, 0) is None:
-            self._rate(key)  # handed back (unpinned, copied): resident again, but not an access
+        handed_back = self._removed.pop(key, None)
+        if handed_back is not None:  # unpinned, or copied: resident again, but not an access
+            hits, tail = handed_back
+            self._reuse.on_return(key, hits, tail)
+            self._rate(key, TAIL if tail else None)
             return
         self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen)
         self._fresh = key
@@ -249,7 +253,8 @@ class ShadowVotePolicy(EvictionPolicy):
     def on_remove(self, key: Hashable) -> None:
         if key in self._resident:
             self._forget(key)
-            self._removed[key] = None
+            _, hits, tail = self._last_victim
+            self._removed[key] = (hits, tail)
             if len(self._removed) > REMEMBER_REMOVED:
                 self._removed.popitem(last=False)
 
