@@ -7,7 +7,10 @@ Each request is a chain of prefix-hash block ids built from what it shares with 
   a one-block question;
 - *conversation* requests continue one of the open multi-turn conversations, whose
   history grows by a few blocks every turn (so each turn extends the previous prefix);
-  a conversation ends after a geometric number of turns;
+  a conversation ends after a geometric number of turns; with ``think`` > 0 its next turn
+  waits a gamma-distributed (shape 2) number of requests with that mean: the user reads
+  the answer and types, so a turn's chunks are rarely needed again right away, as in
+  real chat traces (``kvbench reuse`` shows the difference);
 - *one-off* requests carry unique content only;
 - most requests end with a partly filled block, unique to the request, as real prompts do.
 
@@ -39,6 +42,7 @@ class SyntheticSpec:
     open_convs: int = 300  # conversations open at once
     mean_turns: float = 5.0
     turn_blocks: int = 3  # new history blocks per turn (at most)
+    think: float = 0.0  # mean requests between two turns of a conversation (0: none)
     partial_tail: float = 0.9  # probability that a request ends with a partly filled block
 
 
@@ -79,7 +83,7 @@ def generate(spec: SyntheticSpec) -> list[list[int]]:
     convs: list[dict] = []
     unique = 0
     requests = []
-    for _ in range(spec.requests):
+    for now in range(spec.requests):
         tenant = rng.randrange(spec.tenants)
         contents: list[Hashable] = [("sys", tenant, i) for i in range(spec.system_blocks)]
         kind = rng.random()
@@ -89,12 +93,15 @@ def generate(spec: SyntheticSpec) -> list[list[int]]:
             unique += 1
             contents.append(("q", unique))
         elif kind < spec.doc_share + spec.conv_share:
-            if len(convs) < spec.open_convs or rng.random() < 1 / spec.mean_turns:
+            ready = [c for c in convs if c["ready"] <= now] if spec.think > 0 else convs
+            if len(convs) < spec.open_convs or not ready or rng.random() < 1 / spec.mean_turns:
                 unique += 1
-                conv = {"tenant": tenant, "history": [], "id": unique}
+                conv = {"tenant": tenant, "history": [], "id": unique, "ready": 0}
                 convs.append(conv)
             else:
-                conv = convs[rng.randrange(len(convs))]
+                conv = ready[rng.randrange(len(ready))]
+            if spec.think > 0:
+                conv["ready"] = now + rng.gammavariate(2.0, spec.think / 2)
             contents = [("sys", conv["tenant"], i) for i in range(spec.system_blocks)]
             conv["history"] += [("conv", conv["id"], len(conv["history"]) + j) for j in range(rng.randint(1, spec.turn_blocks))]
             contents += conv["history"]

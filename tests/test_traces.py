@@ -1,4 +1,4 @@
-"""Trace formats, the synthetic workload generator and the ``kvbench policies`` command."""
+"""Trace formats, the synthetic workload generator and the ``kvbench policies`` and ``reuse`` commands."""
 
 import gzip
 import json
@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
+from bench.reuse import AGE_EDGES, reuse_hazard
 from bench.sim import capacity_blocks, simulate
 from bench.synthetic import SyntheticSpec, generate, parse_spec
-from bench.traces import load_trace
+from bench.traces import Trace, load_trace
 from kvstore.policies import make_policy
 
 MOONCAKE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl.gz")
@@ -61,7 +62,8 @@ def test_synthetic_is_deterministic_and_prefix_consistent():
 
 def test_default_policy_never_below_lru_on_unseen_synthetic_workloads():
     """The default policy's claim, on workloads it was not tuned on (small, for speed)."""
-    for spec in ("synthetic:requests=2500,seed=11", "synthetic:requests=2500,seed=12,docs=300,zipf=1.3,conv_share=0.2"):
+    specs = ("synthetic:requests=2500,seed=11", "synthetic:requests=2500,seed=12,docs=300,zipf=1.3,conv_share=0.2", "synthetic:requests=2500,seed=13,think=40")
+    for spec in specs:
         trace = load_trace(spec)
         for pct in (1, 2, 5, 10, 20):
             blocks = capacity_blocks(trace, pct)
@@ -99,3 +101,52 @@ def test_policies_command_user_errors_exit_2(argv, capsys):
     assert main(["policies", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvbench policies:")
+
+
+def _turn_gaps(requests, system_blocks):
+    """Requests between a conversation block's consecutive uses."""
+    last, gaps = {}, []
+    for i, request in enumerate(requests):
+        for key in request[system_blocks:]:
+            if key in last:
+                gaps.append(i - last[key])
+            last[key] = i
+    return gaps
+
+
+def test_synthetic_think_time_spaces_a_conversations_turns():
+    spec = dict(requests=3000, seed=7, doc_share=0.0, conv_share=0.8)
+    at_once = _turn_gaps(generate(SyntheticSpec(**spec)), SyntheticSpec.system_blocks)
+    thinking = _turn_gaps(generate(SyntheticSpec(**spec, think=200.0)), SyntheticSpec.system_blocks)
+    def short(gaps):
+        return sum(g < 20 for g in gaps) / len(gaps)
+
+    assert short(thinking) < short(at_once) / 2
+    assert sum(thinking) / len(thinking) > sum(at_once) / len(at_once)
+    assert parse_spec("synthetic:think=50").think == 50.0
+
+
+def test_reuse_hazard_counts_by_hand():
+    # a0..a9 then their prompts' last chunks b0..b9 (t = 0..19), 30 one-block prompts, then
+    # a0..a4 again: with a capacity of 10 blocks each a_i < 5 comes back 5 capacities later
+    requests = [[f"a{i}", f"b{i}"] for i in range(10)] + [[f"f{j}"] for j in range(30)]
+    requests += [[f"a{i}", f"c{i}"] for i in range(5)]
+    result = reuse_hazard(Trace("hand", requests), capacity=10)
+    first = result["1st"]
+    assert first["accesses"] == 10
+    i48 = AGE_EDGES.index(4.0)
+    assert first["hazard"][:i48] == [0.0] * i48 and first["at_risk"][:i48] == [10] * i48
+    assert first["at_risk"][i48] == 5 and first["hazard"][i48] == pytest.approx(5 / 5 / 4)
+    assert result["1st, prompt's last chunk"]["accesses"] == 10 + 30 + 5
+    assert result["2nd"]["accesses"] == 5 and result["5th+"]["accesses"] == 0
+
+
+def test_reuse_command_json_and_errors(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["reuse", "--trace", "synthetic:requests=300,think=20", "--capacity", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["age_edges"] == list(AGE_EDGES) and result["capacity_pct"] == 5
+    assert set(result["classes"]) == {"1st, prompt's last chunk", "1st", "2nd", "3rd-4th", "5th+"}
+    assert "after access" in capsys.readouterr().out
+    assert main(["reuse", "--trace", "synthetic:requests=10", "--capacity", "0"]) == 2
+    assert main(["reuse", "--trace", "/nonexistent/trace"]) == 2
