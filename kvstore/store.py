@@ -13,9 +13,12 @@ With placement enabled (kvstore/placement.py), a tier that needs room may keep i
 victim re-encoded smaller instead of dropping it; the index then records that copy's size
 and codec, and readers decode it into their buffers as usual.
 
-Each tier has its own eviction policy. A chunk is evictable from a tier unless it is pinned
-or (first tier only) it still has copies queued. Thread-safe: one lock guards the index,
-the policies and the counters; copies and tier I/O run outside it.
+Each tier has its own eviction policy. A chunk is evictable from a tier unless it is pinned,
+being re-encoded, or (first tier only) it still has copies queued; while it is held so, the
+tier's policy does not track it (``on_remove``) but still hears of its hits, and takes it
+back with the standing it had when the hold ends (``on_insert``: a hand-back).
+Thread-safe: one lock guards the index, the policies and the counters; copies and tier
+I/O run outside it.
 """
 
 from __future__ import annotations
@@ -267,13 +270,15 @@ class Store:
         return not (tier_name == self.first.name and entry.pending)
 
     def _sync_policies(self, key_id: bytes, entry: _Entry) -> None:
-        """Make each tier's policy track the key exactly when it is evictable there (lock held)."""
+        """Make each tier's policy track the key exactly when it is evictable there (lock held).
+        A held chunk leaves with ``on_remove`` and comes back with ``on_insert``, which policies
+        treat as a hand-back, not an access (see kvstore/policies/base.py)."""
         for name, policy in self._policies.items():
             want = self._evictable_from(name, entry)
             if want and key_id not in policy:
                 policy.on_insert(key_id, self._by_name[name].footprint(entry.size_in(name)), entry.parent)
             elif not want and key_id in policy:
-                policy.on_remove(key_id)
+                policy.on_remove(key_id, held=name in entry.replicas)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -324,9 +329,8 @@ class Store:
             self._puts += 1
             entry = self._index.get(key_id)
             present = entry is not None and self.first.name in entry.replicas and entry.size_in(self.first.name) == size
-            if present:
-                if key_id in self._policies[self.first.name]:
-                    self._policies[self.first.name].on_hit(key_id)
+            if present:  # an access, even while the chunk is held out of the policy (pinned, copies queued)
+                self._policies[self.first.name].on_hit(key_id)
             else:
                 self._reserve_queue_room(size)
         reserved = 0 if present or not self.replica_tiers else size
@@ -943,8 +947,8 @@ class Store:
             entry = self._index.get(key_id)
             if entry is None:
                 return
-            for policy in self._policies.values():
-                if key_id in policy:
+            for name, policy in self._policies.items():
+                if name in entry.replicas:  # held chunks too: the policy keeps the hit for their hand-back
                     policy.on_hit(key_id)
             promote = self.config.promote_on_read and tier is not self.first
             promote = promote and self.first.name not in entry.replicas and entry.size_in(tier.name) == size

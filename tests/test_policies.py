@@ -1,5 +1,6 @@
 """Invariants every registered eviction policy must keep, on random and real traces."""
 
+import copy
 import random
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def random_prefix_trace(rng: random.Random, requests: int, roots: int = 4, fanou
             path.append(parent)
         reqs.append(path)
     return Trace("random", reqs)
+
+
+def access(policy, resident: set, key, capacity: int) -> None:
+    """One access, as an owner with unit-size keys makes it: a hit, or a miss, an insertion
+    and the evictions that bring ``resident`` back to ``capacity`` keys."""
+    if key in resident:
+        policy.on_hit(key)
+        return
+    policy.on_miss(key)
+    policy.on_insert(key, 1, None)
+    resident.add(key)
+    while len(resident) > capacity:
+        resident.remove(policy.evict())
 
 
 traces = st.builds(
@@ -224,26 +238,15 @@ def test_lrfu_remembers_the_frequency_of_evicted_keys():
     from kvstore.policies.lrfu import LRFUPolicy
 
     def survives(policy):
-        resident: list[int] = []
-
-        def access(key):
-            if key in resident:
-                policy.on_hit(key)
-                return
-            policy.on_miss(key)
-            policy.on_insert(key, 1, None)
-            resident.append(key)
-            while len(resident) > 4:
-                resident.remove(policy.evict())
-
+        resident: set[int] = set()
         for _ in range(20):
-            access(0)
+            access(policy, resident, 0, 4)
         for key in range(1, 180):  # pushes key 0 out, but fewer than 64 x 4 keys accessed since it
-            access(key)
+            access(policy, resident, key, 4)
         assert 0 not in policy
-        access(0)
+        access(policy, resident, 0, 4)
         for key in range(180, 184):
-            access(key)
+            access(policy, resident, key, 4)
         return 0 in policy
 
     assert survives(LRFUPolicy(4, history=64))
@@ -300,3 +303,215 @@ def test_shadow_vote_key_handed_back_keeps_its_reuse_class_and_tail_mark():
         policy.on_insert(key, 1, None if key == "a1" else "a1")
     assert (list(policy._reuse._again), list(policy._reuse._left), dict(policy._reuse.hits)) == counts
     assert policy._support["a2"][0] == TAIL and policy._support["a1"][0] != TAIL
+
+
+# -- keys removed while held and handed back (on_remove, then on_insert) ----------------------
+
+
+def standing(policy, key):
+    """What a policy knows of a resident key beyond its residency: the state a hand-back
+    must restore (and a hit while held must advance). None: nothing beyond recency."""
+    name = policy.name
+    if name == "arc":
+        return "t2" if key in policy._t2 else "t1"
+    if name == "s3fifo":
+        return ("main" if key in policy._main else "small", policy._freq[key])
+    if name == "lirs":
+        return "lir" if key in policy._lir else ("hir in stack" if key in policy._stack else "hir")
+    if name == "lrfu":
+        return policy._crf[key][:2]  # (CRF, time of its last access)
+    if name == "wtinylfu":
+        segment = next(s for s in ("window", "probation", "protected") if key in getattr(policy, "_" + s))
+        return segment, policy._sketch.estimate(key)
+    if name == "shadow-vote":
+        reuse = policy._reuse
+        return reuse.hits.get(key, 0), policy._support[key][0], tuple(reuse._again), tuple(reuse._left)
+    return None
+
+
+def warmed(name, capacity=8):
+    """A policy after a short workload with reuse (unit sizes), and its resident keys."""
+    policy = make_policy(name, capacity)
+    resident: set[int] = set()
+    for key in [0, 1, 2, 3, 0, 4, 5, 1, 6, 7, 8, 0, 9, 2, 10, 11, 3, 12, 0, 13]:
+        access(policy, resident, key, capacity)
+    return policy, resident
+
+
+@pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "lru"))
+def test_a_key_handed_back_keeps_its_standing(name):
+    """on_remove then on_insert (a Store pinning and unpinning a chunk) is not a new insertion:
+    every resident key comes back with the standing it had, though a new key would not."""
+    policy, resident = warmed(name)
+    kinds = set()
+    for key in sorted(resident):
+        before = standing(policy, key)
+        policy.on_remove(key)
+        assert key not in policy and len(policy) == len(resident) - 1
+        policy.on_insert(key, 1, None)
+        assert key in policy and len(policy) == len(resident)
+        assert standing(policy, key) == before, key
+        kinds.add(before)
+    policy.on_miss(100)
+    policy.on_insert(100, 1, None)
+    if name != "shadow-vote":  # control: a new key starts lower than some handed-back key
+        assert len(kinds - {standing(policy, 100)}) > 0
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_hit_while_held_counts_as_a_hit(name):
+    """A hit on a key the owner holds out of the policy (a pinned chunk being loaded) leaves
+    it, once handed back, where the same hit on the resident key would have."""
+    warm, resident = warmed(name)
+    changed = 0
+    for key in sorted(resident):
+        twin, policy = copy.deepcopy(warm), copy.deepcopy(warm)
+        twin.on_hit(key)
+        policy.on_remove(key)
+        policy.on_hit(key)
+        policy.on_insert(key, 1, None)
+        assert standing(policy, key) == standing(twin, key), key
+        changed += standing(twin, key) != standing(warm, key)
+        if name == "lru":  # a hit makes the key the most recent: evicted last
+            assert [policy.evict() for _ in resident][-1] == key
+    assert changed or name == "lru"  # the hits did change standings: the check has teeth
+
+
+@pytest.mark.parametrize("name", ["arc", "lirs", "s3fifo"])
+def test_a_handed_back_key_survives_a_burst_a_new_key_does_not(name):
+    """A key with reuse behind it, held and handed back, outlasts a burst of one-time keys;
+    the same key inserted anew (its memory dropped by a miss) does not."""
+
+    def survives(hand_back: bool) -> bool:
+        policy, resident = warmed(name)
+        key = 0  # accessed four times in the warm-up
+        assert key in resident
+        policy.on_remove(key)
+        if not hand_back:
+            policy.on_miss(key)  # the owner lost it: memory dropped, next insert is new
+        policy.on_insert(key, 1, None)
+        for burst in range(1000, 1000 + len(resident)):
+            access(policy, resident, burst, 8)
+        return key in resident and key in policy
+
+    assert survives(hand_back=True)
+    assert not survives(hand_back=False)
+
+
+def test_lrfu_keeps_a_held_keys_frequency_beyond_its_history():
+    """LRFU forgets the CRFs of non-resident keys beyond ``history`` per resident key; a key
+    merely held by the owner must not be forgotten with them."""
+    from kvstore.policies.lrfu import LRFUPolicy
+
+    policy = LRFUPolicy(4, history=1)
+    for key in range(4):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, None)
+    for _ in range(5):
+        policy.on_hit(0)
+    crf = policy._crf[0][0]
+    policy.on_remove(0)
+    for key in range(100, 200):  # lookups of absent keys: fill and churn the history
+        policy.on_miss(key)
+    policy.on_insert(0, 1, None)
+    assert crf > 5 and policy._crf[0][0] == crf
+
+
+def removed_memories(policy):
+    """Every memory of removed keys a policy keeps (a shadow-vote's experts' too)."""
+    from kvstore.policies.removed import RemovedKeys
+
+    found = [v for v in vars(policy).values() if isinstance(v, RemovedKeys)]
+    for shadow in getattr(policy, "_shadows", ()):
+        found += removed_memories(shadow.policy)
+    return found
+
+
+held_ops = st.lists(
+    st.tuples(st.sampled_from(["access", "remove", "hand back", "delete", "miss", "evict"]), st.integers(0, 7)),
+    max_size=250,
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=100, deadline=None)
+@given(ops=held_ops, capacity=st.integers(1, 20))
+def test_random_holds_and_hand_backs_keep_the_policy_consistent(name, ops, capacity):
+    """Any interleaving of accesses, removals (holds), hits while held, hand-backs, deletions,
+    misses and evictions: the policy tracks exactly the owner's resident keys, evicts only
+    those, and remembers a bounded number of removed keys (3 here)."""
+    import kvstore.policies.removed as removed
+
+    def size(key):
+        return key % 3 + 1
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(removed, "REMEMBER_REMOVED", 3)
+        policy = make_policy(name, capacity)
+    resident: set[int] = set()
+    held: set[int] = set()  # removed by the owner, who will hand them back
+    for op, key in ops:
+        if op == "access":
+            if key in resident or key in held:
+                policy.on_hit(key)
+            else:
+                policy.on_miss(key)
+                if policy.admit(key, size(key), None):
+                    policy.on_insert(key, size(key), None)
+                    resident.add(key)
+        elif op == "remove" and key in resident:
+            policy.on_remove(key)
+            resident.remove(key)
+            held.add(key)
+        elif op == "delete" and (key in resident or key in held):
+            policy.on_remove(key, held=False)
+            resident.discard(key)
+            held.discard(key)
+        elif op == "hand back" and key in held:
+            policy.on_insert(key, size(key), None)
+            held.remove(key)
+            resident.add(key)
+        elif op == "miss" and key not in resident:
+            policy.on_miss(key)
+            held.discard(key)  # the owner does not hold it after all
+        elif op == "evict" or sum(map(size, resident)) > capacity:
+            if not resident:
+                with pytest.raises(LookupError):
+                    policy.evict()
+                continue
+            victim = policy.evict()
+            assert victim in resident
+            resident.remove(victim)
+        assert len(policy) == len(resident)
+        assert all((k in policy) == (k in resident) for k in range(8))
+        assert all(len(memory) <= 3 for memory in removed_memories(policy))
+    drained = set()
+    while True:
+        try:
+            drained.add(policy.evict())
+        except LookupError:
+            break
+    assert drained == resident
+
+
+@pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "lru"))
+@pytest.mark.parametrize("how", ["deleted", "deleted while held", "missed while held"])
+def test_a_key_gone_for_good_comes_back_as_a_new_one(name, how):
+    """``on_remove(key, held=False)`` (deleted, dropped, corrupt), or ``on_miss`` of a held key
+    (its owner lost it), ends the hand-back: the key's next insertion is a new one."""
+    policy, _ = warmed(name)
+    control = copy.deepcopy(policy)
+    key = 0  # accessed four times in the warm-up
+    if how != "deleted":
+        policy.on_remove(key)
+    if how == "missed while held":
+        policy.on_miss(key)
+    else:
+        policy.on_remove(key, held=False)
+    policy.on_insert(key, 1, None)
+    assert all(len(memory) == 0 for memory in removed_memories(policy))
+    control.on_remove(key, held=False)
+    control.on_miss(100)
+    control.on_insert(100, 1, None)
+    if name in ("arc", "lirs", "s3fifo"):  # elsewhere frequency outlives residency
+        assert standing(policy, key) == standing(control, 100)

@@ -485,7 +485,7 @@ def test_a_put_reaches_the_first_tiers_policy_as_one_access_in_put_order(tmp_pat
         policy = store._policies["host"]
         for name in ("on_insert", "on_remove", "on_hit"):
             method = getattr(policy, name)
-            setattr(policy, name, lambda *a, _name=name, _method=method: (calls.append((_name, a[0])), _method(*a)))
+            setattr(policy, name, lambda *a, _name=name, _method=method, **kw: (calls.append((_name, a[0])), _method(*a, **kw)))
         for k, v in zip(keys, values):
             store.put(k, v)
         store.flush()
@@ -496,3 +496,58 @@ def test_a_put_reaches_the_first_tiers_policy_as_one_access_in_put_order(tmp_pat
         accesses = policy._accesses
         store.put(keys[0], values[0])  # already there: an access
         assert calls[-1] == ("on_hit", keys[0].id) and policy._accesses == accesses + 1
+
+
+def test_a_chunk_pinned_and_unpinned_keeps_its_policy_standing(tmp_path):
+    """Pinning takes a chunk out of its tiers' policies and unpinning hands it back: with ARC,
+    a chunk hit once (T2) must come back to T2, not start over in T1 as a new chunk."""
+    cfg = config(tmp_path)
+    cfg.eviction_policy = "arc"
+    keys, values = chunks(2)
+    with Store(cfg) as store:
+        store.put(keys[0], values[0])
+        store.flush()  # copies done: back in the host policy, not counted as an access
+        arcs = store._policies.values()
+        assert all(keys[0].id in arc._t1 for arc in arcs)
+        assert len(store.get(keys[:1])) == 1
+        assert all(keys[0].id in arc._t2 for arc in arcs)
+        assert store.pin(keys[:1], ttl_s=60) == 1
+        assert all(keys[0].id not in arc for arc in arcs)
+        assert store.unpin(keys[:1]) == 1
+        assert all(keys[0].id in arc._t2 for arc in arcs)
+
+
+def test_hits_on_a_pinned_chunk_reach_its_policies(tmp_path):
+    """The connector pins the chunks it is about to load: their loads (and re-puts) are hits
+    the policies must count, though the chunks are out of them while pinned."""
+    cfg = config(tmp_path)
+    cfg.eviction_policy = "arc"
+    keys, values = chunks(2)
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        store.flush()
+        store.pin(keys, ttl_s=60)
+        assert len(store.get(keys[:1])) == 1  # a load while pinned
+        store.put(keys[1], values[1])  # a put of a present chunk while pinned
+        store.unpin(keys)
+        for name, arc in store._policies.items():
+            assert keys[0].id in arc._t2, name
+        assert keys[1].id in store._policies["host"]._t2
+
+
+def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path):
+    """Deleting is no hold: the policies forget the chunk, and putting it again is new."""
+    cfg = config(tmp_path)
+    cfg.eviction_policy = "arc"
+    keys, values = chunks(1)
+    with Store(cfg) as store:
+        store.put(keys[0], values[0])
+        store.flush()
+        assert len(store.get(keys)) == 1
+        host = store._policies["host"]
+        assert keys[0].id in host._t2
+        assert store.delete(keys) == 1
+        store.put(keys[0], values[0])
+        store.flush()
+        assert keys[0].id in host._t1

@@ -6,6 +6,11 @@ was too small and moves the target size ``p`` of T1 towards it. With unit sizes 
 exactly the paper's algorithm; the owner inserts first and then calls ``evict``, so the
 replacement decision ignores the key just inserted, as the paper's REPLACE runs before
 the insert.
+
+A key the owner holds out of the policy (``on_remove``) is remembered with its list:
+handed back, it returns to the same list (most recent end), and a hit while it was out
+moves it to T2, as a hit on a resident T1 key does; neither moves ``p`` nor touches the
+ghost lists.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import OrderedDict
 from typing import Hashable
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.removed import RemovedKeys
 
 
 class ARCPolicy(EvictionPolicy):
@@ -30,6 +36,7 @@ class ARCPolicy(EvictionPolicy):
         self._ghost_hit: str | None = None  # "b1", "b2" or None for the pending miss
         self._incoming: Hashable | None = None  # the key inserted before this round of evictions
         self._evict_t1_unghosted = False  # paper case IV(A) with T1 full: no ghost kept
+        self._removed: RemovedKeys[str] = RemovedKeys()  # removed key -> "t1" or "t2"
 
     def _pop(self, lst: str, key: Hashable | None = None) -> tuple[Hashable, int]:
         d: OrderedDict = getattr(self, "_" + lst)
@@ -49,8 +56,11 @@ class ARCPolicy(EvictionPolicy):
             self._push("t2", *self._pop("t1", key))
         elif key in self._t2:
             self._t2.move_to_end(key)
+        else:
+            self._removed.hit(key, lambda lst: "t2")
 
     def on_miss(self, key: Hashable) -> None:
+        self._removed.pop(key)
         b = self._bytes
         if key in self._b1:
             size = self._b1[key]
@@ -64,6 +74,10 @@ class ARCPolicy(EvictionPolicy):
             self._ghost_hit = None
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        handed_back = self._removed.pop(key)
+        if handed_back is not None:
+            self._push(handed_back, key, size)
+            return
         c, b = self.capacity_bytes, self._bytes
         ghost = self._ghost_hit if (key in self._b1 or key in self._b2) else None
         self._ghost_hit = ghost
@@ -85,8 +99,8 @@ class ARCPolicy(EvictionPolicy):
     def evict(self) -> Hashable:
         if not self._t1 and not self._t2:
             raise LookupError("no resident key to evict")
-        if self._evict_t1_unghosted:
-            self._evict_t1_unghosted = False
+        unghosted, self._evict_t1_unghosted = self._evict_t1_unghosted, False
+        if unghosted and self._t1:  # (T1 may have emptied since: hits, removals)
             return self._pop("t1")[0]
         t1 = self._bytes["t1"]
         incoming = self._incoming
@@ -112,10 +126,11 @@ class ARCPolicy(EvictionPolicy):
                 return
         self._push("t1", key, size)
 
-    def on_remove(self, key: Hashable) -> None:
-        for lst in ("t1", "t2"):
-            if key in getattr(self, "_" + lst):
-                self._pop(lst, key)
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        lst = "t1" if key in self._t1 else "t2" if key in self._t2 else None
+        if lst is not None:
+            self._pop(lst, key)
+        self._removed.removed(key, lst, held)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

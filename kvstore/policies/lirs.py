@@ -7,6 +7,12 @@ back soon enough is promoted to LIR even though it was evicted. Non-resident his
 bounded: the stack holds at most ``1 + history`` entries per resident key (2 by default,
 the setting of the reference figures in the traces' README; more history helps
 small caches).
+
+A key the owner holds out of the policy (``on_remove``) leaves the stack but is
+remembered with its status: handed back, a LIR key is LIR again and a HIR key HIR again
+(on top of the stack if it was in it), both as most recent. A hit while it is out counts
+as one on a resident key would: a HIR key in the stack becomes LIR, one outside it
+enters the stack.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ from collections import OrderedDict
 from typing import Hashable
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.removed import RemovedKeys
 
 HIR_FRACTION = 0.01
 HISTORY = 2.0  # non-resident keys remembered per resident key
+LIR, HIR_IN_STACK, HIR = "lir", "hir in stack", "hir"  # the status a removed key is handed back with
+_AFTER_HIT = {LIR: LIR, HIR_IN_STACK: LIR, HIR: HIR_IN_STACK}
 
 
 class LIRSPolicy(EvictionPolicy):
@@ -32,6 +41,7 @@ class LIRSPolicy(EvictionPolicy):
         self._hir: OrderedDict[Hashable, int] = OrderedDict()  # resident HIR queue, oldest first
         self._ghosts: OrderedDict[Hashable, None] = OrderedDict()  # non-resident HIR in the stack
         self._lir_bytes = 0
+        self._removed: RemovedKeys[str] = RemovedKeys()  # removed key -> LIR, HIR_IN_STACK or HIR
 
     def _prune(self) -> None:
         """Pop HIR keys off the bottom of the stack so that it ends in a LIR key."""
@@ -73,8 +83,22 @@ class LIRSPolicy(EvictionPolicy):
             else:
                 self._stack[key] = None
                 self._hir.move_to_end(key)
+        else:
+            self._removed.hit(key, _AFTER_HIT.__getitem__)
+
+    def on_miss(self, key: Hashable) -> None:
+        self._removed.pop(key)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        handed_back = self._removed.pop(key)
+        if handed_back == LIR:
+            self._make_lir(key, size)
+            return
+        if handed_back is not None:
+            self._hir[key] = size
+            if handed_back == HIR_IN_STACK:
+                self._stack[key] = None
+            return
         self._ghosts.pop(key, None)
         if self._lir_bytes + size <= self._lir_limit and not self._hir:
             self._make_lir(key, size)  # warm-up: the cache is not full yet
@@ -94,19 +118,24 @@ class LIRSPolicy(EvictionPolicy):
             return key
         if not self._lir:
             raise LookupError("no resident key to evict")
+        self._prune()  # the bottom may be HIR: pushed while no LIR key was in the stack
         key, _ = self._stack.popitem(last=False)
         self._lir_bytes -= self._lir.pop(key)
         self._prune()
         return key
 
-    def on_remove(self, key: Hashable) -> None:
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        status = None
         if key in self._lir:
             self._lir_bytes -= self._lir.pop(key)
             self._stack.pop(key)
             self._prune()
+            status = LIR
         elif key in self._hir:
             del self._hir[key]
+            status = HIR_IN_STACK if key in self._stack else HIR
             self._stack.pop(key, None)
+        self._removed.removed(key, status, held)
 
     def __len__(self) -> int:
         return len(self._lir) + len(self._hir)

@@ -13,6 +13,11 @@ where LRU keeps churning.
 Between two of its accesses a key's CRF decays exactly like every other key's, so the
 eviction order only changes when a key is accessed: the heap is keyed by
 ``log2(CRF at last access) + last access time / half-life``, and eviction is O(log n).
+
+A key the owner holds out of the policy (``on_remove``) keeps its CRF apart from that
+history (it is not gone, only held), bounded like every policy's removed keys; a hit
+while it is out is an access as usual, and handed back (``on_insert``) it returns with
+its CRF.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections import OrderedDict
 from typing import Hashable
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.removed import RemovedKeys
 
 HALF_LIFE = 8.0  # capacities of accessed bytes that halve a key's CRF
 HISTORY = 16.0  # keys whose CRF is remembered, per resident key (the most recently accessed)
@@ -44,14 +50,19 @@ class LRFUPolicy(EvictionPolicy):
         self._pushes = 0
         self._recent: OrderedDict[Hashable, None] = OrderedDict()  # keys with a CRF, least recently accessed first
         self._mean_size = 1.0
+        self._removed: RemovedKeys[tuple[float, int, int]] = RemovedKeys()  # removed key -> its _crf entry
 
     def _access(self, key: Hashable) -> None:
-        crf, last, size = self._crf.get(key, (0.0, self._now, round(self._mean_size)))
+        held = self._removed.get(key)
+        crf, last, size = held or self._crf.get(key, (0.0, self._now, round(self._mean_size)))
         crf = crf * 2.0 ** ((last - self._now) / self._half_life) + 1.0
-        self._crf[key] = (crf, self._now, size)
-        self._remember(key)
-        if key in self._resident:
-            self._push(key)
+        if held is not None:
+            self._removed.put(key, (crf, self._now, size))
+        else:
+            self._crf[key] = (crf, self._now, size)
+            self._remember(key)
+            if key in self._resident:
+                self._push(key)
         self._now += size
 
     def _push(self, key: Hashable) -> None:
@@ -81,11 +92,14 @@ class LRFUPolicy(EvictionPolicy):
         self._access(key)
 
     def on_miss(self, key: Hashable) -> None:
+        self._release(key)  # the owner does not hold it after all
         self._access(key)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        self._mean_size += (size - self._mean_size) / 64
-        crf, last, _ = self._crf.get(key, (1.0, self._now, size))
+        handed_back = self._removed.pop(key)
+        if handed_back is None:
+            self._mean_size += (size - self._mean_size) / 64
+        crf, last, _ = handed_back or self._crf.get(key, (1.0, self._now, size))
         self._crf[key] = (crf, last, size)
         self._resident[key] = 0.0
         self._remember(key)
@@ -99,8 +113,21 @@ class LRFUPolicy(EvictionPolicy):
                 return key
         raise LookupError("no resident key to evict")
 
-    def on_remove(self, key: Hashable) -> None:
-        self._resident.pop(key, None)
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        """A held key's CRF is kept apart from the history; one gone for good stays in it, like
+        an evicted key's."""
+        if self._resident.pop(key, None) is not None and held:
+            del self._recent[key]
+            self._removed.put(key, self._crf.pop(key))
+        elif not held:
+            self._release(key)
+
+    def _release(self, key: Hashable) -> None:
+        """A held key its owner no longer holds: the CRF rejoins the history."""
+        crf = self._removed.pop(key)
+        if crf is not None:
+            self._crf[key] = crf
+            self._remember(key)
 
     def __len__(self) -> int:
         return len(self._resident)

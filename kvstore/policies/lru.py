@@ -23,8 +23,8 @@ class LRUPolicy(EvictionPolicy):
         self._order[key] = size
         self._order.move_to_end(key)
 
-    def on_remove(self, key: Hashable) -> None:
-        self._order.pop(key, None)
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        self._order.pop(key, None)  # handed back, it is the most recent: nothing to remember
 
     def evict(self) -> Hashable:
         if not self._order:

@@ -5,6 +5,10 @@ there quickly, remembered only as ghosts. A key accessed while in the small queu
 to main on its way out; a ghost that comes back goes straight to main. Main is a FIFO
 with a small saturating frequency counter that buys a key another lap (lazy promotion,
 no reordering on hits), which makes hits cheap.
+
+A key the owner holds out of the policy (``on_remove``) is remembered with its queue and
+frequency; a hit while it is out counts as one on a resident key would, and handed back
+it rejoins the same queue (at the tail) with that frequency.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import OrderedDict
 from typing import Hashable
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.removed import RemovedKeys
 
 SMALL_FRACTION = 0.1
 MAX_FREQ = 3
@@ -28,15 +33,27 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
         self._freq: dict[Hashable, int] = {}
         self._small_bytes = self._main_bytes = self._ghost_bytes = 0
+        self._removed: RemovedKeys[tuple[bool, int]] = RemovedKeys()  # removed key -> (in main, frequency)
 
     def on_hit(self, key: Hashable) -> None:
         if key in self._freq:
             self._freq[key] = min(MAX_FREQ, self._freq[key] + 1)
+        else:
+            self._removed.hit(key, lambda standing: (standing[0], min(MAX_FREQ, standing[1] + 1)))
+
+    def on_miss(self, key: Hashable) -> None:
+        self._removed.pop(key)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        self._freq[key] = 0
-        if key in self._ghost:
-            self._ghost_bytes -= self._ghost.pop(key)
+        handed_back = self._removed.pop(key)
+        if handed_back is not None:
+            main, self._freq[key] = handed_back
+        else:
+            self._freq[key] = 0
+            main = key in self._ghost
+            if main:
+                self._ghost_bytes -= self._ghost.pop(key)
+        if main:
             self._main[key] = size
             self._main_bytes += size
         else:
@@ -72,13 +89,14 @@ class S3FIFOPolicy(EvictionPolicy):
             return key
         raise LookupError("no resident key to evict")
 
-    def on_remove(self, key: Hashable) -> None:
-        if self._freq.pop(key, None) is None:
-            return
-        if key in self._small:
-            self._small_bytes -= self._small.pop(key)
-        else:
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        freq = self._freq.pop(key, None)
+        main = key in self._main
+        if main:
             self._main_bytes -= self._main.pop(key)
+        elif freq is not None:
+            self._small_bytes -= self._small.pop(key)
+        self._removed.removed(key, None if freq is None else (main, freq), held)
 
     def __len__(self) -> int:
         return len(self._freq)

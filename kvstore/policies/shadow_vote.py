@@ -27,7 +27,9 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   at all (an owner that never passes ``parent`` gives no prompt boundaries).
 - A key coming back after ``on_remove`` (an owner unpinning a chunk, or a Store's first
   tier once the chunk's copies are done) is resident again but is not an access: the
-  experts, which kept it, do not see it twice.
+  experts, which kept it, do not see it twice. A hit while it is out (a pinned chunk
+  being loaded) is an access like any other: the experts see it, and the chunk comes
+  back with one more hit to its reuse class.
 
 Cost: one step of every expert per access (O(1), O(log n) for the LRFUs), plus O(log n)
 heap work for the keys the access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
@@ -37,7 +39,6 @@ rebuilds the heap in O(resident keys x experts).
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -46,6 +47,7 @@ from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.lirs import LIRSPolicy
 from kvstore.policies.lrfu import LRFUPolicy
 from kvstore.policies.lru import LRUPolicy
+from kvstore.policies.removed import RemovedKeys
 from kvstore.policies.s3fifo import S3FIFOPolicy
 
 WINDOW = 2048  # accesses per scoring window
@@ -54,7 +56,6 @@ SHARPNESS = 200.0  # how fast an expert's vote fades as it falls behind the lead
 REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
 LRFU_HALF_LIVES = (8.0, 16.0, 32.0)  # in capacities of traffic: from recency-leaning to frequency-leaning
-REMEMBER_REMOVED = 1 << 16  # keys removed by the owner whose return is not an access
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
 
 EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
@@ -131,7 +132,7 @@ class ShadowVotePolicy(EvictionPolicy):
         self._accesses = 0
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
-        self._removed: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()  # recently on_remove'd keys -> (hits, tail)
+        self._removed: RemovedKeys[tuple[int, bool, int, Hashable | None]] = RemovedKeys()  # -> (hits, tail, size, parent)
         self._reuse = ReuseClasses()
         self._last_victim: tuple[Hashable, int, bool] | None = None  # (key, hits, tail) of the latest evict
 
@@ -152,7 +153,7 @@ class ShadowVotePolicy(EvictionPolicy):
         for shadow in self._shadows:
             if tail in shadow.sizes:
                 shadow.used -= shadow.sizes.pop(tail)
-                shadow.policy.on_remove(tail)
+                shadow.policy.on_remove(tail, held=False)
         self._rate(tail, TAIL)
 
     def _replay(self, key: Hashable, size: int, parent: Hashable | None, starts_prompt: bool = False) -> None:
@@ -199,18 +200,29 @@ class ShadowVotePolicy(EvictionPolicy):
             self._rate(key, TAIL if support == TAIL else None)
 
     def on_hit(self, key: Hashable) -> None:
+        held = self._removed.get(key)
         if key in self._resident:
             self._reuse.on_hit(key, self._support[key][0] == TAIL)
             size, parent = self._resident[key]
-            self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen)
-            self._fresh = None
+        elif held is not None:  # removed by the owner but held (pinned, say): an access all the same
+            hits, tail, size, parent = held
+            self._reuse.on_return(key, hits, tail)  # it left after this hit, not before
+            self._reuse.on_hit(key, tail)
+            self._removed.put(key, (self._reuse.on_leave(key, False), False, size, parent))
+        else:
+            return
+        self._replay(key, size, parent, starts_prompt=parent is None and self._parents_seen)
+        self._fresh = None
+
+    def on_miss(self, key: Hashable) -> None:
+        self._removed.pop(key)  # not held after all: a later insertion is a new one
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._resident[key] = (size, parent)
         self._parents_seen = self._parents_seen or parent is not None
-        handed_back = self._removed.pop(key, None)
+        handed_back = self._removed.pop(key)
         if handed_back is not None:  # unpinned, or copied: resident again, but not an access
-            hits, tail = handed_back
+            hits, tail, _, _ = handed_back
             self._reuse.on_return(key, hits, tail)
             self._rate(key, TAIL if tail else None)
             return
@@ -250,13 +262,14 @@ class ShadowVotePolicy(EvictionPolicy):
             return self._reuse.estimate(self._last_victim[1], self._last_victim[2])
         return 1.0
 
-    def on_remove(self, key: Hashable) -> None:
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        standing = None
         if key in self._resident:
+            size, parent = self._resident[key]
             self._forget(key)
             _, hits, tail = self._last_victim
-            self._removed[key] = (hits, tail)
-            if len(self._removed) > REMEMBER_REMOVED:
-                self._removed.popitem(last=False)
+            standing = (hits, tail, size, parent)
+        self._removed.removed(key, standing, held)
 
     def __len__(self) -> int:
         return len(self._resident)

@@ -5,6 +5,11 @@ New keys land in the window (1%), which absorbs bursts. A key leaving the window
 enters the main cache if the sketch says it is more popular than the main cache's next
 victim; so one-hit wonders rarely displace established keys. The main cache is
 segmented LRU: probation (20%) for keys seen once there, protected (80%) for the rest.
+
+A key the owner holds out of the policy (``on_remove``) is remembered with its segment:
+handed back, it returns to the same segment (most recent end). A hit while it is out is
+counted in the sketch at once and, as on a resident key, moves it from probation to
+protected.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from collections import OrderedDict
 from typing import Hashable
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.removed import RemovedKeys
 from kvstore.policies.sketch import FrequencySketch
 
 WINDOW_FRACTION = 0.01
 PROTECTED_FRACTION = 0.8
+_AFTER_HIT = {"window": "window", "probation": "protected", "protected": "protected"}
 
 
 class WTinyLFUPolicy(EvictionPolicy):
@@ -32,6 +39,7 @@ class WTinyLFUPolicy(EvictionPolicy):
         self._bytes = {"window": 0, "probation": 0, "protected": 0}
         self._sketch: FrequencySketch | None = None  # rebuilt whenever the resident count doubles
         self._sketch_keys = 0
+        self._removed: RemovedKeys[str] = RemovedKeys()  # removed key -> its segment
 
     def _count(self, key: Hashable) -> None:
         if self._sketch is None or len(self) > self._sketch_keys:
@@ -51,17 +59,26 @@ class WTinyLFUPolicy(EvictionPolicy):
             self._window.move_to_end(key)
         elif key in self._probation:
             self._move(key, "probation", "protected")
-            while self._bytes["protected"] > self._protected_limit and len(self._protected) > 1:
-                self._move(next(iter(self._protected)), "protected", "probation")
+            self._fit_protected()
         elif key in self._protected:
             self._protected.move_to_end(key)
+        else:
+            self._removed.hit(key, _AFTER_HIT.__getitem__)
+
+    def _fit_protected(self) -> None:
+        while self._bytes["protected"] > self._protected_limit and len(self._protected) > 1:
+            self._move(next(iter(self._protected)), "protected", "probation")
 
     def on_miss(self, key: Hashable) -> None:
+        self._removed.pop(key)
         self._count(key)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        self._window[key] = size
-        self._bytes["window"] += size
+        segment = self._removed.pop(key) or "window"
+        getattr(self, "_" + segment)[key] = size
+        self._bytes[segment] += size
+        if segment == "protected":
+            self._fit_protected()
 
     def _pop(self, segment: str) -> Hashable:
         key, size = getattr(self, "_" + segment).popitem(last=False)
@@ -79,6 +96,8 @@ class WTinyLFUPolicy(EvictionPolicy):
                 break
             self._move(candidate, "window", "probation")  # the main cache is still filling
         if self._bytes["window"] <= self._window_limit or not self._window:
+            if not self._probation and not self._protected:  # owner short of room for keys it holds
+                return self._pop("window")
             return self._pop("probation" if self._probation else "protected")
         candidate = next(iter(self._window))
         victim_segment = "probation" if self._probation else "protected"
@@ -90,12 +109,11 @@ class WTinyLFUPolicy(EvictionPolicy):
             return self._pop(victim_segment)
         return self._pop("window")
 
-    def on_remove(self, key: Hashable) -> None:
-        for segment in ("window", "probation", "protected"):
-            d = getattr(self, "_" + segment)
-            if key in d:
-                self._bytes[segment] -= d.pop(key)
-                return
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        segment = next((s for s in ("window", "probation", "protected") if key in getattr(self, "_" + s)), None)
+        if segment is not None:
+            self._bytes[segment] -= getattr(self, "_" + segment).pop(key)
+        self._removed.removed(key, segment, held)
 
     def __len__(self) -> int:
         return len(self._window) + len(self._probation) + len(self._protected)
