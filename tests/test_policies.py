@@ -305,6 +305,26 @@ def test_shadow_vote_key_handed_back_keeps_its_reuse_class_and_tail_mark():
     assert policy._support["a2"][0] == TAIL and policy._support["a1"][0] != TAIL
 
 
+def test_shadow_vote_marks_a_held_tail_and_hands_it_back_as_one():
+    """Regression: a Store holds each new chunk out of host RAM's policy until its copies are
+    done, so the previous prompt's last chunk was often held when the next prompt started,
+    and was never marked as the tail to evict first."""
+    from kvstore.policies.shadow_vote import TAIL, ShadowVotePolicy
+
+    policy = ShadowVotePolicy(8)
+    for key, parent in (("a1", None), ("a2", "a1")):
+        policy.on_insert(key, 1, parent)
+        policy.on_remove(key)  # copies queued
+    policy.on_insert("a1", 1, None)  # a1's copies are done, a2's not yet
+    left = list(policy._reuse._left)
+    policy.on_hit("a1")  # the next prompt starts while a2 is still held
+    assert all("a2" not in shadow.sizes for shadow in policy._shadows)
+    policy.on_insert("a2", 1, "a1")  # copies done: handed back
+    assert policy._support["a2"][0] == TAIL and policy.evict() == "a2"
+    # a2 counted once as a chunk that left without a hit (while held), now as a tail that left
+    assert policy._reuse._left == [left[0] + 1, left[1] - 1, *left[2:]]
+
+
 # -- keys removed while held and handed back (on_remove, then on_insert) ----------------------
 
 

@@ -24,7 +24,9 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   prompt's partly filled last chunk, whose hash no later prompt can share; it leaves
   every shadow and is evicted first. (A Store that only saves full chunks never has such
   tails; then the rule never fires.) The rule only fires once parents have been reported
-  at all (an owner that never passes ``parent`` gives no prompt boundaries).
+  at all (an owner that never passes ``parent`` gives no prompt boundaries). A tail the
+  owner holds when the next prompt starts (a Store's first tier while its copies are
+  queued) is marked all the same and comes back a tail.
 - A key coming back after ``on_remove`` (an owner unpinning a chunk, or a Store's first
   tier once the chunk's copies are done) is resident again but is not an access: the
   experts, which kept it, do not see it twice. A hit while it is out (a pinned chunk
@@ -148,13 +150,19 @@ class ShadowVotePolicy(EvictionPolicy):
 
     def _drop_tail(self) -> None:
         tail, self._fresh = self._fresh, None
-        if tail is None or tail not in self._resident:
+        held = None if tail is None else self._removed.get(tail)
+        if tail is None or (tail not in self._resident and held is None):
             return
         for shadow in self._shadows:
             if tail in shadow.sizes:
                 shadow.used -= shadow.sizes.pop(tail)
                 shadow.policy.on_remove(tail, held=False)
-        self._rate(tail, TAIL)
+        if held is None:
+            self._rate(tail, TAIL)
+            return
+        hits, was_tail, size, parent = held  # held (copies queued, say): it comes back a tail
+        self._reuse.on_return(tail, hits, was_tail)
+        self._removed.put(tail, (self._reuse.on_leave(tail, True), True, size, parent))
 
     def _replay(self, key: Hashable, size: int, parent: Hashable | None, starts_prompt: bool = False) -> None:
         """One access in every shadow; re-rates the keys whose support it changed."""
