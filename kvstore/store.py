@@ -279,6 +279,8 @@ class Store:
                 policy.on_insert(key_id, self._by_name[name].footprint(entry.size_in(name)), entry.parent)
             elif not want and key_id in policy:
                 policy.on_remove(key_id, held=name in entry.replicas)
+            elif name not in entry.replicas:  # gone from the tier, maybe while held: no hand-back is coming
+                policy.on_remove(key_id, held=False)
 
     # -- validation ---------------------------------------------------------------------------
 

@@ -551,3 +551,22 @@ def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path):
         store.put(keys[0], values[0])
         store.flush()
         assert keys[0].id in host._t1
+
+
+def test_a_chunk_deleted_while_pinned_and_put_again_starts_over(tmp_path):
+    """Regression: a chunk deleted while pinned was out of its policies, so they were never
+    told it left for good and handed its old standing back when it was put again."""
+    cfg = config(tmp_path)
+    cfg.eviction_policy = "arc"
+    keys, values = chunks(1)
+    with Store(cfg) as store:
+        store.put(keys[0], values[0])
+        store.flush()
+        assert len(store.get(keys)) == 1
+        host = store._policies["host"]
+        assert keys[0].id in host._t2
+        assert store.pin(keys, ttl_s=60) == 1
+        assert store.delete(keys) == 1
+        store.put(keys[0], values[0])
+        store.flush()
+        assert keys[0].id in host._t1
