@@ -536,8 +536,11 @@ def test_hits_on_a_pinned_chunk_reach_its_policies(tmp_path):
         assert keys[1].id in store._policies["host"]._t2
 
 
-def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path):
-    """Deleting is no hold: the policies forget the chunk, and putting it again is new."""
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path, pinned):
+    """Deleting is no hold: the policies forget the chunk, and putting it again is new. Also
+    when it is deleted while pinned, out of its policies (a regression: they were never told
+    it left for good and handed its old standing back)."""
     cfg = config(tmp_path)
     cfg.eviction_policy = "arc"
     keys, values = chunks(1)
@@ -547,25 +550,8 @@ def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path):
         assert len(store.get(keys)) == 1
         host = store._policies["host"]
         assert keys[0].id in host._t2
-        assert store.delete(keys) == 1
-        store.put(keys[0], values[0])
-        store.flush()
-        assert keys[0].id in host._t1
-
-
-def test_a_chunk_deleted_while_pinned_and_put_again_starts_over(tmp_path):
-    """Regression: a chunk deleted while pinned was out of its policies, so they were never
-    told it left for good and handed its old standing back when it was put again."""
-    cfg = config(tmp_path)
-    cfg.eviction_policy = "arc"
-    keys, values = chunks(1)
-    with Store(cfg) as store:
-        store.put(keys[0], values[0])
-        store.flush()
-        assert len(store.get(keys)) == 1
-        host = store._policies["host"]
-        assert keys[0].id in host._t2
-        assert store.pin(keys, ttl_s=60) == 1
+        if pinned:
+            assert store.pin(keys, ttl_s=60) == 1
         assert store.delete(keys) == 1
         store.put(keys[0], values[0])
         store.flush()
