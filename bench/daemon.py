@@ -32,7 +32,7 @@ import torch
 from bench.cli import UsageError
 from kvstore.client import Client
 from kvstore.config import parse_size
-from kvstore.daemon.malloc import keep_large_blocks_in_heap
+from kvstore.malloc import keep_large_blocks_in_heap
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import ChunkKey, Namespace
 

@@ -100,9 +100,9 @@ def _daemon_config(args):
 
 def cmd_serve(args) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
-    from kvstore.daemon.malloc import keep_large_blocks_in_heap
+    from kvstore.malloc import keep_large_blocks_in_heap
     from kvstore.daemon.server import serve
-    from kvstore.daemon.wire import split_host_port
+    from kvstore.wire.convert import split_host_port
 
     cfg = _daemon_config(args)
     _check_bindable(*split_host_port(cfg.listen))

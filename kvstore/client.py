@@ -45,13 +45,12 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import encode_header, verify_blob
 from kvstore.codecs import get_codec
 from kvstore.codecs.raw import tensor_bytes
-from kvstore.daemon.auth import bearer, read_token_file
-from kvstore.daemon.bulk import CHUNK, DONE, END, ERROR, FRAME, GET, HELLO, PUT, RELEASE
-from kvstore.daemon.malloc import keep_large_blocks_in_heap
-from kvstore.daemon.slots import NONCE_BYTES
-from kvstore.daemon.wire import ns_to_proto, split_host_port, stats_from_proto
+from kvstore.malloc import keep_large_blocks_in_heap
+from kvstore.wire.auth import bearer, read_token_file
+from kvstore.wire.frames import CHUNK, DONE, END, ERROR, FRAME, GET, HELLO, NONCE_BYTES, PUT, RELEASE
+from kvstore.wire.convert import ns_to_proto, split_host_port, stats_from_proto
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
-from kvstore.store import StoreStats
+from kvstore.stats import StoreStats
 
 TRANSPORTS = ("auto", "shm", "remote", "grpc")
 MAX_MESSAGE_BYTES = 64 << 20
@@ -307,7 +306,7 @@ class Client(_ClientBase):
         tune_malloc: bool = True,
     ) -> None:
         """``tune_malloc`` keeps chunk-sized blocks in this process's heap (see
-        ``kvstore.daemon.malloc``): without it every chunk buffer ``get`` allocates faults in
+        ``kvstore.malloc``): without it every chunk buffer ``get`` allocates faults in
         all its pages, which costs more than receiving the chunk."""
         super().__init__(addr, token, token_file, tls_ca, timeout_s, retries, backoff_s, transport,
                          shm_slots, piece_bytes, tune_malloc)

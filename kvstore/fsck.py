@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.blob import CorruptBlob, verify_blob
-from tiers.nvme import SUFFIX, TMP_SUFFIX
+from tiers.files import SUFFIX, TMP_SUFFIX
 
 
 @dataclass

@@ -54,9 +54,9 @@ from kvstore.config import StoreConfig
 from kvstore.fetch import FetchJob
 from kvstore.keys import ChunkKey
 from kvstore.placement import Placement
+from kvstore.stats import EWMA_ALPHA, StoreStats, TierStats
 from kvstore.policies import make_policy
-from tiers.base import Tier, TierError, TierFull
-from tiers.host import HostTier
+from tiers.base import SharedPool, Tier, TierError, TierFull
 from kvstore.tier_setup import SharedIndexClient, TierSetup, build_tiers
 
 log = logging.getLogger(__name__)
@@ -64,38 +64,6 @@ log = logging.getLogger(__name__)
 
 class StoreClosed(RuntimeError):
     pass
-
-
-@dataclass
-class TierStats:
-    name: str
-    capacity_bytes: int
-    used_bytes: int = 0
-    chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    evictions: int = 0
-    corruptions: int = 0
-    errors: int = 0
-    read_gbps: float = 0.0  # EWMA of recent reads' bandwidth
-    recodes: int = 0  # copies placement re-encoded in place instead of evicting them
-    lossy_hits: int = 0  # hits served from a lossy encoding
-
-
-@dataclass
-class StoreStats:
-    tiers: dict[str, TierStats]
-    chunks: int = 0
-    puts: int = 0
-    hits: int = 0
-    misses: int = 0
-    pinned: int = 0
-    write_behind_pending_bytes: int = 0
-    write_behind_queue: int = 0
-    write_behind_dropped: int = 0
-    recode_failures: int = 0  # placement re-encodes that failed or did not shrink; those copies were evicted
 
 
 @dataclass
@@ -166,9 +134,6 @@ def _split_runs(runs: list[tuple[int, int]], n: int) -> tuple[list[tuple[int, in
     return head, []
 
 
-EWMA_ALPHA = 0.2
-
-
 class Store:
     def __init__(
         self,
@@ -184,6 +149,8 @@ class Store:
         ]
         self.tiers: list[Tier] = [s.tier for s in setups]
         self.first = self.tiers[0]
+        # the first tier's memory, where other processes or sockets can read it without a copy
+        self.host_pool = self.first.shared_pool()
         self._by_name = {t.name: t for t in self.tiers}
         if len(self._by_name) != len(self.tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in self.tiers]}")
@@ -883,34 +850,34 @@ class Store:
     def pinned_payload(self, key: ChunkKey) -> Iterator[list[tuple[int, int]] | None]:
         """Where a chunk's tensor bytes lie in the first tier's pool, pinned for the ``with``
         block: (pool offset, length) ranges in order; None when they are not there as raw
-        bytes (absent, or encoded: use ``get_into``). Read them with ``self.first.views``.
+        bytes (absent, or encoded: use ``get_into``). Read them with ``self.host_pool.views``.
 
         Why: the daemon sends these bytes to a socket, or tells a client that maps the pool
         where to copy them from, without a copy of its own. Verified like any read (the header
         always, the payload if the tier verifies payloads) and counted as a hit."""
-        tier = self.first
-        if not isinstance(tier, HostTier):
+        pool = self.host_pool
+        if pool is None:
             yield None
             return
         started = time.perf_counter()
-        with tier.pinned_runs(key.id) as runs:
-            payload = self._raw_payload(tier, key, runs) if runs is not None else None
+        with pool.pinned_runs(key.id) as runs:
+            payload = self._raw_payload(self.first, pool, key, runs) if runs is not None else None
             if payload is not None:
                 size = HEADER_BYTES + sum(n for _, n in payload)
-                self._on_hit(key.id, tier, size, time.perf_counter() - started, 0, None, None)
+                self._on_hit(key.id, self.first, size, time.perf_counter() - started, 0, None, None)
             yield payload
 
-    def _raw_payload(self, tier: HostTier, key: ChunkKey, runs: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    def _raw_payload(self, tier: Tier, pool: SharedPool, key: ChunkKey, runs: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
         """The payload ranges of a pinned blob if it holds raw bytes; a corrupt one is dropped."""
         size = sum(n for _, n in runs)
         header_runs, payload = _split_runs(runs, HEADER_BYTES)
         try:
-            header = self._checked_header(tier, key, b"".join(tier.views(header_runs)), size)
+            header = self._checked_header(tier, key, b"".join(pool.views(header_runs)), size)
             if header.codec_id != 0:
                 return None
             if self._verify[tier.name]:
                 digest = xxhash.xxh3_64()
-                for view in tier.views(payload):
+                for view in pool.views(payload):
                     digest.update(view)
                 if digest.intdigest() != header.payload_checksum:
                     raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")

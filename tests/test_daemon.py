@@ -20,7 +20,7 @@ from bench.cli import main as kvbench
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli import main
 from kvstore.client import AsyncClient, Client, DaemonError
-from kvstore.daemon.bulk import HELLO
+from kvstore.wire.frames import HELLO
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 

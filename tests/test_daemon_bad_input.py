@@ -15,9 +15,9 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import encode_header
 from kvstore.client import Client
 from kvstore.codecs.raw import tensor_bytes
-from kvstore.daemon.bulk import CHUNK, DONE, END, ERROR, FRAME, GET, HELLO, PUT, RELEASE
+from kvstore.wire.frames import CHUNK, DONE, END, ERROR, FRAME, GET, HELLO, PUT, RELEASE
 from kvstore.daemon.spawn import DaemonProcess
-from kvstore.daemon.wire import ns_to_proto
+from kvstore.wire.convert import ns_to_proto
 from kvstore.keys import Namespace, chunk_keys
 
 NS = Namespace("bad-input", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16

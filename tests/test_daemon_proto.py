@@ -6,7 +6,7 @@ import pytest
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto.regen import GENERATED, ROOT, generate
-from kvstore.daemon.wire import ns_from_proto, ns_to_proto
+from kvstore.wire.convert import ns_from_proto, ns_to_proto
 from kvstore.keys import Namespace
 
 
@@ -40,8 +40,8 @@ def test_stats_cross_the_wire_whole():
     """Every StoreStats and TierStats field, placement's counters included, survives the proto."""
     from dataclasses import fields
 
-    from kvstore.daemon.wire import stats_from_proto, stats_to_proto
-    from kvstore.store import StoreStats, TierStats
+    from kvstore.wire.convert import stats_from_proto, stats_to_proto
+    from kvstore.stats import StoreStats, TierStats
 
     tier = TierStats(**{f.name: (7.5 if f.type in (float, "float") else "host" if f.name == "name" else i + 1)
                         for i, f in enumerate(fields(TierStats))})

@@ -7,7 +7,8 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvstore.daemon.slots import NONCE_BYTES, SlotArena, SlotError
+from kvstore.daemon.slots import SlotArena, SlotError
+from kvstore.wire.frames import NONCE_BYTES
 
 
 @pytest.fixture

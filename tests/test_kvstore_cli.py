@@ -4,7 +4,7 @@ from kvstore.cli import main
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, load_config
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from tiers.nvme import SUFFIX
+from tiers.files import SUFFIX
 
 NS = Namespace("m", 1, 1, 8, chunk_tokens=4)
 

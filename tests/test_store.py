@@ -10,7 +10,7 @@ from fsfaults import remount_read_only, tiny_tmpfs
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from tiers.nvme import SUFFIX
+from tiers.files import SUFFIX
 
 PAGE = 4096
 NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16 chunks

@@ -7,7 +7,8 @@ import pytest
 
 from fsfaults import remount_read_only, tiny_tmpfs
 from tiers.base import TierFull, TierUnavailable
-from tiers.nvme import DiskTier
+from tiers.files import SUFFIX
+from tiers.nvme import DataDirectoryInUse, DiskTier
 
 
 def blob(n, seed):
@@ -72,7 +73,7 @@ def test_capacity_is_never_exceeded_and_delete_gives_space_back(tmp_path):
             assert tier.delete(k) == (present.pop(k, None) is not None)
         assert tier.used_bytes <= tier.capacity_bytes
         assert tier.used_bytes == sum(-(-n // 4096) * 4096 for n in present.values())
-    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs)
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(SUFFIX))
     assert on_disk == sum(present.values())
 
 
@@ -142,3 +143,34 @@ def test_concurrent_writers(tmp_path):
     for k in tier.keys():
         w = int.from_bytes(k, "big") // 100
         assert tier.read(k) == bytes([w]) * 3000
+
+
+def test_a_second_process_on_a_data_directory_is_refused_until_the_first_is_gone(tmp_path):
+    first = DiskTier(tmp_path, 1 << 20)
+    first.write(key(1), [blob(5000, 1)])
+    with pytest.raises(DataDirectoryInUse, match=f"pid {os.getpid()}"):
+        DiskTier(tmp_path, 1 << 20)
+    assert first.read(key(1)) == blob(5000, 1)  # the refused one touched nothing
+    first.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.read(key(1)) == blob(5000, 1)
+    again.close()
+
+
+def test_a_dead_holder_leaves_no_stale_lock(tmp_path):
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from tiers.nvme import DiskTier; DiskTier(sys.argv[1], 1 << 20); "
+         "print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DataDirectoryInUse, match=f"pid {holder.pid}"):
+            DiskTier(tmp_path, 1 << 20)
+    finally:
+        holder.kill()
+        holder.wait()
+    DiskTier(tmp_path, 1 << 20).close()

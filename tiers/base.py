@@ -8,7 +8,8 @@ does not fit raises ``TierFull`` and the owner evicts and retries.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import BinaryIO, Iterator, Protocol, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
@@ -23,6 +24,21 @@ class TierFull(TierError):
 
 class TierUnavailable(TierError):
     """The medium is gone or refuses I/O (directory removed, read-only, server down)."""
+
+
+class SharedPool(Protocol):
+    """A tier's memory as a pool other parties may read without a copy: a process that maps
+    the backing file, or a socket that ``sendfile``s from it. Ranges are (pool offset,
+    length) pairs, valid while pinned."""
+
+    path: str | None  # the file backing the pool, if other processes can map it
+    file: BinaryIO | None  # that file opened for reading (sendfile), if any
+
+    def pinned_runs(self, key: bytes) -> AbstractContextManager[list[tuple[int, int]] | None]:
+        """The value's ranges in order, kept allocated for the ``with`` block; None if absent."""
+
+    def views(self, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Views of pinned ranges, in this process."""
 
 
 class Tier(ABC):
@@ -79,6 +95,10 @@ class Tier(ABC):
     @abstractmethod
     def used_bytes(self) -> int:
         """Bytes of capacity in use, including any per-value rounding."""
+
+    def shared_pool(self) -> SharedPool | None:
+        """This tier's memory as a ``SharedPool``, where it is one (host RAM); else None."""
+        return None
 
     def footprint(self, nbytes: int) -> int:
         """Capacity a value of ``nbytes`` would use (page rounding, block rounding)."""

@@ -62,6 +62,19 @@ class HostTier(PagedTier):
         finally:
             os.close(fd)
 
+    # -- as a SharedPool (tiers/base.py) ---------------------------------------------------
+
+    @property
+    def path(self) -> str | None:
+        return self.shm_path
+
+    @property
+    def file(self):
+        return self.pool_file
+
+    def shared_pool(self) -> "HostTier":
+        return self
+
     def _prefault(self) -> None:
         try:
             self._mmap.madvise(MADV_POPULATE_WRITE)

@@ -25,15 +25,13 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from tiers.base import Buffer, Tier, TierFull, TierUnavailable
+from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, round_up, skip, unlink_quietly
 
-BLOCK = 4096
-SUFFIX = ".kvb"
-TMP_SUFFIX = ".tmp"
 _UNAVAILABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOTDIR}
 
 
-def _round_up(n: int, to: int = BLOCK) -> int:
-    return -(-n // to) * to
+class DataDirectoryInUse(TierUnavailable):
+    """Another live process (daemon, Store, benchmark) holds this private data directory."""
 
 
 class DiskTier(Tier):
@@ -57,6 +55,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"{name}-read")
+        self._dir_lock: DirectoryLock | None = None  # a private directory's (tiers/files.py)
         self._recover()
 
     # -- layout -------------------------------------------------------------------------
@@ -68,13 +67,16 @@ class DiskTier(Tier):
     def _recover(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._dir_lock = DirectoryLock(self.root)
+        except DirectoryInUse as exc:
+            raise DataDirectoryInUse(f"{self.name}: {exc}") from None
         except OSError as exc:
             raise TierUnavailable(f"{self.name}: cannot use data directory {self.root}: {exc.strerror}") from exc
         for dirpath, _, files in os.walk(self.root):
             for fname in files:
                 full = os.path.join(dirpath, fname)
                 if fname.endswith(TMP_SUFFIX):
-                    _unlink_quietly(full)
+                    unlink_quietly(full)
                     continue
                 if not fname.endswith(SUFFIX):
                     continue
@@ -84,12 +86,12 @@ class DiskTier(Tier):
                 except (ValueError, OSError):
                     continue
                 self._sizes[key] = size
-                self._used += _round_up(size)
+                self._used += round_up(size)
 
     # -- accounting ---------------------------------------------------------------------
 
     def footprint(self, nbytes: int) -> int:
-        return _round_up(max(nbytes, 1))
+        return round_up(max(nbytes, 1))
 
     @property
     def used_bytes(self) -> int:
@@ -102,7 +104,7 @@ class DiskTier(Tier):
         length = sum(len(v) for v in views)
         need = self.footprint(length)
         with self._lock:
-            old = _round_up(self._sizes[key]) if key in self._sizes else 0
+            old = round_up(self._sizes[key]) if key in self._sizes else 0
             if self._used + self._reserved - old + need > self.capacity_bytes:
                 raise TierFull(f"{self.name}: {need} bytes do not fit ({self.used_bytes}/{self.capacity_bytes} used)")
             self._reserved += need
@@ -116,7 +118,7 @@ class DiskTier(Tier):
             self._reserved -= need
             previous = self._sizes.get(key)
             if previous is not None:
-                self._used -= _round_up(previous)
+                self._used -= round_up(previous)
             self._sizes[key] = length
             self._used += need
 
@@ -135,13 +137,13 @@ class DiskTier(Tier):
         try:
             written = 0
             while written < length:
-                pending = _skip(views, written)
+                pending = skip(views, written)
                 written += os.writev(fd, pending[:1024])
             if self.fsync:
                 os.fsync(fd)
         except OSError as exc:
             os.close(fd)
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise self._error(exc) from exc
         os.close(fd)
         try:
@@ -153,7 +155,7 @@ class DiskTier(Tier):
                 finally:
                     os.close(dfd)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise self._error(exc) from exc
 
     def _error(self, exc: OSError) -> Exception:
@@ -191,7 +193,7 @@ class DiskTier(Tier):
         if fd is None:
             return None
         try:
-            return _read_fully(fd, outs)
+            return read_fully(fd, outs)
         except OSError as exc:
             raise self._error(exc) from exc
         finally:
@@ -210,13 +212,13 @@ class DiskTier(Tier):
     def _read_direct(self, key: bytes, size: int, outs: list[memoryview]) -> int:
         """O_DIRECT read into a reused, page-aligned per-thread staging buffer, then copy out."""
         staging = getattr(self._local, "staging", None)
-        need = _round_up(size)
+        need = round_up(size)
         if staging is None or len(staging) < need:
             staging = mmap.mmap(-1, need)
             self._local.staging = staging
         fd = os.open(self.path_of(key), os.O_RDONLY | os.O_DIRECT)
         try:
-            got = _read_fully(fd, [memoryview(staging)[:need]])
+            got = read_fully(fd, [memoryview(staging)[:need]])
         finally:
             os.close(fd)
         got = min(got, sum(len(o) for o in outs))
@@ -248,15 +250,15 @@ class DiskTier(Tier):
         with self._lock:
             size = self._sizes.pop(key, None)
             if size is not None:
-                self._used -= _round_up(size)
+                self._used -= round_up(size)
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
             size = self._sizes.pop(key, None)
             if size is None:
                 return False
-            self._used -= _round_up(size)
-        _unlink_quietly(self.path_of(key))
+            self._used -= round_up(size)
+        unlink_quietly(self.path_of(key))
         return True
 
     def contains(self, key: bytes) -> bool:
@@ -274,35 +276,5 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _skip(views: list[memoryview], offset: int) -> list[memoryview]:
-    """The views with the first ``offset`` bytes removed (for resuming a short writev)."""
-    out = []
-    for v in views:
-        if offset >= len(v):
-            offset -= len(v)
-            continue
-        out.append(v[offset:])
-        offset = 0
-    return out
-
-
-def _read_fully(fd: int, outs: list[memoryview]) -> int:
-    total = 0
-    while True:
-        pending = _skip(outs, total)
-        if not pending:
-            return total
-        got = os.preadv(fd, pending[:1024], total)
-        if got == 0:
-            return total
-        total += got
-
-
-def _unlink_quietly(path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
+        if self._dir_lock is not None:
+            self._dir_lock.close()

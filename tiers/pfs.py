@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Iterator
 
 from tiers.base import TierUnavailable
-from tiers.nvme import SUFFIX, TMP_SUFFIX, DiskTier, _read_fully, _round_up, _unlink_quietly
+from tiers.files import SUFFIX, TMP_SUFFIX, read_fully, round_up, unlink_quietly
+from tiers.nvme import DiskTier
 
 try:
     import kvikio
@@ -80,7 +81,7 @@ class PfsTier(DiskTier):
                     continue  # renamed or deleted by another daemon meanwhile
                 if fname.endswith(TMP_SUFFIX):
                     if st.st_mtime < stale_before:
-                        _unlink_quietly(full)
+                        unlink_quietly(full)
                     continue
                 if fname.endswith(SUFFIX):
                     try:
@@ -89,15 +90,15 @@ class PfsTier(DiskTier):
                         continue
         with self._lock:
             self._sizes = sizes
-            self._used = sum(_round_up(s) for s in sizes.values())
+            self._used = sum(round_up(s) for s in sizes.values())
 
     def _record(self, key: bytes, size: int) -> None:
         with self._lock:
             old = self._sizes.get(key)
             if old is not None:
-                self._used -= _round_up(old)
+                self._used -= round_up(old)
             self._sizes[key] = size
-            self._used += _round_up(size)
+            self._used += round_up(size)
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -139,7 +140,7 @@ class PfsTier(DiskTier):
             capacity = sum(len(o) for o in outs)
             if size > capacity:
                 raise ValueError(f"{self.name}: buffer of {capacity} bytes is too small for {size}")
-            got = _read_fully(fd, outs)
+            got = read_fully(fd, outs)
         except OSError as exc:
             raise self._error(exc) from exc
         finally:
@@ -186,7 +187,7 @@ class PfsTier(DiskTier):
         with self._lock:
             size = self._sizes.pop(key, None)
             if size is not None:
-                self._used -= _round_up(size)
+                self._used -= round_up(size)
         try:
             os.unlink(self.path_of(key))
         except OSError:

@@ -8,23 +8,9 @@ constant time.
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
-
 import grpc
 
-METADATA_KEY = "authorization"
-
-
-def read_token_file(path: str) -> str:
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"{path}: the token file is empty")
-    return token
-
-
-def bearer(token: str) -> tuple[str, str]:
-    return (METADATA_KEY, f"Bearer {token}")
-
+from kvstore.wire.auth import METADATA_KEY
 
 def _deny(kind: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def unary(request_or_iterator, context):

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.keys import Namespace
-from kvstore.store import StoreStats
+from kvstore.stats import StoreStats
 
 _TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors",
                   "recodes", "lossy_hits")

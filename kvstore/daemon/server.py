@@ -24,14 +24,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.daemon.auth import TokenAuth, read_token_file
+from kvstore.daemon.auth import TokenAuth
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.service import KVStoreService, register
 from kvstore.daemon.slots import PREFIXES, SlotArena, remove_orphans, shm_file_path
-from kvstore.daemon.wire import split_host_port
+from kvstore.wire.auth import read_token_file
+from kvstore.wire.convert import split_host_port
 from kvstore.config import StoreConfig
 from kvstore.store import Store
 

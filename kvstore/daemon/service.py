@@ -26,15 +26,15 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, CorruptBlob, verify_blob
 from kvstore.codecs import codec_by_id
 from kvstore.daemon.buffers import BufferPool
-from kvstore.daemon.bulk import CHUNK, DONE, END, ERROR, GET, BulkError, BulkServer, Channel
+from kvstore.daemon.bulk import BulkError, BulkServer, Channel
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.slots import SlotArena, SlotError
-from kvstore.daemon.wire import keys_from_proto, ns_from_proto, stats_to_proto
+from kvstore.wire.convert import keys_from_proto, ns_from_proto, stats_to_proto
+from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.store import Store, StoreClosed
 from tiers.base import TierError, TierFull
-from tiers.host import HostTier
 
 SLOT_STATUS = {
     "stale": grpc.StatusCode.FAILED_PRECONDITION,
@@ -166,9 +166,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.arena, self.bulk, self.metrics, self.address = arena, bulk, metrics, address
         self.limits = config.limits
         self.io_inflight = 0
-        first = store.first
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
-        self.pool_path = first.shm_path if isinstance(first, HostTier) and arena is not None else None
+        self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
 
     async def _run(self, fn, *args, **kwargs):
         """Run a blocking call in the bounded executor; ``io_inflight`` counts queued + running."""
@@ -409,11 +408,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     elif request.pool_views:
                         reply.pool_runs.extend(x for run in read.pool_runs for x in run)
                         await channel.send(CHUNK, reply.SerializeToString())
-                    elif self.store.first.pool_file is not None:
-                        await channel.send_file_ranges(CHUNK, reply.SerializeToString(), self.store.first.pool_file,
+                    elif self.store.host_pool.file is not None:
+                        await channel.send_file_ranges(CHUNK, reply.SerializeToString(), self.store.host_pool.file,
                                                        read.pool_runs)
                     else:
-                        await channel.send(CHUNK, reply.SerializeToString(), self.store.first.views(read.pool_runs))
+                        await channel.send(CHUNK, reply.SerializeToString(), self.store.host_pool.views(read.pool_runs))
                     sent += 1
                 await channel.send(END, pb.CountReply(count=sent).SerializeToString())
             else:

@@ -26,8 +26,9 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kvstore.wire.frames import NONCE_BYTES
+
 ARENA_HEADER_BYTES = 4096
-NONCE_BYTES = 16
 
 
 PREFIXES = ("kvstore-slots-", "kvstore-pool-")  # slot arenas, shared host pools

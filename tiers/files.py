@@ -1,0 +1,94 @@
+"""What the file tiers (tiers/nvme.py, tiers/pfs.py) and ``kvstore fsck`` share: the file
+names, block rounding, vectored I/O loops, and the lock that gives one process a private
+data directory.
+
+Why a lock: a private data directory's index lives in one process. A second daemon (or an
+in-process Store, or a benchmark) started on the same directory removes the first one's
+temporary files at start, indexes its chunks and evicts them down to its own budget, while
+the first one still answers "present". The lock is ``flock`` on a file in the directory:
+the kernel drops it when its holder dies, so a crash never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+BLOCK = 4096
+SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
+
+
+def round_up(n: int, to: int = BLOCK) -> int:
+    return -(-n // to) * to
+
+
+def unlink_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def skip(views: list[memoryview], offset: int) -> list[memoryview]:
+    """The views with the first ``offset`` bytes removed (for resuming a short readv/writev)."""
+    out = []
+    for v in views:
+        if offset >= len(v):
+            offset -= len(v)
+            continue
+        out.append(v[offset:])
+        offset = 0
+    return out
+
+
+def read_fully(fd: int, outs: list[memoryview]) -> int:
+    """``preadv`` from offset 0 until the buffers are full or the file ends; bytes read."""
+    total = 0
+    while True:
+        pending = skip(outs, total)
+        if not pending:
+            return total
+        got = os.preadv(fd, pending[:1024], total)
+        if got == 0:
+            return total
+        total += got
+
+
+class DirectoryInUse(OSError):
+    """Another live process holds this data directory."""
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``root/.lock`` for as long as this object is open. The file
+    holds the holder's pid, for the message a second process gets."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.path = Path(root) / LOCK_NAME
+        # Held read-only: a descriptor open for writing would keep the file system from
+        # being remounted read-only.
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise DirectoryInUse(
+                    f"data directory {root} is in use by another process (pid {holder}); "
+                    "give each daemon or Store its own directory"
+                ) from None
+            raise
+        self._fd: int | None = fd
+        try:
+            self.path.write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass  # a read-only directory: the lock holds, only the message lacks the pid
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
