@@ -96,7 +96,8 @@ class Evictor:
                     return deletes, job
                 index.stats[tier.name].evictions += 1
                 freed += tier.footprint(replica.size)
-                deletes.extend((name, victim) for name in index.remove_replica(victim, entry, tier.name))
+                index.remove_replica(victim, entry, tier.name)
+                deletes.append((tier.name, victim))
             return deletes, None
         finally:
             for key_id in passed_over:  # back in the policy: the caller is rewriting it
@@ -134,7 +135,7 @@ class Evictor:
 
     def _recode(self, job: _Recode) -> None:
         """Read, verify, decode and re-encode a victim outside every lock, then swap it in
-        under its key lock; other tiers' stale values are deleted after that lock is released."""
+        under its key lock."""
         parts = None
         try:
             blob = job.tier.read(job.key_id)
@@ -146,29 +147,28 @@ class Evictor:
         except (CorruptBlob, TierError, OSError, ValueError, KeyError) as exc:
             log.warning("%s: re-encoding %s as %s failed: %s", job.tier.name, job.key_id.hex(), job.codec.name, exc)
         with self.locks.hold(job.tier.name, job.key_id):
-            others = self._swap(job, parts)
-        for name in others:
-            self.io.delete(self.tiers[name], job.key_id)
+            self._swap(job, parts)
 
     def _planned(self, job: _Recode) -> bool:
-        """Whether the planned copy is still the chunk's copy in its tier (lock held). While
-        the key lock is held nobody else writes it; only the index can have moved on
+        """Whether the planned copy is still the chunk's copy in its tier (index lock held).
+        While the key lock is held nobody else writes it; only the index can have moved on
         (deleted, dropped, found corrupt), and whoever did that deletes the value after us."""
         return self.index.get(job.key_id) is job.entry and job.entry.replicas.get(job.tier.name) is job.replica
 
-    def _swap(self, job: _Recode, parts: list | None) -> list[str]:
+    def _swap(self, job: _Recode, parts: list | None) -> None:
         """Put the re-encoded copy in place of the planned one, or evict that one as usual if
-        re-encoding failed or did not shrink it (key lock held). Returns other tiers whose
-        values must go (the stale replicas of an entry that went)."""
+        re-encoding failed or did not shrink it (key lock held)."""
         tier, key_id, entry, name, index = job.tier, job.key_id, job.entry, job.tier.name, self.index
         size = sum(len(p) for p in parts) if parts is not None else 0
         keep = parts is not None and tier.footprint(size) < tier.footprint(job.replica.size)
-        written = keep and self._planned_now(job) and self._replace(tier, key_id, parts)
+        with index.lock:
+            keep = keep and self._planned(job)
+        written = keep and self._replace(tier, key_id, parts)
         with index.lock:
             entry.recoding.discard(name)
             if not self._planned(job):
                 index.sync(key_id, entry)
-                return []
+                return
             if written:
                 entry.replicas[name] = Replica(size, job.codec.codec_id, job.replica.version, job.replica.synced)
                 index.stats[name].recodes += 1
@@ -176,16 +176,11 @@ class Evictor:
                 if index.evictable(name, entry):
                     index.policies[name].reinstate(key_id, tier.footprint(size), entry.parent)
                 index.sync(key_id, entry)
-                return []
+                return
             self.recode_failures += 1
             index.stats[name].evictions += 1
-            gone = index.remove_replica(key_id, entry, name)
+            index.remove_replica(key_id, entry, name)
         self.io.delete_held(tier, key_id)
-        return [n for n in gone if n != name]
-
-    def _planned_now(self, job: _Recode) -> bool:
-        with self.index.lock:
-            return self._planned(job)
 
     @staticmethod
     def _replace(tier: Tier, key_id: bytes, parts: list) -> bool:

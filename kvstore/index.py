@@ -11,13 +11,13 @@ A chunk's life (one ``Entry``; each tier holds at most one ``Replica`` of it)::
                                      │                              └ fails ─► absent there
                                      │ put of another blob (another codec): version v+1;
                                      │   the replicas of v become STALE: never read, kept
-                                     │   until v+1's copy replaces them (a crash meanwhile
-                                     │   leaves a whole older encoding, never a gap), and
-                                     │   evictable like any replica
+                                     │   until v+1's copy replaces them or they are evicted
+                                     │   (a restart before that serves them again: a whole
+                                     │   older encoding, never a gap)
     RESIDENT in a tier ── evict / drop / corrupt / vanished ──► absent from that tier
                        ── placement ──► RECODING ──► RESIDENT, smaller encoding, same version
     any state ── delete ──► absent: queued copies cancelled, files removed before it returns
-    no readable replica and no copy queued ──► absent
+    no replica left and no copy queued ──► absent (with only stale ones: absent to lookups)
 
 Who may change what:
 - Entries, replicas, pins, policies and counters change only under ``ChunkIndex.lock``.
@@ -102,8 +102,10 @@ class KeyLocks:
                 if held[1] == 0:
                     del self._locks[slot]
 
-    def __len__(self) -> int:
-        return len(self._locks)
+    def held(self) -> list[tuple[str, bytes]]:
+        """The (tier, key) locks held or waited for now."""
+        with self._mutex:
+            return list(self._locks)
 
 
 class ChunkIndex:
@@ -139,8 +141,10 @@ class ChunkIndex:
 
     # -- policy membership ----------------------------------------------------------------
 
-    def evictable(self, tier_name: str, entry: Entry) -> bool:
-        if tier_name not in entry.replicas or tier_name in entry.recoding or entry.pinned_until > time.monotonic():
+    def evictable(self, tier_name: str, entry: Entry, now: float | None = None) -> bool:
+        if tier_name not in entry.replicas or tier_name in entry.recoding:
+            return False
+        if entry.pinned_until > (time.monotonic() if now is None else now):
             return False
         return not (tier_name == self.first and entry.copying)
 
@@ -173,26 +177,23 @@ class ChunkIndex:
         entry.replicas[tier_name] = replica
         self.sync(key_id, entry)
 
-    def remove_replica(self, key_id: bytes, entry: Entry, tier_name: str) -> list[str]:
-        """The index forgets one tier's copy; the entry goes when nothing readable and nothing
-        queued is left. Returns the tiers whose values the caller must delete: this one, and
-        the stale replicas of an entry that went."""
+    def remove_replica(self, key_id: bytes, entry: Entry, tier_name: str) -> None:
+        """The index forgets one tier's copy (the caller deletes the value)."""
         entry.replicas.pop(tier_name, None)
         self.sync(key_id, entry)
-        return [tier_name] + self.forget_if_unreadable(key_id, entry)
+        self.forget_if_empty(key_id, entry)
 
-    def forget_if_unreadable(self, key_id: bytes, entry: Entry) -> list[str]:
-        """Drop the entry if no replica holds its latest version and no copy is queued;
-        returns the tiers whose (stale) values the caller must then delete."""
-        if entry.readable() or entry.copying or self.entries.get(key_id) is not entry:
-            return []
+    def forget_if_empty(self, key_id: bytes, entry: Entry) -> None:
+        """Drop the entry once no replica and no queued copy is left. An entry whose replicas
+        are all stale stays (unreadable, so absent to lookups): those are whole older
+        encodings, which a restart serves again if the newer one never reached that tier,
+        so a re-put that was not durable never loses an older durable one. They are
+        evictable like any replica."""
+        if entry.replicas or entry.copying or self.entries.get(key_id) is not entry:
+            return
         del self.entries[key_id]
-        stale = list(entry.replicas)
-        entry.replicas.clear()
         entry.pinned_until = 0.0
-        self.sync(key_id, entry)
         self.changed.notify_all()
-        return stale
 
     def pop(self, key_id: bytes) -> list[str] | None:
         """Remove an entry outright (delete); returns the tiers whose values the caller must
@@ -225,10 +226,10 @@ class ChunkIndex:
         self.changed.notify_all()
         return True
 
-    def expire_pins(self) -> None:
+    def expire_pins(self, now: float | None = None) -> None:
         """Hand back chunks whose pins ran out. Each pinned key has one heap entry: when it
         comes due while the pin was extended, it is pushed again at the new expiry."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         expired = False
         while self._pins and self._pins[0][0] <= now:
             until, key_id = heapq.heappop(self._pins)

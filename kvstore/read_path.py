@@ -162,12 +162,8 @@ class ReadPath:
             entry = self.index.get(key_id)
             if entry is None or entry.replicas.get(tier.name) is not replica or tier.name in entry.recoding:
                 return _RETRY if entry is not None and entry.current(tier.name) is not None else None
-            deletes = self.index.remove_replica(key_id, entry, tier.name)
-        for name in deletes:
-            if name != tier.name:
-                self.io.delete(self._by_name[name], key_id)
-        if tier.shared and self.io.shared_index is not None:
-            self.io.delete(tier, key_id)  # keeps the shared index in step
+            self.index.remove_replica(key_id, entry, tier.name)
+        self.io.vanished(tier, key_id)
         return None
 
     def corrupt(self, key_id: bytes, tier: Tier, exc: Exception) -> None:
@@ -177,9 +173,9 @@ class ReadPath:
         with self.index.lock:
             self.index.stats[tier.name].corruptions += 1
             entry = self.index.get(key_id)
-            deletes = [tier.name] if entry is None else self.index.remove_replica(key_id, entry, tier.name)
-        for name in deletes:
-            self.io.delete(self._by_name[name], key_id)
+            if entry is not None:
+                self.index.remove_replica(key_id, entry, tier.name)
+        self.io.delete(tier, key_id)
 
     def _hit(self, key_id: bytes, tier: Tier, replica: Replica, header: BlobHeader, elapsed: float,
              version: int, parts: list) -> None:

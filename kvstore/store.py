@@ -319,7 +319,7 @@ class Store:
             self.index.expire_pins()
             for key in keys:
                 entry = self.index.get(key.id)
-                if entry is not None:
+                if entry is not None and entry.readable():
                     self.index.pin(key.id, entry, until)
                     pinned += 1
         return pinned
@@ -434,27 +434,30 @@ class Store:
             for key in keys:
                 entry = self.index.get(key.id)
                 if entry is not None and tier_name in entry.replicas:
-                    deletes += [(name, key.id) for name in self.index.remove_replica(key.id, entry, tier_name)]
-        for name, key_id in deletes:
-            self._io.delete(self._by_name[name], key_id)
-        return sum(1 for name, _ in deletes if name == tier_name)
+                    self.index.remove_replica(key.id, entry, tier_name)
+                    deletes.append(key.id)
+        for key_id in deletes:
+            self._io.delete(tier, key_id)
+        return len(deletes)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks from every tier; returns how many were present. Returns once their
         files are gone and no copy of them is being written any more."""
         deletes = []
+        present = 0
         with self.index.lock:
             for key in keys:
                 entry = self.index.get(key.id)
-                tiers = self.index.pop(key.id)
-                if tiers is None:
+                if entry is None:
                     continue
+                present += entry.readable()
+                tiers = self.index.pop(key.id)
                 running = self._write_behind.cancel(key.id, entry)
                 deletes.append((key.id, set(tiers) | set(running)))
         for key_id, tiers in deletes:
             for name in tiers:
                 self._io.delete(self._by_name[name], key_id)
-        return len(deletes)
+        return present
 
     # -- stats, integrity, close -------------------------------------------------------------------
 
@@ -464,7 +467,7 @@ class Store:
             return StoreStats(
                 tiers={t.name: TierStats(**{**self.index.stats[t.name].__dict__, "used_bytes": t.used_bytes, "chunks": len(t)})
                        for t in self.tiers},
-                chunks=len(self.index.entries),
+                chunks=sum(1 for e in self.index.entries.values() if e.readable()),
                 puts=self.index.puts,
                 hits=self.index.hits,
                 misses=self.index.misses,

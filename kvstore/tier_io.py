@@ -44,6 +44,18 @@ class TierIO:
         if tier.shared and self.shared_index is not None:
             self.shared_index.remove(tier.name, [key_id])
 
+    def vanished(self, tier: Tier, key_id: bytes) -> None:
+        """A shared tier no longer holds a value (another daemon deleted it): the shared index
+        forgets it too, unless a newer copy took its place meanwhile."""
+        if not (tier.shared and self.shared_index is not None):
+            return
+        with self.locks.hold(tier.name, key_id):
+            with self.index.lock:
+                entry = self.index.get(key_id)
+                if entry is not None and tier.name in entry.replicas:
+                    return
+            self.shared_index.remove(tier.name, [key_id])
+
     def published(self, tier: Tier, key_id: bytes, size: int) -> None:
         """A value was written to ``tier`` (the caller holds its key lock): other daemons may
         find it now, before a durable put returns."""

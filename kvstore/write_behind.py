@@ -249,9 +249,7 @@ class WriteBehind:
                 return
             if views is None or sum(len(v) for v in views) != source.size:
                 with self.index.lock:
-                    others = self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is gone; nothing to copy"))
-                for name in others:
-                    self.io.delete(self._tier(name), key_id)
+                    self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is gone; nothing to copy"))
                 return
             replica = Replica(source.size, source.codec_id, source.version)
             self._write(q, job, views, replica, sync)
@@ -286,10 +284,9 @@ class WriteBehind:
                         error = exc
                 replica.synced = sync
                 with self.index.lock:
-                    others = self._finish(q, job, replica if error is None else None, error, wrote=error is None)
-                self._delete_after(tier, key_id, others)
-            for name in others:
-                self.io.delete(self._tier(name), key_id)
+                    deleted = self._finish(q, job, replica if error is None else None, error, wrote=error is None)
+                if deleted:
+                    self.io.delete_held(tier, key_id)
             return
 
     def _sync_only(self, q: _Queue, job: CopyJob, target: Replica, sync: bool) -> None:
@@ -304,15 +301,12 @@ class WriteBehind:
             with self.index.lock:
                 if error is None and sync and job.entry.replicas.get(tier.name) is target:
                     target.synced = True
-                others = self._finish(q, job, None, error)
-        for name in others:
-            self.io.delete(self._tier(name), key_id)
+                self._finish(q, job, None, error)
 
     def _finish(self, q: _Queue, job: CopyJob, replica: Replica | None, error: Exception | None,
-                wrote: bool = False) -> list[str]:
-        """End a job (index lock held, and the tier's key lock if it wrote). Returns the tiers
-        whose values of the key must go: this one if the chunk was deleted while it wrote, and
-        every one if the chunk went because this copy failed."""
+                wrote: bool = False) -> bool:
+        """End a job (index lock held, and the tier's key lock if it wrote). Returns True if
+        the value it wrote must go: its chunk was deleted meanwhile."""
         tier, key_id, entry, index = q.tier, job.key_id, job.entry, self.index
         q.running.pop(key_id, None)
         q.pending_bytes -= job.size
@@ -330,20 +324,10 @@ class WriteBehind:
         for ticket in job.tickets:
             ticket.finish(error)
         index.changed.notify_all()
-        if not live:
-            return [tier.name] if wrote else []
-        index.sync(key_id, entry)
-        return index.forget_if_unreadable(key_id, entry)
-
-    def _delete_after(self, tier: Tier, key_id: bytes, names: list[str]) -> None:
-        """Delete the values ``_finish`` named: this tier's under the key lock the caller
-        holds, the others' later (``names`` is cut down to them)."""
-        if tier.name in names:
-            names.remove(tier.name)
-            self.io.delete_held(tier, key_id)
-
-    def _tier(self, name: str) -> Tier:
-        return self.first if name == self.first.name else self.queues[name].tier
+        if live:
+            index.sync(key_id, entry)
+            index.forget_if_empty(key_id, entry)
+        return wrote and not live
 
     # -- waiting -------------------------------------------------------------------------------
 
