@@ -245,7 +245,13 @@ def _build(cls, data: dict, where: str):
                 raise ConfigError(f"{path}: {exc}") from None
         else:
             kwargs[name] = _check_type(value, hint, path)
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    if hasattr(built, "validate"):
+        try:
+            built.validate()  # registry names and cross-field rules
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc}" if where else str(exc)) from None
+    return built
 
 
 def _check_type(value, hint, path):

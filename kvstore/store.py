@@ -33,6 +33,7 @@ import torch
 from kvstore.blob import HEADER_BYTES, decode_header, encode_header
 from kvstore.codecs import get_codec
 from kvstore.config import StoreConfig
+from kvstore.discovery import discover
 from kvstore.eviction import Evictor
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica, StoreClosed
 from kvstore.integrity import check_integrity
@@ -260,48 +261,12 @@ class Store:
                     return i
             return len(keys)
 
-    def _discover(self, keys: Sequence[ChunkKey]) -> None:
-        """Find chunks other daemons put in the shared tiers, for keys this index lacks: one
-        shared-index round trip, or without one an existence check per key and shared tier,
-        stopping at the first key no shared tier holds."""
-        ids = [k.id for k in keys]
-        found: dict[bytes, dict[str, int]] = {}
-        if self.shared_index is not None:
-            names = {t.name for t in self.shared_tiers}
-            for key_id, where in self.shared_index.lookup(ids).items():
-                where = {n: size for n, size in where.items() if n in names}
-                if where:
-                    found[key_id] = where
-        else:
-            for key_id in ids:
-                where = {}
-                for tier in self.shared_tiers:
-                    try:
-                        size = tier.size_of(key_id)
-                    except TierError:
-                        size = None
-                    if size is not None:
-                        where[tier.name] = size
-                if not where:
-                    break
-                found[key_id] = where
-        with self.index.lock:
-            for key_id, where in found.items():
-                entry = self.index.get(key_id)
-                for name, size in where.items():
-                    if entry is None:
-                        entry = self.index.entries[key_id] = Entry(0, size, None)
-                    if name not in entry.replicas:
-                        entry.replicas[name] = Replica(size, None, entry.version)
-                if entry is not None:
-                    self.index.sync(key_id, entry)
-
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys are stored in some tier. Answered from the index: the local
         one, then (for keys it lacks) the shared tiers' index; never chunk I/O."""
         i = self._first_missing(keys)
         if i < len(keys) and self.shared_tiers:
-            self._discover(keys[i:])
+            discover(self.index, self.shared_tiers, self.shared_index, [k.id for k in keys[i:]])
             i += self._first_missing(keys[i:])
         return i
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from faults import wait_until
 from fsfaults import remount_read_only, tiny_tmpfs
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
@@ -306,7 +307,7 @@ def test_pinned_chunks_are_not_evicted_until_unpinned_or_expired(tmp_path):
         assert not store.contains(keys[0])
         store.put(keys[0], values[0])
         store.pin(keys[:1], ttl_s=0.05)
-        time.sleep(0.1)
+        wait_until(lambda: store.stats().pinned == 0, what="the pin to expire")
         for k, v in zip(keys[1:], values[1:]):
             store.put(k, v)
         assert not store.contains(keys[0])
