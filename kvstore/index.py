@@ -213,10 +213,19 @@ class ChunkIndex:
     def pin(self, key_id: bytes, entry: Entry, until: float) -> None:
         if until > entry.pinned_until:
             entry.pinned_until = until
-        if entry.heap_until == 0.0:
+        if entry.heap_until == 0.0 or entry.pinned_until < entry.heap_until:
+            # no item, or one that comes due later than this pin ends (an unpin came between):
+            # a new item, and the old one is skipped when it comes due
             entry.heap_until = entry.pinned_until
             heapq.heappush(self._pins, (entry.heap_until, key_id))
+            if len(self._pins) > 2 * len(self.entries) + 64:
+                self._rebuild_pins()
         self.sync(key_id, entry)
+
+    def _rebuild_pins(self) -> None:
+        """Drop the heap's stale items (deleted entries, superseded items): one per pinned key."""
+        self._pins = [(e.heap_until, k) for k, e in self.entries.items() if e.heap_until]
+        heapq.heapify(self._pins)
 
     def unpin(self, key_id: bytes, entry: Entry) -> bool:
         if entry.pinned_until <= time.monotonic():

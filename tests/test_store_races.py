@@ -411,3 +411,16 @@ def test_19_prefetch_is_deduplicated_and_bounded(tmp_path):
         gate.open()
         assert all(f.result(timeout=10) is not None for f in first + more)
         assert store.first.contains(keys[0].id) and store.first.contains(keys[1].id)
+
+
+def test_10_a_short_pin_after_an_unpin_of_a_long_one_ends_on_time(tmp_path):
+    """Found by the fault campaign: the pin heap kept the long pin's expiry, so the chunk
+    stayed out of its policies (unevictable) until then."""
+    keys, values = chunks(1)
+    with Store(store_config(tmp_path, disk=None)) as store:
+        store.put(keys[0], values[0])
+        store.pin(keys, ttl_s=600)
+        store.unpin(keys)
+        store.pin(keys, ttl_s=0.01)
+        wait_until(lambda: store.stats().pinned == 0, what="the short pin to end")
+        store.check_integrity()  # back in its policy, evictable
