@@ -89,13 +89,15 @@ class LLM:
                                    cfg.max_num_batched_tokens, self.connector and self.connector.scheduler)
         self.totals = EngineStats()
 
-    def with_config(self, **overrides) -> "LLM":
-        """Another engine sharing this one's weights, tokenizer and store, with its own KV cache,
-        queue and connector (close it when done; the store stays this engine's)."""
+    def with_config(self, kv_store: ChunkStore | None = None, **overrides) -> "LLM":
+        """Another engine sharing this one's weights and tokenizer, with its own KV cache, queue
+        and connector; its store is ``kv_store`` if given, else this engine's (which stays
+        this engine's to close). Close it when done."""
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, **overrides)
         if other.config.dtype not in (None, self.model_config.dtype) or other.config.device != self.config.device:
             raise ValueError("with_config cannot change dtype or device (the weights are shared)")
+        other.kv_store = kv_store or self.kv_store
         other._owns_store = False
         other._start()
         return other
