@@ -11,8 +11,9 @@ TOKEN = "connector-tests-token"
 
 
 def start_daemon(root: Path, host_bytes: str = "64MiB", disk_bytes: str = "256MiB",
-                 slot_bytes: str = "1MiB", page_bytes: int = 4096) -> DaemonProcess:
-    """Start ``kvstore serve`` under ``root``; ``proc.token_file`` holds its token."""
+                 slot_bytes: str = "1MiB", page_bytes: int = 4096, listen: str = "127.0.0.1:0") -> DaemonProcess:
+    """Start ``kvstore serve`` under ``root`` (again on the same data after a stop: ``listen``
+    then names the address it had); ``proc.token_file`` holds its token."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "token").write_text(TOKEN + "\n")
     (root / "daemon.toml").write_text(
@@ -20,7 +21,7 @@ def start_daemon(root: Path, host_bytes: str = "64MiB", disk_bytes: str = "256Mi
         f'[store.host]\ncapacity_bytes = "{host_bytes}"\npage_bytes = {page_bytes}\n'
         f'[store.disk]\ncapacity_bytes = "{disk_bytes}"\n'
     )
-    proc = DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", "127.0.0.1:0",
+    proc = DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", listen,
                           "--data-dir", str(root / "data"), "--auth-token-file", str(root / "token")])
     proc.token_file = str(root / "token")
     proc.data_dir = root / "data"
