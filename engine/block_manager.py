@@ -57,6 +57,10 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the prefix cache holds now (what ``allocate`` would reuse)."""
+        return len(self._match_prefix(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether all of ``seq``'s tokens fit while keeping the watermark free for running
         sequences to grow into (a preempted sequence resuming may use it)."""
@@ -116,6 +120,24 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0
+
+    def check_integrity(self, holders: list[Sequence]) -> None:
+        """Raise AssertionError unless the books balance for ``holders`` (every sequence that
+        holds blocks): each block's reference count is its number of holders, the free list is
+        exactly the unreferenced blocks, and the prefix cache maps each hash to a block that
+        carries it. Cheap enough to call after every step in tests."""
+        refs = [0] * len(self.blocks)
+        for seq in holders:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id} holds a block twice"
+            assert len(seq.block_table) * self.block_size >= seq.num_computed, f"{seq.request_id} computed past its blocks"
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], \
+                f"block {block.block_id}: ref_count {block.ref_count}, held by {refs[block.block_id]}"
+            assert (block.block_id in self.free) == (block.ref_count == 0), f"block {block.block_id} free list"
+        for h, block_id in self.cached.items():
+            assert self.blocks[block_id].hash == h, f"prefix cache entry of block {block_id} names another hash"
 
     def _take_free(self) -> int:
         if not self.free:

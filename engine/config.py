@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from connector.config import ConnectorConfig
+
 # HF architecture name -> (model family, q/k/v carry a bias, per-head q/k RMSNorm)
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
@@ -146,6 +148,8 @@ class EngineConfig:
     dtype: str | None = None
     device: str = "cpu"
     admission_watermark: float = 0.01
+    # Load and save KV through a store (docs/connector.md); None = the local prefix cache only.
+    connector: ConnectorConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -153,3 +157,5 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(DTYPES)}")
+        if self.connector is not None:
+            self.connector.check_block_size(self.block_size)

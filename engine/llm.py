@@ -3,6 +3,10 @@
 One ``step()`` = schedule -> run the model -> sample -> update sequences. ``generate`` runs
 steps until its requests finish; ``stream`` yields each new token as it is produced.
 A bad request raises ValueError at ``add_request`` and leaves the engine serving the rest.
+
+With ``EngineConfig.connector`` set, the engine loads KV it has not got from a store and
+saves what it computes (docs/connector.md): the store named by the configuration, or the
+``kv_store`` given (the caller keeps ownership of that one).
 """
 
 from __future__ import annotations
@@ -14,16 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from connector import KVConnector
+from connector.backend import open_store
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.metrics import RequestMetrics
-from engine.models.loader import load_model, resolve_model_path
+from engine.metrics import EngineStats, RequestMetrics
+from engine.models.loader import load_model, model_fingerprint, resolve_model_path
 from engine.policies import make_policy
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from kvstore.api import ChunkStore
+from kvstore.keys import Namespace
 
 Prompt = str | list[int]
 
@@ -44,11 +52,14 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, **overrides):
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, kv_store: ChunkStore | None = None,
+                 **overrides):
         self.config = config or EngineConfig(**overrides)
         path = resolve_model_path(model_path)
+        self.model_id = model_fingerprint(path)
         self.model = load_model(path, dtype=self.config.dtype, device=self.config.device)
         self.model_config = self.model.config
+        self.kv_store, self._owns_store = kv_store, False
         self.tokenizer = Tokenizer.from_path(path)
         eos = set(self.model_config.eos_token_ids)
         eos_from_tokenizer = self.tokenizer.token_id(self.tokenizer.eos_token)
@@ -64,18 +75,53 @@ class LLM:
                                  self.model_config.max_position_embeddings)
         watermark = int(cfg.admission_watermark * cfg.num_blocks)
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, watermark)
-        self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, cfg.num_blocks, cfg.block_size, cfg.device)
+        self.connector = None
+        if cfg.connector is not None:
+            if self.kv_store is None:
+                self.kv_store, self._owns_store = open_store(cfg.connector), True
+            mc = self.model_config
+            ns = Namespace(cfg.connector.model_id or self.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                           mc.dtype, cfg.connector.chunk_tokens, tenant=cfg.connector.tenant)
+            self.connector = KVConnector(self.kv_store, ns, cfg.block_size, cfg.connector)
+            self.connector.register_kv_cache(self.runner.kv_cache)
+        self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.connector and self.connector.scheduler)
+        self.totals = EngineStats()
 
-    def with_config(self, **overrides) -> "LLM":
-        """Another engine sharing this one's weights and tokenizer, with its own cache and queue."""
+    def with_config(self, kv_store: ChunkStore | None = None, **overrides) -> "LLM":
+        """Another engine sharing this one's weights and tokenizer, with its own KV cache, queue
+        and connector; its store is ``kv_store`` if given, else this engine's (which stays
+        this engine's to close). Close it when done."""
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, **overrides)
         if other.config.dtype not in (None, self.model_config.dtype) or other.config.device != self.config.device:
             raise ValueError("with_config cannot change dtype or device (the weights are shared)")
+        other.kv_store = kv_store or self.kv_store
+        other._owns_store = False
         other._start()
         return other
+
+    def stats(self) -> EngineStats:
+        """Totals over the requests finished so far, and the connector's counters."""
+        return dataclasses.replace(self.totals, connector=self.connector.stats() if self.connector else None)
+
+    def flush_saves(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every chunk saved so far is in the store; False if ``timeout_s`` passed first."""
+        return self.connector is None or self.connector.worker.flush_saves(timeout_s)
+
+    def close(self) -> None:
+        """Stop the connector (queued saves are put first) and close the store this engine opened."""
+        if self.connector is not None:
+            self.connector.close()
+        if self._owns_store:
+            self.kv_store.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str = "",
                     arrival_time: float | None = None) -> Sequence:
@@ -115,19 +161,37 @@ class LLM:
         """One engine iteration; returns an output for every request that got a token."""
         now = time.perf_counter()
         batch = self.scheduler.schedule(now)
+        plan = self.connector.scheduler.build_connector_meta(batch.items) if self.connector else None
         if not batch.items:
+            if self.scheduler.loading:  # nothing to compute until some KV arrives
+                self._wait_for_kv(plan)
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("waiting requests cannot be admitted into an empty KV cache")
             return []
-        results = self.runner.run(batch)
+        voided: set[Sequence] = set()
+        if plan is None:
+            results = self.runner.run(batch)
+        else:
+            results, output = self.runner.run_with_connector(batch, self.connector.worker, plan)
+            voided = self.scheduler.on_connector_output(output)
         for seq, n in batch.items:
-            if not seq.is_decoding:
+            if seq in voided:
+                continue
+            if n > 1 or seq.num_computed < seq.num_prompt_tokens:
                 seq.metrics.num_prefilled_tokens += n
             seq.num_computed += n
             self.block_manager.register_full_blocks(seq)
         done = time.perf_counter()
         return [self._append_token(seq, sample(logits, seq.params, seq.generator), done)
-                for seq, logits in results]
+                for seq, logits in results if seq not in voided]
+
+    def _wait_for_kv(self, plan) -> None:
+        """A step without a forward: start the planned loads, wait (bounded) until one settles."""
+        worker = self.connector.worker
+        worker.start_load_kv(plan)
+        worker.wait_for_loads(self.config.connector.load_timeout_s)
+        self.scheduler.on_connector_output(worker.get_finished())
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         metrics = seq.metrics
@@ -149,6 +213,7 @@ class LLM:
         if reason is not None:
             metrics.finish_time = now
             self.scheduler.finish(seq, reason)
+            self.totals.add(metrics)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [token],
                              seq.text[len(old_text):], seq.is_finished, seq.finish_reason, metrics)
 

@@ -3,12 +3,18 @@
 Owns the paged KV cache: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads,
 head_dim]`` for all layers (``kv_cache[l]`` is vLLM's per-layer layout), so block gather and
 scatter (``kernels.block_copy``) move every layer of a block in one call.
+
+With a KV connector the forward is wrapped as vLLM's model runner wraps it: start the step's
+loads, run the model (a layer-wise load is waited for before each layer), save the chunks
+the forward completed, and collect what the connector finished.
 """
 
 from __future__ import annotations
 
 import torch
 
+from connector.metadata import ConnectorMetadata, ConnectorOutput
+from connector.worker import WorkerConnector
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.config import DTYPES
 from engine.models.llama import LlamaForCausalLM
@@ -62,8 +68,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, torch.Tensor]]:
         """Compute the batch's KV; return float32 logits for each sequence that reached its end."""
+        return self._forward(batch)
+
+    @torch.inference_mode()
+    def run_with_connector(self, batch: ScheduledBatch, worker: WorkerConnector,
+                           plan: ConnectorMetadata) -> tuple[list[tuple[Sequence, torch.Tensor]], ConnectorOutput]:
+        """``run`` with the connector's step around the forward; also returns what it finished."""
+        worker.start_load_kv(plan)
+        hook = worker.wait_for_layer_load if plan.loads and worker.mode == "layerwise" else None
+        results = self._forward(batch, hook)
+        worker.wait_for_save()
+        return results, worker.get_finished()
+
+    def _forward(self, batch: ScheduledBatch, before_layer=None) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, before_layer)
         if not sample_rows:
             return []
         rows = torch.tensor([r for r, _ in sample_rows], device=self.device)

@@ -16,6 +16,7 @@ _ids = itertools.count()
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, KV arriving from the store (others run meanwhile)
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -3,6 +3,11 @@
 The engine keeps one cache tensor for all layers, ``[num_layers, 2, num_blocks,
 block_size, kv_heads, head_dim]``; a store chunk is ``[num_layers, 2, n * block_size,
 kv_heads, head_dim]`` for ``n`` blocks, so one call moves every layer at once.
+
+The ``*_layer_blocks`` variants move one layer (``kv_cache[l]`` and ``chunk[l]``): a
+layer-wise load scatters layer ``l`` while the model still computes layer ``l - 1``.
+A chunk may be a view that skips its leading blocks (``chunk[:, :, k * block_size:]``),
+so a load never rewrites blocks the request shares with the local prefix cache.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ def gather_blocks_torch(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: to
     """Reference: copy blocks ``block_ids`` (in order) of every layer into a chunk tensor."""
     layers, two, _, block_size, heads, dim = kv_cache.shape
     n = block_ids.numel()
+    blocks = (layers, two, n, block_size, heads, dim)
+    if out is not None and out.is_contiguous() and out.dtype == kv_cache.dtype:
+        torch.index_select(kv_cache, 2, block_ids.long(), out=out.view(blocks))  # one copy, not two
+        return out
     gathered = kv_cache[:, :, block_ids.long()].reshape(layers, two, n * block_size, heads, dim)
     if out is None:
         return gathered
@@ -99,6 +108,31 @@ def scatter_blocks_triton(chunk: torch.Tensor, kv_cache: torch.Tensor, block_ids
     _block_copy_triton(kv_cache, chunk, block_ids, to_chunk=False)
 
 
+def gather_layer_blocks_torch(kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: ``gather_blocks`` for one layer: ``kv_layer`` ``[2, num_blocks, block_size,
+    kv_heads, head_dim]`` -> ``[2, n * block_size, kv_heads, head_dim]``."""
+    return gather_blocks_torch(kv_layer[None], block_ids, None if out is None else out[None])[0]
+
+
+def scatter_layer_blocks_torch(chunk_layer: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Reference: ``scatter_blocks`` for one layer (the inverse of ``gather_layer_blocks``)."""
+    scatter_blocks_torch(chunk_layer[None], kv_layer[None], block_ids)
+
+
+def gather_layer_blocks_triton(kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton: same contract as the reference (the all-layers kernel over a one-layer view)."""
+    _, _, block_size, heads, dim = kv_layer.shape
+    if out is None:
+        out = kv_layer.new_empty((2, block_ids.numel() * block_size, heads, dim))
+    _block_copy_triton(kv_layer[None], out[None], block_ids, to_chunk=True)
+    return out
+
+
+def scatter_layer_blocks_triton(chunk_layer: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Triton: same contract as the reference."""
+    _block_copy_triton(kv_layer[None], chunk_layer[None], block_ids, to_chunk=False)
+
+
 def gather_blocks(kv_cache, block_ids, out=None):
     """Dispatch by device: the Triton kernel on CUDA, the torch reference elsewhere."""
     tensors = (kv_cache, block_ids) if out is None else (kv_cache, block_ids, out)
@@ -113,3 +147,19 @@ def scatter_blocks(chunk, kv_cache, block_ids) -> None:
         scatter_blocks_triton(chunk, kv_cache, block_ids)
     else:
         scatter_blocks_torch(chunk, kv_cache, block_ids)
+
+
+def gather_layer_blocks(kv_layer, block_ids, out=None):
+    """Dispatch by device: the Triton kernel on CUDA, the torch reference elsewhere."""
+    tensors = (kv_layer, block_ids) if out is None else (kv_layer, block_ids, out)
+    if use_triton(*tensors):
+        return gather_layer_blocks_triton(kv_layer, block_ids, out)
+    return gather_layer_blocks_torch(kv_layer, block_ids, out)
+
+
+def scatter_layer_blocks(chunk_layer, kv_layer, block_ids) -> None:
+    """Dispatch by device: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if use_triton(chunk_layer, kv_layer, block_ids):
+        scatter_layer_blocks_triton(chunk_layer, kv_layer, block_ids)
+    else:
+        scatter_layer_blocks_torch(chunk_layer, kv_layer, block_ids)

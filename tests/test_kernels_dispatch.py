@@ -21,7 +21,7 @@ def triton_forbidden(monkeypatch):
     ops = {
         paged_attention: ["paged_decode_attention"],
         cache_write: ["reshape_and_cache"],
-        block_copy: ["gather_blocks", "scatter_blocks"],
+        block_copy: ["gather_blocks", "scatter_blocks", "gather_layer_blocks", "scatter_layer_blocks"],
         quant: ["quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4"],
     }
     for module, names in ops.items():
@@ -44,6 +44,9 @@ def test_cpu_tensors_use_the_torch_references(triton_forbidden):
     chunk = block_copy.gather_blocks(kv, torch.tensor([2]))
     block_copy.scatter_blocks(chunk, kv, torch.tensor([0]))
     assert torch.equal(kv[:, :, 0], kv[:, :, 2])
+    layer = block_copy.gather_layer_blocks(kv[1], torch.tensor([1]))
+    block_copy.scatter_layer_blocks(layer, kv[1], torch.tensor([0]))
+    assert torch.equal(kv[1, :, 0], kv[1, :, 1])
 
     q, scale = quant.quantize_int8(query)
     assert quant.dequantize_int8(q, scale, torch.float32).shape == query.shape

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import Callable
+
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 
@@ -129,13 +131,17 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[T]``; ``kv_cache`` the engine's all-layer tensor -> hidden ``[T, H]``."""
+    def forward(self, input_ids, positions, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]``; ``kv_cache`` the engine's all-layer tensor -> hidden ``[T, H]``.
+        ``before_layer(i)`` runs before layer ``i`` reads the cache (a layer-wise KV load waits there)."""
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self._inv_freq.to(positions.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, cos, sin, kv_cache[i], meta)
         return self.model.norm(x)
 

@@ -7,6 +7,7 @@ pairs); we undo that so one model with HF's rotate-half RoPE serves both formats
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -41,6 +42,23 @@ def resolve_model_path(path: str | Path) -> Path:
             raise ValueError(f"{p} has no config.json and {len(ggufs)} .gguf files (need exactly one)")
         return ggufs[0]
     return p
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """A short name for the weights ``path`` holds: the file or folder name plus a digest of
+    every weight file's size, head and tail. Two checkpoints that differ (another
+    quantisation, another random seed) get different names, so their KV never mixes in a store."""
+    p = resolve_model_path(path)
+    files = [p] if p.is_file() else sorted([*p.glob("*.safetensors"), p / "config.json"])
+    digest = hashlib.blake2b(digest_size=8)
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
+    return f"{p.name}-{digest.hexdigest()}"
 
 
 def load_model(path: str | Path, dtype: str | None = None, device: str = "cpu") -> LlamaForCausalLM:

@@ -1,0 +1,75 @@
+"""The connector's configuration: one typed dataclass tree, loadable from TOML like the
+store's (``kvstore.config.load_config(path, ConnectorConfig)``; the ``[store]`` table is a
+full ``StoreConfig``). Mistakes are one-line ``ConnectorConfigError``s at start, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.config import ConfigError, StoreConfig
+
+BACKENDS = ("store", "daemon")
+LOAD_MODES = ("sync", "async", "layerwise")
+TRANSPORTS = ("auto", "shm", "remote")
+
+
+class ConnectorConfigError(ConfigError):
+    """The connector's configuration is invalid; the message is one line naming the key."""
+
+
+@dataclass
+class DaemonBackendConfig:
+    """The sidecar daemon (``kvstore serve``) as the store."""
+
+    addr: str = "127.0.0.1:50051"
+    # auto: shared memory when the daemon runs on this host, else the remote (bulk TCP) path
+    transport: str = "auto"
+    token_file: str | None = None
+    # Per RPC; with ``retries`` it bounds how long a dead daemon can hold a step.
+    timeout_s: float = 5.0
+    retries: int = 1
+
+
+@dataclass
+class ConnectorConfig:
+    backend: str = "store"  # "store": an in-process Store; "daemon": the daemon's Client
+    store: StoreConfig = field(default_factory=StoreConfig)
+    daemon: DaemonBackendConfig = field(default_factory=DaemonBackendConfig)
+    # Tokens per store chunk, a multiple of the engine's block size (checked at start).
+    chunk_tokens: int = 256
+    # sync: loads finish inside the step that admits the request; async: the request waits
+    # (WAITING_FOR_KV) while others run; layerwise: layer i is scattered while layer i-1 computes.
+    load_mode: str = "sync"
+    # A load not done in this long is given up: its request recomputes from the first missing chunk.
+    load_timeout_s: float = 10.0
+    load_workers: int = 2  # threads reading chunks and scattering them into the paged cache
+    chunks_per_read: int = 2  # chunks per store read call (one round trip through a daemon)
+    staging_chunks: int = 16  # idle chunk buffers kept for reuse (fresh ones fault in every page)
+    save: bool = True  # False: only load (a consumer that never writes the store)
+    # Chunks gathered and waiting for their put; past this the store is pushing back and new
+    # saves are dropped (and counted): a dropped save is a future miss, never a wrong load.
+    max_pending_saves: int = 8
+    pin_ttl_s: float = 30.0  # lease on looked-up chunks until they are loaded (bounds any leak)
+    # After a store failure the connector is off (no lookups, loads or saves) this long.
+    unavailable_backoff_s: float = 30.0
+    model_id: str = ""  # "" = the engine's fingerprint of its weights
+    tenant: str = ""  # a salt in the namespace: tenants never share chunks
+
+    def __post_init__(self) -> None:
+        for name, value, known in (("backend", self.backend, BACKENDS), ("load_mode", self.load_mode, LOAD_MODES),
+                                   ("daemon.transport", self.daemon.transport, TRANSPORTS)):
+            if value not in known:
+                raise ConnectorConfigError(f"connector.{name}: unknown value {value!r}; known: {', '.join(known)}")
+        for name in ("chunk_tokens", "load_workers", "chunks_per_read", "max_pending_saves", "load_timeout_s",
+                     "pin_ttl_s", "unavailable_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ConnectorConfigError(f"connector.{name} must be positive, got {getattr(self, name)}")
+        if self.staging_chunks < 0:
+            raise ConnectorConfigError(f"connector.staging_chunks must not be negative, got {self.staging_chunks}")
+
+    def check_block_size(self, block_size: int) -> None:
+        """A chunk is a whole number of engine blocks, or chunks and blocks cannot line up."""
+        if self.chunk_tokens % block_size:
+            raise ConnectorConfigError(f"connector.chunk_tokens {self.chunk_tokens} is not a multiple of the "
+                                       f"engine block size {block_size}")

@@ -1,0 +1,180 @@
+"""One request's load: its chunks read from the store into staging buffers by the loader
+threads, a few chunks per read call, and scattered into the request's blocks.
+
+Direct loads scatter each group of chunks (all layers at once) as soon as its read
+returns, so reading and scattering overlap across the loader threads. Layer-wise loads keep
+the staged chunks until every read is in, then scatter layer by layer on a thread of their
+own, so layer ``i`` lands while the model computes layer ``i - 1``.
+
+Who may write what: a group's buffers belong to its read call until the call returns; the
+request's destination blocks belong to the load until ``finish`` returns. ``finish`` (the
+result is known, or the deadline passed) abandons reads still in flight: when they return
+they scatter nothing. After a read that came back short the buffers are discarded, never
+reused (the Store may still be writing them: see docs/connector.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from threading import Condition
+
+import torch
+
+from connector.availability import Availability
+from connector.metadata import ChunkLoad, LoadResult, RequestLoad
+from connector.staging import StagingPool
+from connector.transfer import ChunkMover
+from kvstore.api import ChunkStore
+
+
+class GroupState(enum.Enum):
+    QUEUED = "queued"
+    READING = "reading"
+    SCATTERING = "scattering"
+    STAGED = "staged"  # layer-wise: read, waiting for the layer scatter
+    DONE = "done"  # every chunk of the group is in place (or staged, layer-wise)
+    SHORT = "short"  # the read stopped at a chunk it could not load; the leading ``got`` are usable
+    ABANDONED = "abandoned"
+
+
+@dataclass
+class _Group:
+    chunks: list[ChunkLoad]
+    state: GroupState = GroupState.QUEUED
+    got: int = 0  # leading chunks read (and, for direct loads, scattered)
+    bufs: list[torch.Tensor] = field(default_factory=list)
+
+
+RESOLVED = (GroupState.DONE, GroupState.SHORT)
+
+
+class LoadTask:
+    def __init__(self, request: RequestLoad, store: ChunkStore, staging: StagingPool, mover: ChunkMover,
+                 availability: Availability, cond: Condition, chunks_per_read: int, timeout_s: float,
+                 layerwise: bool) -> None:
+        self.request = request
+        self.store, self.staging, self.mover, self.availability = store, staging, mover, availability
+        self.cond = cond  # shared by the worker's tasks: any group's progress wakes its waiters
+        self.layerwise = layerwise
+        self.groups = [_Group(request.chunks[i:i + chunks_per_read])
+                       for i in range(0, len(request.chunks), chunks_per_read)]
+        self.started = time.perf_counter()
+        self.deadline = time.monotonic() + timeout_s
+        self.error: BaseException | None = None
+        self.result: LoadResult | None = None
+
+    def submit(self, pool: Executor) -> None:
+        for group in self.groups:
+            pool.submit(self._run, group)
+
+    # -- loader threads ---------------------------------------------------------------------
+
+    def _run(self, group: _Group) -> None:
+        with self.cond:
+            if group.state is GroupState.ABANDONED:
+                return
+            group.state = GroupState.READING
+        bufs = [self.staging.take() for _ in group.chunks]
+        got = self._read(group, bufs)
+        with self.cond:
+            if group.state is GroupState.ABANDONED:
+                self._release(bufs, got == len(bufs))
+                return
+            group.got = got
+            if self.layerwise:
+                group.bufs = bufs
+                group.state = GroupState.STAGED if got == len(bufs) else GroupState.SHORT
+                self.cond.notify_all()
+                return
+            group.state = GroupState.SCATTERING
+        try:
+            for buf, chunk in zip(bufs[:got], group.chunks):
+                self.mover.scatter(buf, chunk)
+        except BaseException as exc:  # a bug, not a store failure: re-raised by finish()
+            self.error, group.got = exc, 0
+        finally:
+            self._release(bufs, got == len(bufs))
+            with self.cond:
+                group.state = GroupState.DONE if group.got == len(bufs) else GroupState.SHORT
+                self.cond.notify_all()
+
+    def _read(self, group: _Group, bufs: list[torch.Tensor]) -> int:
+        keys = [c.key for c in group.chunks]
+        try:
+            if len(keys) == 1:
+                return int(self.store.get_into(keys[0], bufs[0]))
+            return self.store.get_many_into(keys, bufs)
+        except (ValueError, TypeError) as exc:  # our buffers do not fit our namespace: a bug
+            self.error = exc
+        except Exception as exc:  # the store failed: a miss for every chunk, and a back-off
+            self.availability.failed("get", exc)
+        return 0
+
+    def _release(self, bufs: list[torch.Tensor], complete: bool) -> None:
+        for buf in bufs:
+            (self.staging.give if complete else self.staging.discard)(buf)
+
+    # -- the engine's side -------------------------------------------------------------------
+
+    def _usable(self) -> tuple[int, bool]:
+        """(leading chunks in place or staged, whether that number can no longer grow)."""
+        n = 0
+        for group in self.groups:
+            if group.state not in RESOLVED and group.state is not GroupState.STAGED:
+                return n, False
+            n += group.got
+            if group.got < len(group.chunks):
+                return n, True
+        return n, True
+
+    def known(self) -> bool:
+        """Whether the result is settled: every chunk arrived, or one before all others failed."""
+        return self._usable()[1]
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def wait(self) -> None:
+        """Until the result is settled or the deadline passes (the shared condition held)."""
+        while not self.known():
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self.cond.wait(remaining)
+
+    def finish(self) -> LoadResult:
+        """Settle the load (the shared condition held): abandon reads still in flight, wait for
+        scatters under way (memory copies, no I/O), and report what is in place."""
+        timed_out = not self.known()
+        for group in self.groups:
+            if group.state in (GroupState.QUEUED, GroupState.READING):
+                group.state = GroupState.ABANDONED
+        while any(g.state is GroupState.SCATTERING for g in self.groups):
+            self.cond.wait()
+        if self.error is not None:
+            raise self.error
+        n, _ = self._usable()
+        chunks = self.request.chunks
+        failed = tuple(b for c in chunks[n:] for b in c.block_ids)
+        self.result = LoadResult(
+            self.request.request_id, loaded_chunks=n,
+            loaded_tokens=sum(len(c.block_ids) for c in chunks[:n]) * self.mover.block_size,
+            failed_block_ids=failed, seconds=time.perf_counter() - self.started,
+            bytes=n * self.staging.nbytes, timed_out=timed_out)
+        return self.result
+
+    def staged(self) -> list[tuple[torch.Tensor, ChunkLoad]]:
+        """Layer-wise: the usable staged chunks and their loads, in order (after ``finish``)."""
+        out = []
+        for group in self.groups:
+            out += list(zip(group.bufs[:group.got], group.chunks))
+        return out[: self.result.loaded_chunks]
+
+    def release_staged(self) -> None:
+        """Layer-wise: give back every group's staged buffers once the layer scatter is done."""
+        for group in self.groups:
+            self._release(group.bufs, group.got == len(group.chunks))
+            group.bufs = []

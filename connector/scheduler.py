@@ -1,0 +1,187 @@
+"""The connector's scheduler side: bookkeeping only, never a tensor.
+
+For each request it computes the store's chunk keys from the token ids (they chain over
+``chunk_tokens`` tokens, so they differ from the engine's block hashes), answers how many
+tokens past the local prefix cache the store can supply, plans the loads once the engine
+has allocated blocks, and plans each step's saves of newly completed full chunks, prompt
+and output alike. The engine applies the last-token rule (a full-prompt hit still computes
+the last prompt token); this side only reports chunk-aligned hits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from connector.availability import Availability
+from connector.config import ConnectorConfig
+from connector.metadata import ChunkLoad, ChunkSave, ConnectorMetadata, ConnectorOutput, RequestLoad, RequestSave
+from connector.pins import PinLedger
+from connector.stats import StatsRecorder
+from kvstore.api import ChunkStore
+from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, prefix_hashes
+
+
+class Request(Protocol):
+    """What this side reads of an engine request (``engine.sequence.Sequence`` has it)."""
+
+    request_id: str
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed: int
+
+
+@dataclass
+class _Claim:
+    """A lookup's answer, kept until the engine allocates (admission may fail and ask again)."""
+
+    num_local: int
+    first_chunk: int
+    hit_chunks: int
+
+    def tokens(self, chunk_tokens: int) -> int:
+        return (self.first_chunk + self.hit_chunks) * chunk_tokens - self.num_local if self.hit_chunks else 0
+
+
+@dataclass
+class _Tracker:
+    keys: list[ChunkKey] = field(default_factory=list)  # of the request's full chunks seen so far
+    claim: _Claim | None = None
+    loading: RequestLoad | None = None
+    next_save: int = 0  # chunks below are saved, loaded from the store, or were held locally
+
+
+class SchedulerConnector:
+    def __init__(self, store: ChunkStore, namespace: Namespace, block_size: int, config: ConnectorConfig,
+                 availability: Availability, stats: StatsRecorder) -> None:
+        self.store, self.namespace, self.config = store, namespace, config
+        self.availability, self.stats = availability, stats
+        self.block_size = block_size
+        self.chunk_tokens = namespace.chunk_tokens
+        self.blocks_per_chunk = self.chunk_tokens // block_size
+        self.pins = PinLedger()
+        self._trackers: dict[str, _Tracker] = {}
+        self._planned: list[RequestLoad] = []
+
+    def _keys(self, tracker: _Tracker, token_ids: Sequence[int]) -> list[ChunkKey]:
+        """Keys of every full chunk of ``token_ids``, extending the ones already computed."""
+        have, full = len(tracker.keys), len(token_ids) // self.chunk_tokens
+        if full > have:
+            parent = tracker.keys[-1].prefix_hash if have else ROOT_HASH
+            tail = token_ids[have * self.chunk_tokens:full * self.chunk_tokens]
+            tracker.keys += [ChunkKey(self.namespace, h) for h in prefix_hashes(tail, self.chunk_tokens, parent)]
+        return tracker.keys
+
+    def _store_call(self, what: str, fn, default):
+        """A store call whose failure turns the connector off for a while instead of failing the step."""
+        try:
+            return fn()
+        except (ValueError, TypeError):
+            raise  # keys of another namespace in one call, or similar: a bug of ours
+        except Exception as exc:
+            self.availability.failed(what, exc)
+            return default
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        """(tokens past the ``num_local`` locally cached ones that the store can supply, whether
+        they arrive asynchronously). Chunk-aligned, never past the request's last full chunk.
+        The first answer is kept, with the chunks pinned, until ``update_state_after_alloc``."""
+        tracker = self._trackers.setdefault(request.request_id, _Tracker())
+        claim = tracker.claim
+        if claim is None or claim.num_local != num_local:
+            self._release(request.request_id, tracker)
+            claim = tracker.claim = self._lookup(request, tracker, num_local)
+        tokens = claim.tokens(self.chunk_tokens)
+        return tokens, tokens > 0 and self.config.load_mode == "async"
+
+    def _lookup(self, request: Request, tracker: _Tracker, num_local: int) -> _Claim:
+        first = num_local // self.chunk_tokens
+        keys = self._keys(tracker, request.token_ids)[first:]
+        if not keys or not self.availability.available():
+            return _Claim(num_local, first, 0)
+        self.stats.add(lookups=1)
+        hit = self._store_call("lookup", lambda: self.store.lookup(keys), 0)
+        if hit and self._store_call("pin", lambda: self.store.pin(keys[:hit], self.config.pin_ttl_s), 0) < hit:
+            # evicted between the lookup and the pin: what is pinned now is what is there
+            hit = self._store_call("lookup", lambda: self.store.lookup(keys[:hit]), 0)
+        if hit:
+            self.pins.hold(request.request_id, keys[:hit])
+        return _Claim(num_local, first, hit)
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        """The engine allocated blocks for every token of ``request``: plan its load."""
+        tracker = self._trackers[request.request_id]
+        claim, tracker.claim = tracker.claim, None
+        local_blocks = claim.num_local // self.block_size
+        tracker.next_save = max(tracker.next_save, claim.num_local // self.chunk_tokens)
+        if num_external_tokens == 0 or not claim.hit_chunks:
+            self._release(request.request_id, tracker)
+            return
+        bpc = self.blocks_per_chunk
+        loads = []
+        for chunk in range(claim.first_chunk, claim.first_chunk + claim.hit_chunks):
+            skip = max(0, local_blocks - chunk * bpc)
+            blocks = tuple(request.block_table[chunk * bpc + skip:(chunk + 1) * bpc])
+            loads.append(ChunkLoad(tracker.keys[chunk], blocks, skip))
+        tracker.loading = RequestLoad(request.request_id, claim.first_chunk, loads)
+        tracker.next_save = claim.first_chunk + claim.hit_chunks
+        self._planned.append(tracker.loading)
+        self.stats.add(hit_tokens=num_external_tokens)
+
+    # -- each step ----------------------------------------------------------------------------
+
+    def build_connector_meta(self, items: Sequence[tuple[Request, int]]) -> ConnectorMetadata:
+        """The loads planned since the last step, and the full chunks this step's forward
+        completes (``num_computed + n`` tokens of each scheduled request)."""
+        meta = ConnectorMetadata(loads=self._planned)
+        self._planned = []
+        if not self.config.save:
+            return meta
+        bpc = self.blocks_per_chunk
+        for request, n in items:
+            tracker = self._trackers[request.request_id]
+            full = (request.num_computed + n) // self.chunk_tokens
+            if full <= tracker.next_save:
+                continue
+            keys = self._keys(tracker, request.token_ids)
+            saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]))
+                     for i in range(tracker.next_save, full)]
+            meta.saves.append(RequestSave(request.request_id, saves))
+            tracker.next_save = full
+        return meta
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        """Loads that finished release their pins; a failed one is saved again once recomputed."""
+        for result in output.loads:
+            tracker = self._trackers.get(result.request_id)
+            if tracker is None or tracker.loading is None:
+                continue
+            if not result.ok:
+                tracker.next_save = min(tracker.next_save, tracker.loading.first_chunk + result.loaded_chunks)
+            tracker.loading = None
+            self._release(result.request_id, tracker)
+
+    # -- end of a request's residency --------------------------------------------------------
+
+    def request_finished(self, request: Request) -> None:
+        """Called before the engine frees the request's blocks (nothing of it is in flight then:
+        its loads are settled and its chunks gathered)."""
+        tracker = self._trackers.pop(request.request_id, None)
+        if tracker is not None:
+            self._release(request.request_id, tracker)
+
+    def on_preempt(self, request: Request) -> None:
+        """The request loses its blocks; on resume it is looked up again over prompt + output."""
+        self.request_finished(request)
+
+    def _release(self, request_id: str, tracker: _Tracker) -> None:
+        tracker.claim = None
+        free = self.pins.release(request_id)
+        if free:
+            self._store_call("unpin", lambda: self.store.unpin(free), 0)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._trackers)

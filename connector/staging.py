@@ -1,0 +1,54 @@
+"""Chunk-sized host buffers between the store and the paged KV cache, reused across steps.
+
+Reuse matters: a fresh buffer faults in every page on first touch, several times slower
+than copying into one already mapped. On a GPU they are pinned, so copies to and from the
+device run at DMA speed. A buffer belongs to whoever took it until it is given back; one a
+store read may still be writing (a read that missed or was abandoned) is discarded instead.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StagingPool:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool, keep: int,
+                 limit: int | None = None) -> None:
+        """``keep`` idle buffers are kept for reuse; at most ``limit`` are out at once (None: no limit)."""
+        self.shape, self.dtype, self.pin_memory = shape, dtype, pin_memory
+        self.keep, self.limit = keep, limit
+        self._idle: list[torch.Tensor] = []
+        self._out = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+    @property
+    def in_use(self) -> int:
+        return self._out
+
+    def take(self) -> torch.Tensor | None:
+        """An idle buffer, or a fresh one; None when ``limit`` buffers are out."""
+        with self._lock:
+            if self.limit is not None and self._out >= self.limit:
+                return None
+            self._out += 1
+            if self._idle:
+                return self._idle.pop()
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Back for reuse: nothing writes ``buf`` any more."""
+        with self._lock:
+            self._out -= 1
+            if len(self._idle) < self.keep:
+                self._idle.append(buf)
+
+    def discard(self, buf: torch.Tensor) -> None:
+        """Never reuse ``buf``: a read that did not complete may still write it."""
+        with self._lock:
+            self._out -= 1

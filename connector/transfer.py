@@ -1,0 +1,67 @@
+"""Chunks between host staging buffers and the paged KV cache, with the kernels of
+``kernels/block_copy`` (Triton on CUDA, the torch references elsewhere).
+
+On CUDA a loader thread copies host -> device on its own stream and waits for that stream
+before it reports the chunk loaded, so compute never reads a half-written block; loads only
+ever write blocks their request owns alone, so they never race compute on shared ones.
+Gathers for saves run on the engine's thread after the forward, on the compute stream, so
+they read what the forward wrote.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from connector.metadata import ChunkLoad
+from kernels.block_copy import gather_blocks, scatter_blocks, scatter_layer_blocks
+
+
+class ChunkMover:
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        """``kv_cache``: the engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.num_layers = kv_cache.shape[0]
+        self.cuda = kv_cache.is_cuda
+        self._streams = threading.local()
+
+    def _ids(self, block_ids) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
+
+    def _source(self, buf: torch.Tensor, load: ChunkLoad) -> torch.Tensor:
+        """The part of a staged chunk that goes into the request's own blocks."""
+        return buf[:, :, load.skip_blocks * self.block_size:]
+
+    def _on_device(self, fn) -> None:
+        """Run ``fn`` on this thread's copy stream and wait for it (CUDA), or just run it."""
+        if not self.cuda:
+            fn()
+            return
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.kv_cache.device)
+        with torch.cuda.stream(stream):
+            fn()
+        stream.synchronize()
+
+    def scatter(self, buf: torch.Tensor, load: ChunkLoad) -> None:
+        """All layers of one staged chunk into its destination blocks."""
+        src = self._source(buf, load)
+        self._on_device(lambda: scatter_blocks(src.to(self.kv_cache.device, non_blocking=True), self.kv_cache,
+                                               self._ids(load.block_ids)))
+
+    def scatter_layer(self, buf: torch.Tensor, load: ChunkLoad, layer: int) -> None:
+        """One layer of one staged chunk into its destination blocks."""
+        src = self._source(buf, load)[layer]
+        self._on_device(lambda: scatter_layer_blocks(src.to(self.kv_cache.device, non_blocking=True),
+                                                     self.kv_cache[layer], self._ids(load.block_ids)))
+
+    def gather(self, block_ids, buf: torch.Tensor) -> None:
+        """A chunk's blocks, every layer, into host buffer ``buf``."""
+        ids = self._ids(block_ids)
+        if self.cuda:
+            buf.copy_(gather_blocks(self.kv_cache, ids))
+        else:
+            gather_blocks(self.kv_cache, ids, out=buf)

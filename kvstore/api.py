@@ -1,0 +1,84 @@
+"""The ChunkStore contract: what a caller of the store (the connector first) may rely on.
+
+Two implementations satisfy it: the in-process ``kvstore.store.Store`` and the daemon's
+``kvstore.client.Client``; ``tests/test_api_conformance.py`` runs the same scenarios against
+both (the daemon as a real process). Importing this module imports neither of them, so an
+engine process that talks to a daemon never loads the Store, its tiers or its policies.
+
+Rules every implementation keeps:
+
+- Keys of one call share one namespace. A key of another namespace (model, dtype, chunk
+  size, tenant...) names other chunks: it is a clean miss, never a load of foreign KV.
+- ``lookup`` answers from an index (no chunk I/O) and counts *leading* keys present.
+- Reads fill caller buffers: contiguous CPU tensors of the namespace's chunk shape and
+  dtype (anything else is a ``ValueError``). A read fills the leading chunks it can and
+  stops at the first miss; a corrupt or wrong-shaped blob is a miss, never returned.
+  Once a read call returns, nothing writes its buffers any more.
+- ``pin`` keeps present chunks from eviction for ``ttl_s`` seconds (it extends, never
+  shortens, an earlier pin); the lease bounds any leak. Pins are per chunk, not per holder:
+  one caller's ``unpin`` ends everybody's pin on that chunk.
+- ``put`` of a key already held is a no-op that keeps the stored bytes (keys name content).
+  It may wait while the store's write-behind queues are full (backpressure).
+- Errors a caller can cause are ``ValueError``/``TypeError``; an unreachable store raises
+  the implementation's own error (``DaemonError``, ``StoreClosed``, ``OSError``).
+
+``put_blob`` is left out: the Store takes a key id, the Client a ``ChunkKey`` (or the id of
+a namespace it has already used), so no caller can use it through this contract alone.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from kvstore.keys import ChunkKey
+from kvstore.stats import StoreStats
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None,
+            durable: bool = False, codec: str | None = None) -> None:
+        """Store one chunk ``[layers, 2, chunk_tokens, kv_heads, head_dim]``; returns once it
+        is in the first tier, or in every replica tier if ``durable``."""
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys are stored somewhere (index only, never chunk I/O)."""
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether one chunk is stored."""
+
+    def pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
+        """Keep present chunks from eviction for ``ttl_s`` (> 0) seconds; returns how many were present."""
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> int:
+        """End pins early; returns how many of the keys were pinned."""
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> list[Future]:
+        """Start promoting chunks held only in slower tiers into the first; one future per promotion."""
+
+    def get_into(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        """Load one chunk into ``out``; False on a miss (``out`` is then not meaningful)."""
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
+        """Load the leading loadable chunks into ``outs`` (one buffer per key); returns how many."""
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
+        """The leading loadable chunks, in fresh tensors."""
+
+    def get_blob(self, key: ChunkKey) -> bytes | None:
+        """One chunk's verified blob (header + encoded payload), or None on a miss."""
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove chunks everywhere; returns how many were present."""
+
+    def stats(self) -> StoreStats:
+        """Counters of the store (in-process) or of the daemon's store."""
+
+    def flush(self) -> None:
+        """Wait until what this caller handed over is written where it is going."""
+
+    def close(self) -> None:
+        """Release this handle (the in-process Store flushes and stops; a Client disconnects)."""
