@@ -148,37 +148,47 @@ class Store:
         size = sum(memoryview(p).nbytes for p in parts)
         header = _leading_header(parts)
         ticket = Ticket() if durable else None
+        while not self._put_once(key_id, parts, size, header, parent, ticket):
+            pass  # the chunk changed while its copies' room was reserved: look again
+        if ticket is not None:
+            ticket.wait(self.config.write_behind.durable_timeout_s)
+
+    def _put_once(self, key_id: bytes, parts, size: int, header, parent: bytes | None, ticket: Ticket | None) -> bool:
         with self.index.lock:
             self.index.check_open()
-            self.index.puts += 1
             entry = self.index.get(key_id)
             same = entry is not None and entry.header == header
             host = entry.current(self.first.name) if same else None
             present = host is not None and host.size == size
-            if present:
+            if present and ticket is None:
+                self.index.puts += 1
                 self.index.hit(key_id, entry)
-                if ticket is None:
-                    return
+                return True
             needs = [t.name for t in self.replica_tiers
                      if not (same and (r := entry.current(t.name)) is not None and (ticket is None or r.synced))]
         reservation = self._write_behind.reserve(size, needs)
         if present:  # a durable put of what is there: its copies must be written and synced
             with self.index.lock:
+                if self.index.get(key_id) is not entry or entry.current(self.first.name) is not host:
+                    self._write_behind.release(reservation)
+                    return False
+                self.index.puts += 1
+                self.index.hit(key_id, entry)
                 self._write_behind.queue(key_id, entry, reservation, ticket)
-        else:
-            try:
-                self._write_first(key_id, parts, size, True, None,
-                                  lambda: self._commit_put(key_id, header, size, parent, reservation, ticket))
-            except BaseException:
-                self._write_behind.release(reservation)
-                raise
-        if ticket is not None:
-            ticket.wait(self.config.write_behind.durable_timeout_s)
+            return True
+        try:
+            self._write_first(key_id, parts, size, True, None,
+                              lambda: self._commit_put(key_id, header, size, parent, reservation, ticket))
+        except BaseException:
+            self._write_behind.release(reservation)
+            raise
+        return True
 
     def _commit_put(self, key_id: bytes, header, size: int, parent: bytes | None, reservation: Reservation,
                     ticket: Ticket | None) -> bool:
         """The index learns of a put's first-tier copy and queues its copies (index lock held)."""
         index = self.index
+        index.puts += 1
         entry = index.get(key_id)
         if entry is None:
             entry = index.entries[key_id] = Entry(index.next_version(), size, header, parent=parent)

@@ -145,7 +145,9 @@ class WriteBehind:
 
     def queue(self, key_id: bytes, entry: Entry, reservation: Reservation, ticket: Ticket | None) -> None:
         """Queue the copies ``entry``'s latest version still needs (index lock held), using
-        the reserved room; with a ticket, also syncs of copies written without one."""
+        the reserved room; with a ticket, also syncs of copies written without one. ``entry``
+        must be the key's entry in the index now."""
+        assert self.index.get(key_id) is entry, "copies queued for an entry no longer in the index"
         for name, q in self.queues.items():
             reserved = name in reservation.tiers
             current = entry.current(name)

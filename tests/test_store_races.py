@@ -424,3 +424,27 @@ def test_10_a_short_pin_after_an_unpin_of_a_long_one_ends_on_time(tmp_path):
         store.pin(keys, ttl_s=0.01)
         wait_until(lambda: store.stats().pinned == 0, what="the short pin to end")
         store.check_integrity()  # back in its policy, evictable
+
+
+def test_a_durable_put_of_a_present_chunk_deleted_while_it_waits_for_queue_room_loses_nothing(tmp_path):
+    """Found by the concurrency test: the durable put queued its copy for the chunk's old
+    entry after a delete and a re-put replaced it, overwriting the new entry's queued copy;
+    the queue's byte count then never went back to zero (flush hung)."""
+    store, (nvme,) = faulty_store(tmp_path, workers=2, pending=2 * PAGE)
+    keys, values = chunks(8)
+    with store:
+        store.put(keys[0], values[0])
+        store.flush()
+        gate = nvme.gates["write"] = Gate()
+        for k, v in zip(keys[1:], values[1:]):  # the disk hangs: its queue fills up
+            store.put(k, v)
+        durable = Call(lambda: store.put(keys[0], values[0], durable=True))  # waits for queue room
+        assert not durable.finished.wait(0.3)
+        store.delete(keys[:1])
+        again = Call(lambda: store.put(keys[0], values[0]))  # a new entry, also waiting for room
+        again.finished.wait(0.3)
+        gate.open()
+        again.outcome()
+        durable.outcome()
+        assert store.flush(timeout_s=30), "copies never finished: the queue's books leaked"
+        assert store.lookup(keys) == 8 and loads(store, keys[0], values[0])
