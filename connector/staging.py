@@ -15,13 +15,17 @@ import torch
 
 class StagingPool:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool, keep: int,
-                 limit: int | None = None) -> None:
-        """``keep`` idle buffers are kept for reuse; at most ``limit`` are out at once (None: no limit)."""
+                 limit: int | None = None, prefault: int = 0) -> None:
+        """``keep`` idle buffers are kept for reuse; at most ``limit`` are out at once (None: no
+        limit); ``prefault`` buffers are made and touched now, so the first loads reuse them."""
         self.shape, self.dtype, self.pin_memory = shape, dtype, pin_memory
         self.keep, self.limit = keep, limit
-        self._idle: list[torch.Tensor] = []
+        self._idle = [self._fresh().zero_() for _ in range(min(prefault, keep))]
         self._out = 0
         self._lock = threading.Lock()
+
+    def _fresh(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
 
     @property
     def nbytes(self) -> int:
@@ -39,7 +43,7 @@ class StagingPool:
             self._out += 1
             if self._idle:
                 return self._idle.pop()
-        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
+        return self._fresh()
 
     def give(self, buf: torch.Tensor) -> None:
         """Back for reuse: nothing writes ``buf`` any more."""

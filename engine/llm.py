@@ -102,6 +102,12 @@ class LLM:
         other._start()
         return other
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the local prefix cache (between runs of a benchmark or a test); the engine must be idle."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache while requests are queued or running")
+        self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """Totals over the requests finished so far, and the connector's counters."""
         return dataclasses.replace(self.totals, connector=self.connector.stats() if self.connector else None)
