@@ -90,17 +90,6 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best / GB
 
 
-def drop_page_cache(paths: list[Path]) -> None:
-    """Write back and drop the files' cached pages, so the next read comes from the device."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -134,7 +123,10 @@ def resident_pages(paths: list[Path]) -> int:
 
 
 def cold_files(paths: list[Path]) -> None:
-    drop_page_cache(paths)
+    """Drop the files' cached pages (fdatasync + POSIX_FADV_DONTNEED) and check none is left."""
+    from bench.tiers import _drop_cache
+
+    _drop_cache(paths)
     left = resident_pages(paths)
     if left:
         raise RuntimeError(f"{left} pages of the chunk files are still cached after dropping them")
