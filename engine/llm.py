@@ -134,6 +134,9 @@ class LLM:
         """Validate and queue one request; raises ValueError naming the problem."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
+        queued = self.scheduler.waiting + self.scheduler.running + self.scheduler.loading
+        if request_id and any(s.request_id == request_id for s in queued):
+            raise ValueError(f"request id {request_id!r} is already in use")  # the connector tracks requests by id
         now = time.perf_counter() if arrival_time is None else arrival_time
         seq = Sequence(token_ids, params, now, request_id=request_id)
         self.scheduler.add(seq)
