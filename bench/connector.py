@@ -58,11 +58,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--dir", default=None, help="directory for the disk tiers (default: a temporary one)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake conversation trace (JSON lines, gzip)")
-    p.add_argument("--conversations", type=int, default=8, help="conversations in the multi-turn run")
-    p.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    p.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    p.add_argument("--conversations", type=int, default=6, help="conversations in the multi-turn run")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
     p.add_argument("--max-prompt", type=int, default=2048, help="multi-turn prompts are cut to this many tokens")
-    p.add_argument("--budget-prompts", type=float, default=2.0,
+    p.add_argument("--budget-prompts", type=float, default=1.0,
                    help="the multi-turn KV cache holds this many longest prompts")
     p.add_argument("--output-tokens", type=int, default=4, help="tokens generated per multi-turn request")
     p.add_argument("--seed", type=int, default=0)
