@@ -31,10 +31,6 @@ class StagingPool:
     def nbytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
-    @property
-    def in_use(self) -> int:
-        return self._out
-
     def take(self) -> torch.Tensor | None:
         """An idle buffer, or a fresh one; None when ``limit`` buffers are out."""
         with self._lock:

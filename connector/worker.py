@@ -122,9 +122,6 @@ class WorkerConnector:
                        loaded_bytes=result.bytes, load_s=result.seconds, failed_loads=int(not result.ok),
                        timed_out_loads=int(result.timed_out))
 
-    def pending_loads(self) -> int:
-        return len(self._inflight)
-
     def wait_for_loads(self, timeout_s: float) -> None:
         """Nothing else to run: wait until an asynchronous load is settled or past its deadline."""
         deadline = time.monotonic() + timeout_s
