@@ -11,7 +11,9 @@ head_dim 64, 256 tokens, fp16):
   fdatasync + POSIX_FADV_DONTNEED first) into caller buffers with the tier's parallel reader.
   Limit: a plain sequential read of the same files, equally cold.
 - store: the Store facade end to end (verify header, checksum where configured, decode) for
-  a host hit and a cold disk hit, to show what the layers above the tiers cost.
+  a host hit and a cold disk hit, to show what the layers above the tiers cost; and the cost
+  of durability: a durable put returns once its disk copy is written and fsync'ed (file and
+  directory), against a put that returns once the chunk is in host RAM.
 """
 
 from __future__ import annotations
@@ -228,17 +230,25 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
             return time.perf_counter() - t
 
         host_s = _best(host_get, args.repeat)
-        _drop_cache(str(store.tiers[1].path_of(k.id)) for k in cold)
+        _drop_cache(str(store.tier("nvme").path_of(k.id)) for k in cold)
         outs = [torch.zeros_like(chunk) for _ in cold]  # reused staging buffers, as a connector has
         t = time.perf_counter()
         got = list(store.stream(cold, outs=outs))
         disk_s = time.perf_counter() - t
         if len(got) != len(cold):
             raise RuntimeError("store lost chunks during the benchmark")
+        durable = keys[: max(1, len(keys) // 4)]
+        store.delete(durable)
+        t = time.perf_counter()
+        for k in durable:
+            store.put(k, chunk, durable=True)
+        durable_s = time.perf_counter() - t
     return {
         "put_gbps": len(keys) * payload_bytes / put_s / GB,
         "host_get_gbps": len(in_host) * payload_bytes / host_s / GB,
         "cold_disk_get_gbps": len(cold) * payload_bytes / disk_s / GB,
+        "durable_put_gbps": len(durable) * payload_bytes / durable_s / GB,
+        "durable_put_ms": durable_s / len(durable) * 1e3,
     }
 
 
@@ -251,3 +261,5 @@ def _print_table(report: dict) -> None:
     s = report["store"]
     print(f"store  put {s['put_gbps']:.2f} GB/s (host + write-behind to disk), get from host "
           f"{s['host_get_gbps']:.2f} GB/s, cold get from disk {s['cold_disk_get_gbps']:.2f} GB/s")
+    print(f"store  durable put {s['durable_put_gbps']:.2f} GB/s ({s['durable_put_ms']:.1f} ms a chunk: "
+          f"written and fsync'ed on disk before it returns)")

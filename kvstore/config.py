@@ -138,8 +138,13 @@ class WriteBehindConfig:
 
     # Bytes queued for the disk at most (their host pages cannot be evicted meanwhile);
     # unset = a quarter of the host tier. At most half of the host tier.
-    max_pending_bytes: int | None = None
+    max_pending_bytes: int | None = None  # per replica tier
     workers: int = 2
+    # A tier that finished no copy for this long while copies wait is stalled (a hung mount,
+    # Redis): puts stop waiting for its queue and skip it (counted in write_behind_dropped).
+    stall_s: float = 10.0
+    # A durable put waits this long for its copies, then raises TimeoutError (they go on).
+    durable_timeout_s: float = 60.0
 
 
 @dataclass
@@ -180,6 +185,39 @@ class StoreConfig:
     promote_on_read: bool = True
     # A chunk in flight on one tier for longer than this may be fetched from another replica.
     fetch_stall_s: float = 0.5
+    # Pins last at most this long, whatever a caller asks: a forgotten pin always ends.
+    max_pin_ttl_s: float = 3600.0
+    # Prefetches reading or waiting at once, at most; more are not started (a miss later).
+    prefetch_max_inflight: int = 256
+
+    def validate(self) -> None:
+        """Check what the types cannot: registry names and cross-field rules (ConfigError
+        naming the key)."""
+        from kvstore.codecs import codec_names
+        from kvstore.policies import POLICIES
+
+        if self.codec not in codec_names():
+            raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {codec_names()}")
+        if self.eviction_policy != "default" and self.eviction_policy not in POLICIES:
+            raise ConfigError(f"eviction_policy: unknown policy {self.eviction_policy!r}; "
+                              f"known: {['default', *sorted(POLICIES)]}")
+        tiers = {"host", "gpu", "nvme", "pfs", "redis"}
+        unknown = set(self.replicate_to or ()) - tiers
+        if unknown:
+            raise ConfigError(f"replicate_to: unknown tiers {sorted(unknown)}; known: {sorted(tiers - {'host'})}")
+        unknown = set(self.placement.tiers) - tiers
+        if unknown:
+            raise ConfigError(f"placement.tiers: unknown tiers {sorted(unknown)}; known: {sorted(tiers)}")
+        bad = [c for c in self.placement.codecs if c not in codec_names()]
+        if bad:
+            raise ConfigError(f"placement.codecs: unknown codecs {bad}; known: {codec_names()}")
+        for path, value in (("write_behind.stall_s", self.write_behind.stall_s),
+                            ("write_behind.durable_timeout_s", self.write_behind.durable_timeout_s),
+                            ("max_pin_ttl_s", self.max_pin_ttl_s), ("fetch_stall_s", self.fetch_stall_s)):
+            if not value > 0:
+                raise ConfigError(f"{path}: must be positive, got {value}")
+        if self.write_behind.workers < 1 or self.prefetch_max_inflight < 1:
+            raise ConfigError("write_behind.workers and prefetch_max_inflight must be at least 1")
 
 
 def _is_size_field(f: dataclasses.Field) -> bool:
@@ -207,7 +245,13 @@ def _build(cls, data: dict, where: str):
                 raise ConfigError(f"{path}: {exc}") from None
         else:
             kwargs[name] = _check_type(value, hint, path)
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    if hasattr(built, "validate"):
+        try:
+            built.validate()  # registry names and cross-field rules
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc}" if where else str(exc)) from None
+    return built
 
 
 def _check_type(value, hint, path):

@@ -9,6 +9,12 @@ off for that chunk and another tier takes it; a chunk in flight for longer than
 ``stall_s`` may be taken over by another tier's worker (the first to finish wins). When
 no replica of a chunk can deliver, the fetch ends there: later chunks are useless to a
 prefix cache.
+
+The caller's buffers (``outs``) belong to the fetch until ``close`` returns: it stops
+handing out work and waits for every read still writing into one. Takeovers read into
+buffers of their own (the stalled reader may still be writing ``out``), and so do tiers
+named ``detached``: tiers that may hang for long (a shared mount, a remote server), whose
+stalled reads ``close`` must not wait for.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class _Chunk:
     in_flight: dict[str, float] = field(default_factory=dict)  # tier -> claim time
     failed: set[str] = field(default_factory=set)
     result: torch.Tensor | None = None
+    writing_out: int = 0  # reads in flight into ``out`` itself
 
 
 ReadFn = Callable[[str, int, torch.Tensor], bool]
@@ -37,10 +44,13 @@ class FetchJob:
     """One ordered fetch. ``read(tier, index, out)`` reads chunk ``index`` from ``tier``
     into ``out`` and returns whether it succeeded (it records failures itself)."""
 
-    def __init__(self, replicas: Sequence[frozenset[str]], outs: Sequence[torch.Tensor], read: ReadFn, stall_s: float) -> None:
+    def __init__(self, replicas: Sequence[frozenset[str]], outs: Sequence[torch.Tensor], read: ReadFn, stall_s: float,
+                 detached: frozenset[str] | set[str] = frozenset()) -> None:
         self._chunks = [_Chunk(r, o) for r, o in zip(replicas, outs)]
         self._read = read
         self.stall_s = stall_s
+        self._detached = detached
+        self._closed = False
         self._cond = threading.Condition()
         self._first_open = 0  # every chunk before this one is done
         self._end = len(self._chunks)  # chunks from here on are abandoned
@@ -51,6 +61,8 @@ class FetchJob:
 
     def _claimable(self, tier: str, now: float) -> tuple[int, bool] | None:
         """The earliest chunk ``tier`` may take, and whether taking it is a takeover."""
+        if self._closed:
+            return None
         for i in range(self._first_open, self._end):
             c = self._chunks[i]
             if c.result is not None or tier not in c.replicas or tier in c.failed or tier in c.in_flight:
@@ -63,6 +75,8 @@ class FetchJob:
 
     def _may_need(self, tier: str) -> bool:
         """Whether ``tier`` could still be asked for work (so its worker should wait, not exit)."""
+        if self._closed:
+            return False
         for i in range(self._first_open, self._end):
             c = self._chunks[i]
             if c.result is None and tier in c.replicas and tier not in c.failed and tier not in c.in_flight and c.in_flight:
@@ -84,14 +98,16 @@ class FetchJob:
                 index, takeover = claim
                 chunk = self._chunks[index]
                 chunk.in_flight[tier] = now
-            # A takeover reads into its own buffer: the stalled reader may still be writing `out`.
-            target = torch.empty_like(chunk.out) if takeover else chunk.out
+                own = takeover or tier in self._detached
+                chunk.writing_out += not own
+            target = torch.empty_like(chunk.out) if own else chunk.out
             ok = False
             try:
                 ok = self._read(tier, index, target)
             finally:
                 with self._cond:
                     chunk.in_flight.pop(tier, None)
+                    chunk.writing_out -= not own
                     if ok and chunk.result is None:
                         chunk.result = target
                         self.reads_by_tier[tier] = self.reads_by_tier.get(tier, 0) + 1
@@ -115,8 +131,11 @@ class FetchJob:
             yield result
             i += 1
 
-    def cancel(self) -> None:
-        """Stop handing out work (a consumer that no longer wants the rest)."""
+    def close(self) -> None:
+        """Stop handing out work, and return once no read writes into the caller's buffers."""
         with self._cond:
+            self._closed = True
             self._end = min(self._end, self._first_open)
             self._cond.notify_all()
+            while any(c.writing_out for c in self._chunks):
+                self._cond.wait()

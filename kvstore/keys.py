@@ -9,6 +9,7 @@ the same ``chain_hash`` for its blocks, so one store chunk is exactly
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -18,8 +19,9 @@ HASH_BYTES = 16
 KEY_BYTES = 2 * HASH_BYTES
 ROOT_HASH = hashlib.blake2b(b"kvstore/prefix-root/v1", digest_size=HASH_BYTES).digest()
 
-# dtype names a namespace accepts; the blob format maps them to one-byte codes.
-DTYPES = ("float16", "bfloat16", "float32")
+# dtype names a namespace accepts (bytes per element); the blob format maps them to one-byte codes.
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPES = tuple(DTYPE_BYTES)
 
 
 def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -83,6 +85,28 @@ class Namespace:
     def chunk_shape(self) -> tuple[int, int, int, int, int]:
         """Logical shape of one chunk: [layers, K/V, tokens, kv_heads, head_dim]."""
         return (self.num_layers, 2, self.chunk_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one raw chunk."""
+        return math.prod(self.chunk_shape) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def torch_dtype(self):
+        import torch  # here, not at import: a client that moves only bytes need not load torch
+
+        return getattr(torch, self.dtype)
+
+    def check(self, tensor, what: str = "chunk") -> None:
+        """Raise unless ``tensor`` is a torch tensor of this namespace's chunk dtype and shape."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != self.torch_dtype:
+            raise ValueError(f"{what} dtype {tensor.dtype} does not match namespace dtype {self.dtype}")
+        if tuple(tensor.shape) != self.chunk_shape:
+            raise ValueError(f"{what} shape {tuple(tensor.shape)} does not match namespace chunk shape {self.chunk_shape}")
 
 
 @dataclass(frozen=True)

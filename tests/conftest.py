@@ -6,6 +6,7 @@ triton is imported anywhere. Hypothesis settings profiles are chosen here.
 
 import os
 
+import pytest
 from hypothesis import settings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -18,3 +19,20 @@ settings.register_profile("ci", deadline=None, derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 pytest_plugins = ["redis_servers"]
+
+
+@pytest.fixture(autouse=True)
+def _store_integrity_checked_at_close(monkeypatch):
+    """Every Store a test closes is checked first: index, tiers, policies, queues and pins
+    must agree (Store.check_integrity) once its copies are done."""
+    from kvstore.store import Store
+
+    close = Store.close
+
+    def checked_close(self):
+        if not self.index.closed:
+            self.flush()
+            self.check_integrity()
+        close(self)
+
+    monkeypatch.setattr(Store, "close", checked_close)

@@ -102,11 +102,13 @@ def test_get_blob_is_verified_and_none_on_a_miss(chunk_store, ns):
     assert chunk_store.get_blob(keys[1]) is None
 
 
-def test_putting_a_present_key_again_keeps_the_stored_bytes(chunk_store, ns):
+def test_the_last_acknowledged_put_of_a_key_is_what_reads_return(chunk_store, ns):
     keys, kvs = chunks(ns, 1)
     chunk_store.put(keys[0], kvs[0])
-    chunk_store.put(keys[0], torch.zeros_like(kvs[0]))
+    chunk_store.put(keys[0], kvs[0])  # the same blob again: an access, nothing rewritten
     assert torch.equal(chunk_store.get(keys)[0], kvs[0])
+    chunk_store.put(keys[0], torch.zeros_like(kvs[0]))  # another blob of the key replaces it
+    assert torch.equal(chunk_store.get(keys)[0], torch.zeros_like(kvs[0]))
 
 
 @pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"chunk_tokens": 8}, {"model_id": "other"},

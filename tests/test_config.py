@@ -55,6 +55,12 @@ assumed_read_bytes_per_s = "2GB/s"
         ({"host": 3}, "host"),
         ({"placement": {"lambda": 1}}, "placement"),
         ({"placement": {"codecs": "int8"}}, "placement.codecs"),
+        ({"codec": "zstd"}, "codec: unknown codec 'zstd'"),
+        ({"eviction_policy": "fifo"}, "eviction_policy: unknown policy 'fifo'"),
+        ({"replicate_to": ["tape"]}, "replicate_to: unknown tiers"),
+        ({"placement": {"tiers": ["tape"]}}, "placement.tiers: unknown tiers"),
+        ({"placement": {"codecs": ["zstd"]}}, "placement.codecs: unknown codecs"),
+        ({"write_behind": {"stall_s": 0}}, "write_behind.stall_s: must be positive"),
     ],
 )
 def test_errors_name_the_key(data, where):
@@ -67,3 +73,12 @@ def test_invalid_toml(tmp_path):
     path.write_text("[host\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(path)
+
+
+def test_a_nested_store_config_is_checked_at_load_with_its_key_path(tmp_path):
+    from kvstore.daemon.config import DaemonConfig
+
+    path = tmp_path / "daemon.toml"
+    path.write_text('[store]\ncodec = "zstd"\n')
+    with pytest.raises(ConfigError, match=r"^store\.codec: unknown codec 'zstd'"):
+        load_config(path, DaemonConfig)

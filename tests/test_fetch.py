@@ -111,7 +111,7 @@ def test_stalled_tier_loses_its_chunk_to_another_replica():
 def make_store(tmp_path, caps=(None, None), stall_s=0.5):
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=256 * PAGE, page_bytes=PAGE, prefault=False),
-        disk=DiskTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=1 << 24),
+        disk=DiskTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=1 << 24, read_bytes_per_s=caps[0] or 0),
         write_behind=WriteBehindConfig(max_pending_bytes=64 * PAGE),
         promote_on_read=False,
         fetch_stall_s=stall_s,
@@ -119,10 +119,7 @@ def make_store(tmp_path, caps=(None, None), stall_s=0.5):
     pfs: object = DiskTier(tmp_path / "pfs", 1 << 24, name="pfs")
     if caps[1]:
         pfs = ThrottledTier(pfs, caps[1])
-    store = Store(cfg, extra_tiers=[pfs], extra_fetch_workers={"pfs": 2})
-    if caps[0]:
-        store.tiers[1] = store._by_name["nvme"] = ThrottledTier(store.tiers[1], caps[0])
-    return store
+    return Store(cfg, extra_tiers=[pfs], extra_fetch_workers={"pfs": 2})
 
 
 def put_replicated(store, n, seed=0):
@@ -164,7 +161,7 @@ def test_tier_disappearing_mid_read_is_invisible_to_the_caller(tmp_path):
 
 def test_corrupt_replica_is_dropped_and_the_other_used(tmp_path):
     def corrupt(tier_name, key):
-        path = store._by_name[tier_name].path_of(key.id)
+        path = store.tier(tier_name).path_of(key.id)
         raw = bytearray(path.read_bytes())
         raw[-5] ^= 0x10
         path.write_bytes(bytes(raw))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from faults import wait_until
 from fsfaults import remount_read_only, tiny_tmpfs
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
@@ -306,7 +307,7 @@ def test_pinned_chunks_are_not_evicted_until_unpinned_or_expired(tmp_path):
         assert not store.contains(keys[0])
         store.put(keys[0], values[0])
         store.pin(keys[:1], ttl_s=0.05)
-        time.sleep(0.1)
+        wait_until(lambda: store.stats().pinned == 0, what="the pin to expire")
         for k, v in zip(keys[1:], values[1:]):
             store.put(k, v)
         assert not store.contains(keys[0])
@@ -354,9 +355,7 @@ def test_replicas_on_extra_tiers_and_fallback_when_one_is_corrupt(tmp_path):
         for k, v in zip(keys, values):
             store.put(k, v, durable=True)
         assert all(store.tiers[1].contains(k.id) and second.contains(k.id) for k in keys)
-        store.first.delete(keys[0].id)
-        with store._lock:
-            store._index[keys[0].id].replicas.discard("host")
+        assert store.drop(keys[:1], "host") == 1
         path = store.tiers[1].path_of(keys[0].id)
         raw = bytearray(path.read_bytes())
         raw[200] ^= 1
@@ -391,7 +390,7 @@ def test_default_policy_keeps_the_newest_chunks(tmp_path, with_parents, disk):
     cfg = config(tmp_path, host=16 * PAGE, pending=4 * PAGE)
     cfg.disk.enabled = disk
     with Store(cfg) as store:
-        assert type(store._policies["host"]).name == "shadow-vote"
+        assert type(store.index.policies["host"]).name == "shadow-vote"
         for i, (k, v) in enumerate(zip(keys, values)):
             store.put(k, v, parent=keys[i - 1] if with_parents and i else None)
         store.flush()
@@ -438,14 +437,14 @@ def test_pinned_payload_drops_a_corrupt_header():
 
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.integers(0, 400))
 def test_split_runs_cuts_byte_ranges_at_any_point(lengths, n):
-    from kvstore.store import _split_runs
+    from kvstore.read_path import split_runs
 
     runs, offset = [], 0
     for length in lengths:
         runs.append((offset, length))
         offset += length + 7  # gaps between runs
     flat = [o + i for o, length in runs for i in range(length)]
-    head, tail = _split_runs(runs, n)
+    head, tail = split_runs(runs, n)
     assert [o + i for o, length in head for i in range(length)] == flat[:n]
     assert [o + i for o, length in tail for i in range(length)] == flat[n:]
     assert all(length > 0 for _, length in head + tail)
@@ -482,7 +481,7 @@ def test_a_put_reaches_the_first_tiers_policy_as_one_access_in_put_order(tmp_pat
     keys, values = chunks(3)
     with Store(config(tmp_path)) as store:
         calls = []
-        policy = store._policies["host"]
+        policy = store.index.policies["host"]
         for name in ("on_insert", "on_remove", "on_hit"):
             method = getattr(policy, name)
             setattr(policy, name, lambda *a, _name=name, _method=method, **kw: (calls.append((_name, a[0])), _method(*a, **kw)))
@@ -507,7 +506,7 @@ def test_a_chunk_pinned_and_unpinned_keeps_its_policy_standing(tmp_path):
     with Store(cfg) as store:
         store.put(keys[0], values[0])
         store.flush()  # copies done: back in the host policy, not counted as an access
-        arcs = store._policies.values()
+        arcs = store.index.policies.values()
         assert all(keys[0].id in arc._t1 for arc in arcs)
         assert len(store.get(keys[:1])) == 1
         assert all(keys[0].id in arc._t2 for arc in arcs)
@@ -531,9 +530,9 @@ def test_hits_on_a_pinned_chunk_reach_its_policies(tmp_path):
         assert len(store.get(keys[:1])) == 1  # a load while pinned
         store.put(keys[1], values[1])  # a put of a present chunk while pinned
         store.unpin(keys)
-        for name, arc in store._policies.items():
+        for name, arc in store.index.policies.items():
             assert keys[0].id in arc._t2, name
-        assert keys[1].id in store._policies["host"]._t2
+        assert keys[1].id in store.index.policies["host"]._t2
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -548,7 +547,7 @@ def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path, pin
         store.put(keys[0], values[0])
         store.flush()
         assert len(store.get(keys)) == 1
-        host = store._policies["host"]
+        host = store.index.policies["host"]
         assert keys[0].id in host._t2
         if pinned:
             assert store.pin(keys, ttl_s=60) == 1

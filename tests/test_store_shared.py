@@ -18,6 +18,7 @@ from kvstore.config import (  # noqa: E402
 )
 from kvstore.keys import Namespace, chunk_keys  # noqa: E402
 from kvstore.store import Store  # noqa: E402
+from faults import Call, Gate  # noqa: E402
 
 PAGE = 4096
 NS = Namespace("shared-test", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
@@ -133,3 +134,32 @@ def test_two_daemons_share_chunks_through_a_redis_cluster(tmp_path, redis_cluste
         assert b.replicas(keys) == [frozenset({"redis"})] * 6
         got = b.get(keys)
         assert len(got) == 6 and all(torch.equal(x, y) for x, y in zip(got, values))
+
+
+def test_20_a_stale_shared_index_removal_never_erases_a_fresh_entry(tmp_path, redis_server, monkeypatch):
+    """A copy dropped from the PFS tier is removed from the shared index while the chunk is
+    put again: the removal must not land after the re-put's add (the old code applied
+    removals later, on a thread of their own, and erased the fresh entry)."""
+    from kvstore.tier_setup import SharedIndexClient
+
+    keys, values = chunks(1, seed=7)
+    gate = Gate(times=1)
+    remove = SharedIndexClient.remove
+
+    def held_remove(self, tier_name, key_ids):
+        if tier_name == "pfs":
+            gate.pass_through(key_ids[0])
+        return remove(self, tier_name, key_ids)
+
+    with Store(daemon_config(tmp_path, "a", redis_server.url, True, "stale")) as a:
+        a.put(keys[0], values[0], durable=True)
+        monkeypatch.setattr(SharedIndexClient, "remove", held_remove)
+        drop = Call(lambda: a.drop(keys, "pfs"))
+        assert gate.entered.wait(10)  # the dropped copy's removal from the shared index is under way
+        reput = Call(lambda: a.put(keys[0], values[0], durable=True))
+        reput.finished.wait(0.5)  # the old code's re-put added its entry here, before the removal landed
+        gate.open()
+        assert drop.outcome() == 1
+        reput.outcome()
+        with Store(daemon_config(tmp_path, "b", redis_server.url, True, "stale")) as b:
+            assert b.lookup(keys) == 1 and "pfs" in b.replicas(keys)[0]

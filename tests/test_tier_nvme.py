@@ -174,3 +174,31 @@ def test_a_dead_holder_leaves_no_stale_lock(tmp_path):
         holder.kill()
         holder.wait()
     DiskTier(tmp_path, 1 << 20).close()
+
+
+def test_21_a_delete_racing_a_rewrite_of_the_same_key_never_unlinks_the_new_file(tmp_path, monkeypatch):
+    """The delete stops just before its unlink while a write of the same key runs: the tier
+    must end with the new value both in its books and on disk (the old code unlinked it)."""
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write(key(1), [blob(5000, 1)])
+    path = str(tier.path_of(key(1)))
+    entered, release = threading.Event(), threading.Event()
+    unlink = os.unlink
+
+    def held_unlink(p, *a, **kw):
+        if str(p) == path and not release.is_set():
+            entered.set()
+            release.wait()
+        return unlink(p, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", held_unlink)
+    deleter = threading.Thread(target=tier.delete, args=(key(1),))
+    deleter.start()
+    assert entered.wait(10)
+    writer = threading.Thread(target=tier.write, args=(key(1), [blob(6000, 2)]))
+    writer.start()
+    writer.join(0.5)  # the old code renamed the new file into place here, for the unlink to remove
+    release.set()
+    deleter.join()
+    writer.join()
+    assert tier.contains(key(1)) and tier.read(key(1)) == blob(6000, 2)

@@ -193,3 +193,10 @@ def test_a_second_store_on_the_mount_serves_what_the_first_stored(tmp_path):
         got = second.get(keys)
         assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, values))
         assert second.stats().tiers["pfs"].corruptions == 1 and not truncated.exists()
+
+
+def test_18_a_bandwidth_cap_keeps_the_pfs_tier_shared(tmp_path):
+    from tiers.throttle import ThrottledTier
+
+    capped = ThrottledTier(PfsTier(tmp_path, 1 << 20), 100e6)
+    assert capped.shared is True  # discovery, shared-index updates and the no-recode rule depend on it

@@ -14,6 +14,11 @@ from typing import BinaryIO, Iterator, Protocol, Sequence
 Buffer = bytes | bytearray | memoryview
 
 
+def as_buffers(out: Buffer | Sequence[Buffer]) -> list[Buffer]:
+    """``read_into``'s ``out`` as a list of buffers."""
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
 class TierError(Exception):
     """A tier could not do what was asked; the tier itself stays usable."""
 
@@ -70,11 +75,24 @@ class Tier(ABC):
         return None if got is None else bytes(buf[:got])
 
     @abstractmethod
-    def read_into(self, key: bytes, out: memoryview) -> int | None:
-        """Copy the value into ``out`` and return its length; None if absent.
+    def read_into(self, key: bytes, out: Buffer | Sequence[Buffer]) -> int | None:
+        """Copy the value into ``out`` (one buffer, or several filled in order) and return its
+        length; None if absent.
 
         Raises ValueError if ``out`` is too small.
         """
+
+    def peek(self, key: bytes, nbytes: int) -> bytes | None:
+        """The value's first ``nbytes`` bytes (fewer if it is shorter), or None if absent: the
+        Store checks blob headers at start without reading whole values. This default reads
+        the whole value."""
+        data = self.read(key)
+        return None if data is None else bytes(memoryview(data)[:nbytes])
+
+    def sync(self, key: bytes) -> None:
+        """Make the value written under ``key`` survive a power loss (durable puts wait for it).
+        Default: nothing to do, for tiers whose medium is volatile (RAM) or whose durability is
+        the server's own setting (Redis persistence)."""
 
     @abstractmethod
     def delete(self, key: bytes) -> bool:

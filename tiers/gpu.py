@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from tiers.base import Buffer, TierUnavailable
+from tiers.base import Buffer, TierUnavailable, as_buffers
 from tiers.pages import PagedTier, segments
 
 
@@ -80,7 +80,7 @@ class GpuTier(PagedTier):
 
     def read_into(self, key: bytes, out) -> int | None:
         """Copy the value device -> host into ``out`` (one buffer or a list, filled in order)."""
-        return self._copy_out(key, [_bytes_tensor(o) for o in (out if isinstance(out, (list, tuple)) else [out])])
+        return self._copy_out(key, [_bytes_tensor(o) for o in as_buffers(out)])
 
     def read_into_device(self, key: bytes, out: torch.Tensor) -> int | None:
         """Copy the value into a contiguous tensor on this tier's device (for the engine)."""

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from tiers.base import Buffer
+from tiers.base import Buffer, as_buffers
 from tiers.pages import PagedTier, segments
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
@@ -113,7 +113,7 @@ class HostTier(PagedTier):
             return None if views is None else b"".join(views)
 
     def read_into(self, key: bytes, out) -> int | None:
-        outs = [_byte_view(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+        outs = [_byte_view(o) for o in as_buffers(out)]
         with self.table.reading(key, capacity=sum(o.size for o in outs)) as value:
             if value is None:
                 return None

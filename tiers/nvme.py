@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from tiers.base import Buffer, Tier, TierFull, TierUnavailable
+from tiers.base import Buffer, Tier, TierFull, TierUnavailable, as_buffers
 from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, round_up, skip, unlink_quietly
 
 _UNAVAILABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOTDIR}
@@ -53,6 +53,10 @@ class DiskTier(Tier):
         self._used = 0
         self._reserved = 0
         self._lock = threading.Lock()
+        # A file's rename into place and its removal happen under its key's stripe, with the
+        # size map updated in the same hold: a delete racing a write of the same key can
+        # never unlink the new file while the map says it is there (review #21).
+        self._stripes = [threading.Lock() for _ in range(64)]
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"{name}-read")
         self._dir_lock: DirectoryLock | None = None  # a private directory's (tiers/files.py)
@@ -109,24 +113,30 @@ class DiskTier(Tier):
                 raise TierFull(f"{self.name}: {need} bytes do not fit ({self.used_bytes}/{self.capacity_bytes} used)")
             self._reserved += need
         try:
-            self._write_file(key, views, length)
+            tmp = self._write_temp(key, views, length)
+            with self._stripe(key):
+                self._rename(tmp, self.path_of(key))
+                with self._lock:
+                    self._reserved -= need
+                    previous = self._sizes.get(key)
+                    if previous is not None:
+                        self._used -= round_up(previous)
+                    self._sizes[key] = length
+                    self._used += need
         except BaseException:
             with self._lock:
                 self._reserved -= need
             raise
-        with self._lock:
-            self._reserved -= need
-            previous = self._sizes.get(key)
-            if previous is not None:
-                self._used -= round_up(previous)
-            self._sizes[key] = length
-            self._used += need
+
+    def _stripe(self, key: bytes) -> threading.Lock:
+        return self._stripes[key[-1] % len(self._stripes)]
 
     def temp_path(self, final: Path) -> Path:
         """A name no other writer uses, beside the final one (so the rename stays in one directory)."""
         return final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
-    def _write_file(self, key: bytes, views: list[memoryview], length: int) -> None:
+    def _write_temp(self, key: bytes, views: list[memoryview], length: int) -> Path:
+        """The value in a new temporary file beside its final name (fsync'ed if configured)."""
         final = self.path_of(key)
         tmp = self.temp_path(final)
         try:
@@ -146,17 +156,50 @@ class DiskTier(Tier):
             unlink_quietly(tmp)
             raise self._error(exc) from exc
         os.close(fd)
+        return tmp
+
+    def _rename(self, tmp: Path, final: Path) -> None:
         try:
             os.replace(tmp, final)
             if self.fsync:
-                dfd = os.open(final.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                self._sync_dir(final.parent)
         except OSError as exc:
             unlink_quietly(tmp)
             raise self._error(exc) from exc
+
+    @staticmethod
+    def _sync_dir(path: Path) -> None:
+        dfd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def sync(self, key: bytes) -> None:
+        """fsync the value's file and its directory: after this a power loss keeps it whole."""
+        if self.fsync:
+            return  # every write was synced already
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._sync_dir(path.parent)
+        except OSError as exc:
+            raise self._error(exc) from exc
+
+    def peek(self, key: bytes, nbytes: int) -> bytes | None:
+        fd = self._open(key)
+        if fd is None:
+            return None
+        try:
+            return os.pread(fd, nbytes, 0)
+        except OSError as exc:
+            raise self._error(exc) from exc
+        finally:
+            os.close(fd)
 
     def _error(self, exc: OSError) -> Exception:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -172,7 +215,7 @@ class DiskTier(Tier):
         A file shorter or longer than recorded reads what is there: the blob checks above
         this tier catch the difference.
         """
-        outs = [memoryview(o).cast("B") for o in (out if isinstance(out, (list, tuple)) else [out])]
+        outs = [memoryview(o).cast("B") for o in as_buffers(out)]
         size = self._sizes.get(key)
         if size is None:
             return None
@@ -253,12 +296,13 @@ class DiskTier(Tier):
                 self._used -= round_up(size)
 
     def delete(self, key: bytes) -> bool:
-        with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is None:
-                return False
-            self._used -= round_up(size)
-        unlink_quietly(self.path_of(key))
+        with self._stripe(key):
+            with self._lock:
+                size = self._sizes.pop(key, None)
+                if size is None:
+                    return False
+                self._used -= round_up(size)
+            unlink_quietly(self.path_of(key))
         return True
 
     def contains(self, key: bytes) -> bool:

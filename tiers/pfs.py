@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tiers.base import TierUnavailable
+from tiers.base import TierUnavailable, as_buffers
 from tiers.files import SUFFIX, TMP_SUFFIX, read_fully, round_up, unlink_quietly
 from tiers.nvme import DiskTier
 
@@ -131,7 +131,7 @@ class PfsTier(DiskTier):
         Returns the file's real length (a truncated file reads short: the blob checks above
         this tier catch it), or None if there is no file, whatever the view said.
         """
-        outs = [memoryview(o).cast("B") for o in (out if isinstance(out, (list, tuple)) else [out])]
+        outs = [memoryview(o).cast("B") for o in as_buffers(out)]
         fd = self._open(key)
         if fd is None:
             return None
@@ -184,14 +184,15 @@ class PfsTier(DiskTier):
 
     def delete(self, key: bytes) -> bool:
         """Remove the file; other daemons then miss cleanly. False if neither view nor mount had it."""
-        with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is not None:
-                self._used -= round_up(size)
-        try:
-            os.unlink(self.path_of(key))
-        except OSError:
-            return size is not None
+        with self._stripe(key):
+            with self._lock:
+                size = self._sizes.pop(key, None)
+                if size is not None:
+                    self._used -= round_up(size)
+            try:
+                os.unlink(self.path_of(key))
+            except OSError:
+                return size is not None
         return True
 
     def keys(self) -> Iterator[bytes]:

@@ -58,6 +58,12 @@ class ReconnectingTier(Tier):
     def read_into(self, key: bytes, out) -> int | None:
         return self._require().read_into(key, out)
 
+    def peek(self, key: bytes, nbytes: int) -> bytes | None:
+        return self._require().peek(key, nbytes)
+
+    def sync(self, key: bytes) -> None:
+        self._require().sync(key)
+
     def delete(self, key: bytes) -> bool:
         return self._require().delete(key)
 

@@ -25,7 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from tiers.base import Buffer, Tier, TierError, TierFull, TierUnavailable
+from tiers.base import Buffer, Tier, TierError, TierFull, TierUnavailable, as_buffers
 
 _DOWN = (rex.ConnectionError, rex.TimeoutError, rex.ClusterError, rex.RedisClusterException)
 
@@ -67,7 +67,7 @@ def unavailable_on_failure(what: str) -> Iterator[None]:
 
 
 def _copy_into(data: bytes, out, name: str) -> int:
-    outs = [memoryview(o).cast("B") for o in (out if isinstance(out, (list, tuple)) else [out])]
+    outs = [memoryview(o).cast("B") for o in as_buffers(out)]
     capacity = sum(len(o) for o in outs)
     if len(data) > capacity:
         raise ValueError(f"{name}: buffer of {capacity} bytes is too small for {len(data)}")

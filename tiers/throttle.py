@@ -20,6 +20,7 @@ class ThrottledTier(Tier):
         if bytes_per_s <= 0:
             raise ValueError(f"bandwidth cap must be positive, got {bytes_per_s}")
         self.inner = inner
+        self.shared = inner.shared  # a class attribute would hide the wrapped tier's (review #18)
         self.bytes_per_s = float(bytes_per_s)
         self._lock = threading.Lock()
         self._free_at = 0.0
@@ -51,6 +52,12 @@ class ThrottledTier(Tier):
         if got is not None:
             self._occupy(got, started)
         return got
+
+    def peek(self, key: bytes, nbytes: int) -> bytes | None:
+        return self.inner.peek(key, nbytes)
+
+    def sync(self, key: bytes) -> None:
+        self.inner.sync(key)
 
     def delete(self, key: bytes) -> bool:
         return self.inner.delete(key)

@@ -1,0 +1,201 @@
+"""Making room in a tier: eviction by the tier's policy, and placement's re-encoding of
+victims worth keeping smaller (kvstore/placement.py, docs/placement.md).
+
+Victims are chosen under the index lock and leave the index at once; their values are
+deleted after it is released (kvstore/tier_io.py), so a slow medium never holds the lock.
+A victim placement keeps is re-encoded outside every lock and swapped in under its key
+lock, if nothing changed meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from kvstore.blob import CorruptBlob, reencoded_header, verify_blob
+from kvstore.codecs import Codec, codec_by_id
+from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
+from kvstore.placement import Placement
+from kvstore.tier_io import TierIO
+from tiers.base import Tier, TierError, TierFull
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Recode:
+    """A victim placement re-encodes in place: out of its tier's policy meanwhile."""
+
+    tier: Tier
+    key_id: bytes
+    entry: Entry
+    replica: Replica  # the copy as planned; the swap happens only if it is still there
+    codec: Codec
+
+
+class Evictor:
+    def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, tiers: dict[str, Tier],
+                 placement: Placement | None, placement_tiers: set[str], copies_pending: Callable[[], bool],
+                 assumed_read_bytes_per_s: float) -> None:
+        self.index, self.locks, self.io, self.tiers = index, locks, io, tiers
+        self.placement = placement
+        self.placement_tiers = placement_tiers if placement is not None else set()
+        self._copies_pending = copies_pending
+        self._assumed_read = assumed_read_bytes_per_s
+        self.recode_failures = 0
+
+    def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
+                  recode: bool = True) -> None:
+        """Evict from ``tier`` until ``need`` more bytes fit; call without any lock held.
+        With ``wait``, waits for queued copies when only their chunks are left in the first
+        tier; raises TierFull when the rest is pinned or in use."""
+        while True:
+            with self.index.lock:
+                deletes, job = self._choose(tier, need, exclude, wait, recode)
+            for name, key_id in deletes:
+                self.io.delete(self.tiers[name], key_id)
+            if job is not None:
+                self._recode(job)
+            elif not deletes:
+                return
+
+    def _choose(self, tier: Tier, need: int, exclude: bytes | None, wait: bool, recode: bool):
+        """Victims until ``need`` bytes would be free, as (tier, key) deletes to run, or the
+        first victim placement keeps (lock held)."""
+        index = self.index
+        index.expire_pins()
+        policy = index.policies[tier.name]
+        deletes: list[tuple[str, bytes]] = []
+        freed = 0
+        passed_over: list[bytes] = []
+        try:
+            while tier.capacity_bytes - tier.used_bytes + freed < need:
+                try:
+                    victim = policy.evict()
+                except LookupError:
+                    if deletes:
+                        break  # free what was chosen, then look again
+                    if wait and tier.name == index.first and self._copies_pending():
+                        index.changed.wait(timeout=1.0)  # what is evictable waits for its copies
+                        index.expire_pins()
+                        continue
+                    raise TierFull(f"{tier.name}: cannot make room for {need} bytes (the rest is pinned or in use)") from None
+                if victim == exclude:
+                    passed_over.append(victim)
+                    continue
+                entry = index.get(victim)
+                replica = entry.replicas.get(tier.name) if entry is not None else None
+                if replica is None:
+                    deletes.append((tier.name, victim))  # a policy key the index lost: free it anyway
+                    continue
+                job = self._plan_recode(tier, victim, entry, replica) if recode else None
+                if job is not None:
+                    entry.recoding.add(tier.name)
+                    index.sync(victim, entry)
+                    return deletes, job
+                index.stats[tier.name].evictions += 1
+                freed += tier.footprint(replica.size)
+                index.remove_replica(victim, entry, tier.name)
+                deletes.append((tier.name, victim))
+            return deletes, None
+        finally:
+            for key_id in passed_over:  # back in the policy: the caller is rewriting it
+                entry = index.get(key_id)
+                if entry is not None:
+                    index.sync(key_id, entry)
+
+    # -- placement: re-encoding victims in place ------------------------------------------------
+
+    def _read_bytes_per_s(self, tier_name: str) -> float:
+        gbps = self.index.stats[tier_name].read_gbps
+        return gbps * 1e9 if gbps > 0 else self._assumed_read
+
+    def _plan_recode(self, tier: Tier, key_id: bytes, entry: Entry, replica: Replica) -> _Recode | None:
+        """The re-encoding placement wants for a victim just evicted from ``tier``, or None to
+        drop it (lock held). Only current copies whose chunk header is known are planned."""
+        header = entry.header
+        if tier.name not in self.placement_tiers or header is None or replica.version != entry.version:
+            return None
+        if replica.codec_id is None or not self.placement.profiled(header.dtype, header.shape):
+            return None
+        if tier.name == self.index.first and entry.copying:
+            return None
+        reuse = self.index.policies[tier.name].reuse_estimate(key_id)
+        if reuse <= 0:
+            return None
+        fallback_s = self.placement.recompute_s(header.shape)
+        for name, other in entry.replicas.items():
+            if name != tier.name and other.version == entry.version and other.codec_id is not None:
+                fallback_s = min(fallback_s, self.placement.load_s(
+                    header.dtype, header.shape, other.size, other.codec_id, self._read_bytes_per_s(name)))
+        choice = self.placement.choose(header.dtype, header.shape, replica.size, reuse, fallback_s,
+                                       self._read_bytes_per_s(tier.name), tier.footprint)
+        return None if choice is None else _Recode(tier, key_id, entry, replica, choice.codec)
+
+    def _recode(self, job: _Recode) -> None:
+        """Read, verify, decode and re-encode a victim outside every lock, then swap it in
+        under its key lock."""
+        parts = None
+        try:
+            blob = job.tier.read(job.key_id)
+            if blob is not None and len(blob) == job.replica.size:
+                header, payload = verify_blob(blob)
+                tensor = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
+                encoded = job.codec.encode(tensor)
+                parts = [reencoded_header(header, job.codec.codec_id, encoded), encoded]
+        except (CorruptBlob, TierError, OSError, ValueError, KeyError) as exc:
+            log.warning("%s: re-encoding %s as %s failed: %s", job.tier.name, job.key_id.hex(), job.codec.name, exc)
+        with self.locks.hold(job.tier.name, job.key_id):
+            self._swap(job, parts)
+
+    def _planned(self, job: _Recode) -> bool:
+        """Whether the planned copy is still the chunk's copy in its tier (index lock held).
+        While the key lock is held nobody else writes it; only the index can have moved on
+        (deleted, dropped, found corrupt), and whoever did that deletes the value after us."""
+        return self.index.get(job.key_id) is job.entry and job.entry.replicas.get(job.tier.name) is job.replica
+
+    def _swap(self, job: _Recode, parts: list | None) -> None:
+        """Put the re-encoded copy in place of the planned one, or evict that one as usual if
+        re-encoding failed or did not shrink it (key lock held)."""
+        tier, key_id, entry, name, index = job.tier, job.key_id, job.entry, job.tier.name, self.index
+        size = sum(len(p) for p in parts) if parts is not None else 0
+        keep = parts is not None and tier.footprint(size) < tier.footprint(job.replica.size)
+        with index.lock:
+            keep = keep and self._planned(job)
+        written = keep and self._replace(tier, key_id, parts)
+        with index.lock:
+            entry.recoding.discard(name)
+            if not self._planned(job):
+                index.sync(key_id, entry)
+                return
+            if written:
+                entry.replicas[name] = Replica(size, job.codec.codec_id, job.replica.version, job.replica.synced)
+                index.stats[name].recodes += 1
+                index.stats[name].bytes_written += size
+                if index.evictable(name, entry):
+                    index.policies[name].reinstate(key_id, tier.footprint(size), entry.parent)
+                index.sync(key_id, entry)
+                return
+            self.recode_failures += 1
+            index.stats[name].evictions += 1
+            index.remove_replica(key_id, entry, name)
+        self.io.delete_held(tier, key_id)
+
+    @staticmethod
+    def _replace(tier: Tier, key_id: bytes, parts: list) -> bool:
+        """Replace a value atomically; where the tier has no room for both copies at once (host
+        pages), delete the old one first. False if the tier ends up without the new copy."""
+        try:
+            tier.write(key_id, parts)
+            return True
+        except TierFull:
+            pass
+        except TierError:
+            return False
+        try:
+            tier.delete(key_id)
+            tier.write(key_id, parts)
+            return True
+        except TierError:
+            return False

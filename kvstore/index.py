@@ -1,0 +1,264 @@
+"""The chunk index: every chunk the Store knows, its replicas, pins and policy membership,
+under one lock that is never held across tier I/O.
+
+A chunk's life (one ``Entry``; each tier holds at most one ``Replica`` of it)::
+
+                 put of a new blob                         put of the same blob again
+    (absent) ─────────────────────► version v ◄──────────────────────── a hit, no write
+                                     │ first tier: RESIDENT v (not evictable while its
+                                     │   copies are queued: they read from it)
+                                     │ each replica tier: QUEUED v ─ copy ─► RESIDENT v
+                                     │                              └ fails ─► absent there
+                                     │ put of another blob (another codec): version v+1;
+                                     │   the replicas of v become STALE: never read, kept
+                                     │   until v+1's copy replaces them or they are evicted
+                                     │   (a restart before that serves them again: a whole
+                                     │   older encoding, never a gap)
+    RESIDENT in a tier ── evict / drop / corrupt / vanished ──► absent from that tier
+                       ── placement ──► RECODING ──► RESIDENT, smaller encoding, same version
+    any state ── delete ──► absent: queued copies cancelled, files removed before it returns
+    no replica left and no copy queued ──► absent (with only stale ones: absent to lookups)
+
+Who may change what:
+- Entries, replicas, pins, policies and counters change only under ``ChunkIndex.lock``.
+- One tier's value for one key changes (write, delete, re-encode) only under that (tier,
+  key)'s mutation lock (``KeyLocks``), and the index learns of the change before the lock
+  is released, so a deferred delete can check that no newer copy took the value's place.
+- Lock order: a key lock, then the index lock, never the reverse; a thread holds at most
+  one key lock. No deadlock is possible, and a hung tier only slows calls on its own keys.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from kvstore.blob import BlobHeader
+from kvstore.policies.base import EvictionPolicy
+from kvstore.stats import TierStats
+
+
+class StoreClosed(RuntimeError):
+    pass
+
+
+@dataclass
+class Replica:
+    """One tier's copy of a chunk: its size there, its encoding (None until a read or the
+    recovery scan has seen its header) and the put version it holds."""
+
+    size: int
+    codec_id: int | None
+    version: int
+    synced: bool = False  # written with sync(): a power loss keeps it (durable puts need this)
+
+
+@dataclass
+class Entry:
+    version: int  # the latest put's version: replicas of older ones are stale
+    size: int  # the latest put's blob size (what write-behind copies)
+    header: BlobHeader | None  # the latest put's header, once known
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    parent: bytes | None = None  # the previous chunk's key id, for policies that use prefix structure
+    pinned_until: float = 0.0
+    heap_until: float = 0.0  # expiry of this key's one entry in the pin heap; 0 when it has none
+    copying: int = 0  # copies of the latest version queued or in flight (they read the first tier)
+    recoding: set[str] = field(default_factory=set)  # tiers re-encoding their copy now
+
+    def current(self, tier_name: str) -> Replica | None:
+        """The tier's replica if it holds the latest version (readable), else None."""
+        replica = self.replicas.get(tier_name)
+        return replica if replica is not None and replica.version == self.version else None
+
+    def readable(self) -> bool:
+        return any(r.version == self.version for r in self.replicas.values())
+
+
+class KeyLocks:
+    """One mutex per (tier, key) in use, made on demand and dropped when nobody holds it."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._locks: dict[tuple[str, bytes], list] = {}  # -> [lock, users]
+
+    @contextmanager
+    def hold(self, tier_name: str, key_id: bytes) -> Iterator[None]:
+        slot = (tier_name, key_id)
+        with self._mutex:
+            held = self._locks.get(slot)
+            if held is None:
+                held = self._locks[slot] = [threading.Lock(), 0]
+            held[1] += 1
+        try:
+            with held[0]:
+                yield
+        finally:
+            with self._mutex:
+                held[1] -= 1
+                if held[1] == 0:
+                    del self._locks[slot]
+
+    def held(self) -> list[tuple[str, bytes]]:
+        """The (tier, key) locks held or waited for now."""
+        with self._mutex:
+            return list(self._locks)
+
+
+class ChunkIndex:
+    """Entries by key id, each tier's policy, the pins, and the counters stats() reports.
+
+    ``first`` is the name of the tier every put lands in. ``changed`` is notified whenever
+    room may have appeared (copies done, pins expired, entries gone)."""
+
+    def __init__(self, policies: dict[str, EvictionPolicy], capacities: dict[str, int], first: str,
+                 footprints: dict) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.entries: dict[bytes, Entry] = {}
+        self.policies = policies
+        self.first = first
+        self._footprint = footprints  # tier name -> footprint(size) of that tier
+        self.stats = {name: TierStats(name, cap) for name, cap in capacities.items()}
+        self.puts = self.hits = self.misses = 0
+        self.closed = False
+        self._pins: list[tuple[float, bytes]] = []  # (expiry, key id), at most one per key
+        self._version = 0
+
+    def next_version(self) -> int:
+        self._version += 1
+        return self._version
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreClosed("store is closed")
+
+    def get(self, key_id: bytes) -> Entry | None:
+        return self.entries.get(key_id)
+
+    # -- policy membership ----------------------------------------------------------------
+
+    def evictable(self, tier_name: str, entry: Entry, now: float | None = None) -> bool:
+        if tier_name not in entry.replicas or tier_name in entry.recoding:
+            return False
+        if entry.pinned_until > (time.monotonic() if now is None else now):
+            return False
+        return not (tier_name == self.first and entry.copying)
+
+    def sync(self, key_id: bytes, entry: Entry) -> None:
+        """Make each tier's policy track the key exactly when it is evictable there. A held
+        chunk leaves with ``on_remove`` and comes back with ``on_insert``, which policies
+        treat as a hand-back, not an access (kvstore/policies/base.py)."""
+        for name, policy in self.policies.items():
+            want = self.evictable(name, entry)
+            if want and key_id not in policy:
+                policy.on_insert(key_id, self._footprint[name](entry.replicas[name].size), entry.parent)
+            elif not want and key_id in policy:
+                policy.on_remove(key_id, held=name in entry.replicas)
+            elif name not in entry.replicas:  # gone from the tier, maybe while held: no hand-back is coming
+                policy.on_remove(key_id, held=False)
+
+    def hit(self, key_id: bytes, entry: Entry) -> None:
+        """An access: every tier holding a replica hears of it, held replicas too (the policy
+        keeps the hit for their hand-back)."""
+        for name, policy in self.policies.items():
+            if name in entry.replicas:
+                policy.on_hit(key_id)
+
+    # -- replicas -------------------------------------------------------------------------
+
+    def set_replica(self, key_id: bytes, entry: Entry, tier_name: str, replica: Replica) -> None:
+        if tier_name in self.policies and key_id in self.policies[tier_name] and tier_name in entry.replicas:
+            # a new size: the policy must learn it (out, then back in as a hand-back)
+            self.policies[tier_name].on_remove(key_id, held=True)
+        entry.replicas[tier_name] = replica
+        self.sync(key_id, entry)
+
+    def remove_replica(self, key_id: bytes, entry: Entry, tier_name: str) -> None:
+        """The index forgets one tier's copy (the caller deletes the value)."""
+        entry.replicas.pop(tier_name, None)
+        self.sync(key_id, entry)
+        self.forget_if_empty(key_id, entry)
+
+    def forget_if_empty(self, key_id: bytes, entry: Entry) -> None:
+        """Drop the entry once no replica and no queued copy is left. An entry whose replicas
+        are all stale stays (unreadable, so absent to lookups): those are whole older
+        encodings, which a restart serves again if the newer one never reached that tier,
+        so a re-put that was not durable never loses an older durable one. They are
+        evictable like any replica."""
+        if entry.replicas or entry.copying or self.entries.get(key_id) is not entry:
+            return
+        del self.entries[key_id]
+        entry.pinned_until = 0.0
+        self.changed.notify_all()
+
+    def pop(self, key_id: bytes) -> list[str] | None:
+        """Remove an entry outright (delete); returns the tiers whose values the caller must
+        delete, or None if the key was absent."""
+        entry = self.entries.pop(key_id, None)
+        if entry is None:
+            return None
+        tiers = list(entry.replicas)
+        entry.replicas.clear()
+        entry.pinned_until = 0.0
+        self.sync(key_id, entry)
+        self.changed.notify_all()
+        return tiers
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    def pin(self, key_id: bytes, entry: Entry, until: float) -> None:
+        if until > entry.pinned_until:
+            entry.pinned_until = until
+        if entry.heap_until == 0.0 or entry.pinned_until < entry.heap_until:
+            # no item, or one that comes due later than this pin ends (an unpin came between):
+            # a new item, and the old one is skipped when it comes due
+            entry.heap_until = entry.pinned_until
+            heapq.heappush(self._pins, (entry.heap_until, key_id))
+            if len(self._pins) > 2 * len(self.entries) + 64:
+                self._rebuild_pins()
+        self.sync(key_id, entry)
+
+    def _rebuild_pins(self) -> None:
+        """Drop the heap's stale items (deleted entries, superseded items): one per pinned key."""
+        self._pins = [(e.heap_until, k) for k, e in self.entries.items() if e.heap_until]
+        heapq.heapify(self._pins)
+
+    def unpin(self, key_id: bytes, entry: Entry) -> bool:
+        if entry.pinned_until <= time.monotonic():
+            return False
+        entry.pinned_until = 0.0
+        self.sync(key_id, entry)
+        self.changed.notify_all()
+        return True
+
+    def expire_pins(self, now: float | None = None) -> None:
+        """Hand back chunks whose pins ran out. Each pinned key has one heap entry: when it
+        comes due while the pin was extended, it is pushed again at the new expiry."""
+        now = time.monotonic() if now is None else now
+        expired = False
+        while self._pins and self._pins[0][0] <= now:
+            until, key_id = heapq.heappop(self._pins)
+            entry = self.entries.get(key_id)
+            if entry is None or entry.heap_until != until:
+                continue  # deleted, or an item of an entry since replaced
+            if entry.pinned_until > now:
+                entry.heap_until = entry.pinned_until
+                heapq.heappush(self._pins, (entry.heap_until, key_id))
+                continue
+            entry.heap_until = 0.0
+            self.sync(key_id, entry)
+            expired = True
+        if expired:
+            self.changed.notify_all()
+
+    @property
+    def pin_heap_size(self) -> int:
+        return len(self._pins)
+
+    def pinned_count(self) -> int:
+        now = time.monotonic()
+        return sum(1 for e in self.entries.values() if e.pinned_until > now)

@@ -1,0 +1,266 @@
+"""The read path: read one replica, verify it, decode it into the caller's buffer, count the
+hit, and hand the bytes to promotion (a callback: the read path writes nothing itself).
+
+Who owns the caller's buffer: a read call until it returns. ``stream`` and ``get_many_into``
+close their fetch before returning, and closing waits for every read still writing into a
+caller's buffer (kvstore/fetch.py); reads from tiers that may hang (shared ones) go into
+buffers of their own. So a checksum is only ever computed over bytes the store wrote, and a
+failure is the replica's (review #5).
+
+A replica is read straight into the caller's tensor only when the index knows it holds raw
+bytes (its codec, not its size, decides: an encoded payload may be exactly raw-sized,
+review #6); anything else is read into a scratch buffer and decoded. A decode failure is a
+corrupt replica: counted and dropped, never returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import torch
+import xxhash
+
+from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_checksum
+from kvstore.codecs import codec_by_id
+from kvstore.codecs.raw import tensor_bytes
+from kvstore.fetch import FetchJob
+from kvstore.index import ChunkIndex, Replica
+from kvstore.keys import ChunkKey
+from kvstore.stats import EWMA_ALPHA
+from kvstore.tier_io import TierIO
+from tiers.base import SharedPool, Tier, TierError
+
+log = logging.getLogger(__name__)
+
+_RETRY = object()  # the replica changed under the read (re-encoded, replaced): read it again
+
+# promote(key id, version, blob parts, size, codec id): a hit below the first tier
+Promote = Callable[[bytes, int, list, int, int], None]
+
+
+def split_runs(runs: list[tuple[int, int]], n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Byte ranges split after their first ``n`` bytes."""
+    head: list[tuple[int, int]] = []
+    for i, (offset, length) in enumerate(runs):
+        if n <= 0:
+            return head, runs[i:]
+        if length <= n:
+            head.append((offset, length))
+            n -= length
+            continue
+        head.append((offset, n))
+        return head, [(offset + n, length - n)] + runs[i + 1 :]
+    return head, []
+
+
+def checked_header(tier: Tier, key: ChunkKey, header_buf, size: int) -> BlobHeader:
+    """The header of a ``size``-byte blob read for ``key``; CorruptBlob if it does not fit."""
+    header = decode_header(header_buf)
+    if header.key_id != key.id:
+        raise CorruptBlob(f"{tier.name}: blob names another key")
+    if header.dtype != key.namespace.torch_dtype or header.shape != key.namespace.chunk_shape:
+        raise CorruptBlob(f"{tier.name}: blob holds {header.dtype}{list(header.shape)}")
+    if header.payload_len != size - HEADER_BYTES:
+        raise CorruptBlob(f"{tier.name}: payload length {header.payload_len} != {size - HEADER_BYTES}")
+    return header
+
+
+class ReadPath:
+    def __init__(self, index: ChunkIndex, io: TierIO, tiers: Sequence[Tier], verify: dict[str, bool],
+                 fetch_pools: dict, fetch_workers: dict[str, int], stall_s: float, promote: Promote) -> None:
+        self.index, self.io, self.tiers = index, io, list(tiers)
+        self._by_name = {t.name: t for t in tiers}
+        self._verify = verify
+        self._pools = fetch_pools
+        self._workers = fetch_workers
+        self._stall_s = stall_s
+        self._promote = promote
+
+    # -- one chunk ------------------------------------------------------------------------
+
+    def holding(self, key_id: bytes) -> list[Tier]:
+        """Tiers with a readable replica, fastest first."""
+        with self.index.lock:
+            entry = self.index.get(key_id)
+            return [] if entry is None else [t for t in self.tiers if entry.current(t.name) is not None]
+
+    def read(self, key: ChunkKey, out: torch.Tensor | None):
+        """True (``out`` filled) or the blob's bytes (``out`` None) from the fastest replica
+        that reads and verifies; None on a miss."""
+        for tier in self.holding(key.id):
+            result = self.read_tier(tier, key, out)
+            if result is not None:
+                return result
+        with self.index.lock:
+            self.index.misses += 1
+            for name, policy in self.index.policies.items():
+                policy.on_miss(key.id)
+                self.index.stats[name].misses += 1
+        return None
+
+    def read_tier(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
+        """Read and verify one replica; None if it is not there, is corrupt (dropped) or the
+        tier failed (counted). A replica changed while being read is read again once."""
+        for _ in range(2):
+            try:
+                result = self._read_once(tier, key, out)
+            except CorruptBlob as exc:
+                self.corrupt(key.id, tier, exc)
+                return None
+            except TierError as exc:
+                with self.index.lock:
+                    self.index.stats[tier.name].errors += 1
+                log.warning("%s: read of %s failed: %s", tier.name, key, exc)
+                return None
+            if result is not _RETRY:
+                return result
+        return None
+
+    def _read_once(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
+        key_id = key.id
+        with self.index.lock:
+            entry = self.index.get(key_id)
+            replica = entry.current(tier.name) if entry is not None else None
+            if replica is None:
+                return None
+            size, codec_id, version = replica.size, replica.codec_id, replica.version
+        header_buf = bytearray(HEADER_BYTES)
+        direct = out is not None and codec_id == 0 and size == HEADER_BYTES + out.numel() * out.element_size()
+        payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
+        started = time.perf_counter()
+        try:
+            got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
+        except ValueError:
+            got = None  # replaced by a larger value meanwhile (another daemon)
+        elapsed = time.perf_counter() - started
+        if got is None:
+            return self._vanished(key_id, tier, replica)
+        if got != size:
+            if tier.size_of(key_id) != size:
+                return self._vanished(key_id, tier, replica)
+            raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
+        header = checked_header(tier, key, header_buf, size)
+        if codec_id is not None and header.codec_id != codec_id:
+            raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
+        if self._verify[tier.name] and payload_checksum(payload_buf) != header.payload_checksum:
+            raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
+        if out is not None and not direct:
+            try:
+                codec_by_id(header.codec_id).decode_into(payload_buf, out)
+            except Exception as exc:  # a payload that does not decode is corrupt, whatever the codec raised
+                raise CorruptBlob(f"{tier.name}: payload does not decode ({type(exc).__name__}: {exc})") from exc
+        self._hit(key_id, tier, replica, header, elapsed, version, [header_buf, payload_buf])
+        return True if out is not None else bytes(header_buf) + bytes(payload_buf)
+
+    def _vanished(self, key_id: bytes, tier: Tier, replica: Replica):
+        """The tier no longer has the value (evicted by Redis, deleted by another daemon); or
+        the index moved on meanwhile (re-encoded, replaced): then read again."""
+        with self.index.lock:
+            entry = self.index.get(key_id)
+            if entry is None or entry.replicas.get(tier.name) is not replica or tier.name in entry.recoding:
+                return _RETRY if entry is not None and entry.current(tier.name) is not None else None
+            self.index.remove_replica(key_id, entry, tier.name)
+        self.io.vanished(tier, key_id)
+        return None
+
+    def corrupt(self, key_id: bytes, tier: Tier, exc: Exception) -> None:
+        """Drop a replica that failed verification (and count it), unless a newer one took its
+        place meanwhile."""
+        log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
+        with self.index.lock:
+            self.index.stats[tier.name].corruptions += 1
+            entry = self.index.get(key_id)
+            if entry is not None:
+                self.index.remove_replica(key_id, entry, tier.name)
+        self.io.delete(tier, key_id)
+
+    def _hit(self, key_id: bytes, tier: Tier, replica: Replica, header: BlobHeader, elapsed: float,
+             version: int, parts: list) -> None:
+        index = self.index
+        with index.lock:
+            index.hits += 1
+            stats = index.stats[tier.name]
+            stats.lossy_hits += not codec_by_id(header.codec_id).lossless
+            stats.hits += 1
+            stats.bytes_read += replica.size
+            gbps = replica.size / max(elapsed, 1e-9) / 1e9
+            stats.read_gbps = gbps if stats.read_gbps == 0 else (1 - EWMA_ALPHA) * stats.read_gbps + EWMA_ALPHA * gbps
+            entry = index.get(key_id)
+            if entry is None:
+                return
+            if entry.replicas.get(tier.name) is replica:
+                replica.codec_id = header.codec_id  # learnt: later reads of raw bytes go direct
+                if entry.header is None and replica.version == entry.version and replica.size == entry.size:
+                    entry.header = header
+            index.hit(key_id, entry)
+            promote = tier.name != index.first and entry.current(index.first) is None and entry.current(tier.name) is replica
+        if promote:
+            self._promote(key_id, version, parts, replica.size, header.codec_id)
+
+    # -- many chunks ------------------------------------------------------------------------
+
+    def replicas(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
+        """The tiers holding a readable replica of each leading present key (index only)."""
+        out = []
+        with self.index.lock:
+            for key in keys:
+                entry = self.index.get(key.id)
+                where = frozenset(n for n in entry.replicas if entry.current(n)) if entry is not None else frozenset()
+                if not where:
+                    break
+                out.append(where)
+        return out
+
+    def stream(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor], replicas: list[frozenset[str]]) -> Iterator[torch.Tensor]:
+        """Free-tier fetch of ``len(replicas)`` leading chunks, yielded in order as they arrive:
+        ``outs[i]``, or a tensor of its own for a chunk read from a tier that may hang or taken
+        over from a stalled reader. Returns only when no read writes into ``outs`` any more."""
+        detached = {t.name for t in self.tiers if t.shared}
+        job = FetchJob(replicas, outs[: len(replicas)], lambda tier, i, out: self.read_tier(self._by_name[tier], keys[i], out) is not None,
+                       self._stall_s, detached=detached)
+        for tier in job.tiers():
+            for _ in range(self._workers[tier]):
+                self._pools[tier].submit(job.work, tier)
+        try:
+            yield from job.results()
+        finally:
+            job.close()
+
+    # -- the daemon's zero-copy hook ---------------------------------------------------------------
+
+    @contextmanager
+    def pinned_payload(self, first: Tier, pool: SharedPool | None, key: ChunkKey) -> Iterator[list[tuple[int, int]] | None]:
+        if pool is None:
+            yield None
+            return
+        started = time.perf_counter()
+        with pool.pinned_runs(key.id) as runs:
+            payload = header = None
+            if runs is not None:
+                size = sum(n for _, n in runs)
+                header_runs, payload = split_runs(runs, HEADER_BYTES)
+                try:
+                    header = checked_header(first, key, b"".join(pool.views(header_runs)), size)
+                    if header.codec_id != 0:
+                        payload = None
+                    elif self._verify[first.name]:
+                        digest = xxhash.xxh3_64()
+                        for view in pool.views(payload):
+                            digest.update(view)
+                        if digest.intdigest() != header.payload_checksum:
+                            raise PayloadChecksumMismatch(f"{first.name}: payload checksum mismatch")
+                except CorruptBlob as exc:
+                    self.corrupt(key.id, first, exc)
+                    payload = None
+            if payload is not None:
+                with self.index.lock:
+                    entry = self.index.get(key.id)
+                    replica = entry.current(first.name) if entry is not None else None
+                if replica is None or replica.size != size:
+                    payload = None  # not the chunk the index lists (being replaced): use get_into
+                else:
+                    self._hit(key.id, first, replica, header, time.perf_counter() - started, replica.version, [])
+            yield payload

@@ -1,0 +1,66 @@
+"""Rebuilding the index from the persistent tiers at start.
+
+Every value a tier holds becomes a replica of its chunk, whatever its size: two tiers may
+hold one chunk in different encodings (placement re-encoded one; a crash came between a
+re-put's copies), and each is a whole, valid copy. Skipping one would leave bytes that
+count against the tier but that nothing could ever evict (review #9).
+
+A private tier's values are checked at start by their headers (a read of 128 bytes each):
+a zero-length or truncated file, which a power loss can leave under its final name when it
+was written without fsync, or a file whose header is damaged or names another chunk, is
+removed and counted, never reported present (review #15). Payloads are verified on read.
+Shared tiers are only listed: their values belong to every daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header
+from kvstore.index import ChunkIndex, Entry, Replica
+from tiers.base import Tier, TierError
+
+log = logging.getLogger(__name__)
+
+
+def recover(index: ChunkIndex, tier: Tier) -> None:
+    """Add ``tier``'s values to the index (call before the Store serves)."""
+    found = dropped = 0
+    for key_id in tier.keys():
+        size = tier.size_of(key_id)
+        if size is None:
+            continue
+        header = None
+        if not tier.shared:
+            header = _header(tier, key_id, size)
+            if header is None:
+                try:
+                    tier.delete(key_id)
+                except TierError as exc:
+                    log.warning("%s: cannot remove damaged %s: %s", tier.name, key_id.hex(), exc)
+                dropped += 1
+                continue
+        entry = index.entries.get(key_id)
+        if entry is None:
+            entry = index.entries[key_id] = Entry(version=0, size=size, header=header)
+        entry.replicas[tier.name] = Replica(size, header.codec_id if header is not None else None, 0)
+        index.sync(key_id, entry)
+        found += 1
+    index.stats[tier.name].corruptions += dropped
+    if found or dropped:
+        log.info("%s: recovered %d chunks (%d bytes)%s", tier.name, found, tier.used_bytes,
+                 f"; removed {dropped} damaged or truncated" if dropped else "")
+
+
+def _header(tier: Tier, key_id: bytes, size: int):
+    """The value's blob header if it is whole and names ``key_id``; None otherwise."""
+    try:
+        head = tier.peek(key_id, HEADER_BYTES)
+        if head is None:
+            return None
+        header = decode_header(head)
+    except (CorruptBlob, TierError):
+        return None
+    if header.key_id != key_id or header.blob_len != size:
+        return None
+    return header

@@ -1,0 +1,63 @@
+"""Deleting tier values, outside the index lock, without ever deleting a newer copy.
+
+Deletes decided under the index lock (evictions, corrupt or stale replicas, ``delete``)
+run after it is released, each under its (tier, key) mutation lock (kvstore/index.py): a
+write of the same key either finished before (and the index lists it, so the delete is
+skipped) or starts after. Shared tiers also update the shared index here, in that same
+order, so a stale removal can never erase a fresh entry (review #20).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.index import ChunkIndex, KeyLocks
+from tiers.base import Tier, TierError
+
+log = logging.getLogger(__name__)
+
+
+class TierIO:
+    def __init__(self, index: ChunkIndex, locks: KeyLocks, shared_index=None) -> None:
+        self.index = index
+        self.locks = locks
+        self.shared_index = shared_index
+
+    def delete(self, tier: Tier, key_id: bytes) -> None:
+        """Delete ``tier``'s value of ``key_id`` unless the index lists a replica there again."""
+        with self.locks.hold(tier.name, key_id):
+            with self.index.lock:
+                entry = self.index.get(key_id)
+                if entry is not None and tier.name in entry.replicas:
+                    return
+            self.delete_held(tier, key_id)
+
+    def delete_held(self, tier: Tier, key_id: bytes) -> None:
+        """Delete the value; the caller holds its key lock. A tier that cannot be reached keeps
+        it (counted and logged, not raised)."""
+        try:
+            tier.delete(key_id)
+        except TierError as exc:
+            with self.index.lock:
+                self.index.stats[tier.name].errors += 1
+            log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
+        if tier.shared and self.shared_index is not None:
+            self.shared_index.remove(tier.name, [key_id])
+
+    def vanished(self, tier: Tier, key_id: bytes) -> None:
+        """A shared tier no longer holds a value (another daemon deleted it): the shared index
+        forgets it too, unless a newer copy took its place meanwhile."""
+        if not (tier.shared and self.shared_index is not None):
+            return
+        with self.locks.hold(tier.name, key_id):
+            with self.index.lock:
+                entry = self.index.get(key_id)
+                if entry is not None and tier.name in entry.replicas:
+                    return
+            self.shared_index.remove(tier.name, [key_id])
+
+    def published(self, tier: Tier, key_id: bytes, size: int) -> None:
+        """A value was written to ``tier`` (the caller holds its key lock): other daemons may
+        find it now, before a durable put returns."""
+        if tier.shared and self.shared_index is not None:
+            self.shared_index.add(tier.name, [key_id], [size])

@@ -1,0 +1,357 @@
+"""Write-behind: copies of new chunks to the replica tiers, one queue and pool of workers per tier.
+
+A put of a new blob queues one copy job per replica tier; a worker writes it from the first
+tier's copy, pinned while it reads. Per tier:
+
+- At most one job per key waits: a re-put before it starts updates it in place, so the
+  newest version is copied, once; a re-put while it runs queues a job behind it, and jobs
+  of one key never run at once (they write under the key's mutation lock anyway).
+- At most ``max_pending_bytes`` of jobs: a put waits for room (backpressure keeps the
+  first tier's unevictable bytes bounded) while the tier makes progress, and skips the tier
+  (counted in ``dropped``) once it has made none for ``stall_s``: a hung tier slows only
+  its own copies, never other tiers' or reads (review #13).
+- A durable put waits on a ``Ticket`` of its own, done when a copy of its version (or a
+  later one) is written and synced on every replica tier, or failed with that tier's error.
+  Nobody else's put can clear it (review #3), and a copy that cannot be made (the first
+  tier's copy is gone, the tier is stalled) fails it instead of passing silently (#2).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
+from kvstore.tier_io import TierIO
+from tiers.base import Tier, TierError, TierFull, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Ticket:
+    """One durable put's wait for its copies."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.errors: list[Exception] = []
+        self.done = threading.Event()
+        self.done.set()
+
+    def expect(self) -> None:
+        self.waiting += 1
+        self.done.clear()
+
+    def finish(self, error: Exception | None) -> None:
+        if error is not None:
+            self.errors.append(error)
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.done.set()
+
+    def fail(self, error: Exception) -> None:
+        self.errors.append(error)
+
+    def wait(self, timeout_s: float) -> None:
+        """Return once every copy is done; raise the first copy's error, or TimeoutError."""
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"durable put: copies not done within {timeout_s:g} s (they go on in the background)")
+        if self.errors:
+            raise self.errors[0]
+
+
+@dataclass
+class CopyJob:
+    key_id: bytes
+    entry: Entry
+    size: int  # bytes counted against the queue's room
+    tickets: list[Ticket] = field(default_factory=list)
+
+
+@dataclass
+class Reservation:
+    """Queue room reserved for a put's copies, by tier; ``stalled`` tiers got none."""
+
+    size: int
+    tiers: list[str]
+    stalled: list[str]
+
+
+@dataclass
+class _Queue:
+    tier: Tier
+    waiting: OrderedDict = field(default_factory=OrderedDict)  # key id -> CopyJob
+    running: dict = field(default_factory=dict)  # key id -> CopyJob
+    pending_bytes: int = 0  # waiting + running jobs + reservations
+    last_progress: float = 0.0
+
+
+class WriteBehind:
+    def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, first: Tier, tiers: Sequence[Tier],
+                 max_pending_bytes: int, workers: int, stall_s: float,
+                 make_room: Callable[..., None]) -> None:
+        self.index, self.locks, self.io, self.first = index, locks, io, first
+        self.queues = {t.name: _Queue(t) for t in tiers}
+        self.max_pending_bytes = max_pending_bytes
+        self.stall_s = stall_s
+        self._make_room = make_room
+        self._closing = False
+        self.dropped = 0
+        self._threads = [
+            threading.Thread(target=self._work, args=(q,), name=f"copy-{name}-{i}", daemon=True)
+            for name, q in self.queues.items() for i in range(max(1, workers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- backpressure ---------------------------------------------------------------------
+
+    def _stalled(self, q: _Queue, now: float) -> bool:
+        return q.pending_bytes > 0 and now - q.last_progress > self.stall_s
+
+    def reserve(self, size: int, tier_names: Sequence[str]) -> Reservation:
+        """Room for ``size`` bytes in each named queue; waits while a queue is full and its
+        tier makes progress (call without the index lock)."""
+        reserved, stalled = [], []
+        with self.index.lock:
+            for name in tier_names:
+                q = self.queues[name]
+                while q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
+                    if self._stalled(q, time.monotonic()):
+                        break
+                    self.index.changed.wait(timeout=max(self.stall_s / 4, 0.01))
+                    self.index.check_open()
+                if q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
+                    stalled.append(name)
+                    continue
+                if q.pending_bytes == 0:
+                    q.last_progress = time.monotonic()  # the stall clock starts with the queue
+                q.pending_bytes += size
+                reserved.append(name)
+        return Reservation(size, reserved, stalled)
+
+    def release(self, reservation: Reservation) -> None:
+        with self.index.lock:
+            for name in reservation.tiers:
+                self.queues[name].pending_bytes -= reservation.size
+            reservation.tiers = []
+            self.index.changed.notify_all()
+
+    # -- queueing (index lock held) -------------------------------------------------------------
+
+    def queue(self, key_id: bytes, entry: Entry, reservation: Reservation, ticket: Ticket | None) -> None:
+        """Queue the copies ``entry``'s latest version still needs (index lock held), using
+        the reserved room; with a ticket, also syncs of copies written without one."""
+        for name, q in self.queues.items():
+            reserved = name in reservation.tiers
+            current = entry.current(name)
+            job = None
+            if current is None or (ticket is not None and not current.synced):
+                job = q.waiting.get(key_id)
+                if job is not None and job.entry is not entry:
+                    job = None
+                if job is not None:  # not started: it copies the newest version when it runs
+                    q.pending_bytes += entry.size - job.size
+                    job.size = entry.size
+                elif reserved:
+                    job = q.waiting[key_id] = CopyJob(key_id, entry, reservation.size)
+                    entry.copying += 1
+                    reserved = False  # the room is the job's now
+                else:
+                    self.dropped += 1
+                    if ticket is not None:
+                        ticket.fail(TierUnavailable(f"{name}: write-behind is stalled (no copy done for "
+                                                    f"{self.stall_s:g} s); the chunk is not on this tier"))
+            if reserved:
+                q.pending_bytes -= reservation.size
+            if job is not None and ticket is not None:
+                job.tickets.append(ticket)
+                ticket.expect()
+        reservation.tiers = []
+        self.index.sync(key_id, entry)
+        self.index.changed.notify_all()
+
+    def cancel(self, key_id: bytes, entry: Entry) -> list[str]:
+        """Forget the waiting copies of a deleted entry (index lock held); returns the tiers
+        where one is running (the deleter waits for it through the key lock)."""
+        running = []
+        for name, q in self.queues.items():
+            job = q.waiting.get(key_id)
+            if job is not None and job.entry is entry:
+                del q.waiting[key_id]
+                q.pending_bytes -= job.size
+                entry.copying -= 1
+                for ticket in job.tickets:
+                    ticket.finish(None)  # a delete supersedes the put
+            job = q.running.get(key_id)
+            if job is not None and job.entry is entry:
+                running.append(name)
+        self.index.changed.notify_all()
+        return running
+
+    def busy(self, key_id: bytes) -> bool:
+        return any(key_id in q.waiting or key_id in q.running for q in self.queues.values())
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _next(self, q: _Queue) -> CopyJob | None:
+        """The oldest waiting job whose key has none running (lock held); None when closing
+        and nothing is left."""
+        while True:
+            for key_id, job in q.waiting.items():
+                if key_id not in q.running:
+                    del q.waiting[key_id]
+                    q.running[key_id] = job
+                    return job
+            if self._closing and not q.waiting:
+                return None
+            self.index.changed.wait()
+
+    def _work(self, q: _Queue) -> None:
+        while True:
+            with self.index.lock:
+                job = self._next(q)
+            if job is None:
+                return
+            try:
+                self._copy(q, job)
+            except Exception:  # a bug: the job must still end, or its putters wait forever
+                log.exception("%s: copy of %s failed unexpectedly", q.tier.name, job.key_id.hex())
+                with self.index.lock:
+                    if job.key_id in q.running:
+                        self._finish(q, job, None, TierError("copy failed unexpectedly"))
+
+    def _copy(self, q: _Queue, job: CopyJob) -> None:
+        """Write one chunk's first-tier copy to ``q.tier``. The first tier's value is pinned
+        under its key lock, so it is exactly the replica the index lists; a re-put after that
+        makes this copy a stale replica that the newer job replaces."""
+        tier, key_id, entry = q.tier, job.key_id, job.entry
+        with ExitStack() as stack:
+            with self.locks.hold(self.first.name, key_id):
+                with self.index.lock:
+                    live = self.index.get(key_id) is entry
+                    source = entry.current(self.first.name) if live else None
+                    target = entry.current(tier.name) if live else None
+                    sync = bool(job.tickets)
+                views = None
+                if live and target is None and source is not None:
+                    views = stack.enter_context(self.first.pinned(key_id))
+            if not live:
+                with self.index.lock:
+                    self._finish(q, job, None, None)
+                return
+            if target is not None:  # already there (a durable re-put): make it durable
+                self._sync_only(q, job, target, sync)
+                return
+            if views is None or sum(len(v) for v in views) != source.size:
+                with self.index.lock:
+                    self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is gone; nothing to copy"))
+                return
+            replica = Replica(source.size, source.codec_id, source.version)
+            self._write(q, job, views, replica, sync)
+
+    def _write(self, q: _Queue, job: CopyJob, views, replica: Replica, sync: bool) -> None:
+        """Make room and write; room is made without the key lock, the write under it, and a
+        worker that finds the room taken meanwhile makes room again. A TierFull while the
+        tier's own count shows room is the medium's (file system full, Redis out of memory)."""
+        tier, key_id = q.tier, job.key_id
+        need = tier.footprint(replica.size)
+        while True:
+            error = None
+            try:
+                self._make_room(tier, need, exclude=key_id)
+            except TierError as exc:
+                error = exc
+            with self.locks.hold(tier.name, key_id):
+                if error is None:
+                    with self.index.lock:
+                        old = job.entry.replicas.get(tier.name)
+                        sync = sync or (old is not None and old.synced)  # never downgrade a synced file
+                    try:
+                        tier.write(key_id, views)
+                        if sync:
+                            tier.sync(key_id)
+                        self.io.published(tier, key_id, replica.size)
+                    except TierFull as exc:
+                        if tier.capacity_bytes - tier.used_bytes < need:
+                            continue
+                        error = exc
+                    except (TierError, OSError) as exc:
+                        error = exc
+                replica.synced = sync
+                with self.index.lock:
+                    deleted = self._finish(q, job, replica if error is None else None, error, wrote=error is None)
+                if deleted:
+                    self.io.delete_held(tier, key_id)
+            return
+
+    def _sync_only(self, q: _Queue, job: CopyJob, target: Replica, sync: bool) -> None:
+        tier, key_id = q.tier, job.key_id
+        error = None
+        with self.locks.hold(tier.name, key_id):
+            if sync and not target.synced:
+                try:
+                    tier.sync(key_id)
+                except (TierError, OSError) as exc:
+                    error = exc
+            with self.index.lock:
+                if error is None and sync and job.entry.replicas.get(tier.name) is target:
+                    target.synced = True
+                self._finish(q, job, None, error)
+
+    def _finish(self, q: _Queue, job: CopyJob, replica: Replica | None, error: Exception | None,
+                wrote: bool = False) -> bool:
+        """End a job (index lock held, and the tier's key lock if it wrote). Returns True if
+        the value it wrote must go: its chunk was deleted meanwhile."""
+        tier, key_id, entry, index = q.tier, job.key_id, job.entry, self.index
+        q.running.pop(key_id, None)
+        q.pending_bytes -= job.size
+        q.last_progress = time.monotonic()
+        entry.copying -= 1
+        live = index.get(key_id) is entry
+        if error is not None:
+            index.stats[tier.name].errors += 1
+            self.dropped += 1
+            log.warning("%s: copy of %s failed: %s", tier.name, key_id.hex(), error)
+        elif wrote:
+            index.stats[tier.name].bytes_written += replica.size
+        if live and replica is not None:
+            index.set_replica(key_id, entry, tier.name, replica)
+        for ticket in job.tickets:
+            ticket.finish(error)
+        index.changed.notify_all()
+        if live:
+            index.sync(key_id, entry)
+            index.forget_if_empty(key_id, entry)
+        return wrote and not live
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def pending_bytes(self) -> int:
+        return sum(q.pending_bytes for q in self.queues.values())
+
+    def queued(self) -> int:
+        return sum(len(q.waiting) + len(q.running) for q in self.queues.values())
+
+    def wait_idle(self, key_ids: Sequence[bytes] | None = None, timeout_s: float | None = None) -> bool:
+        """Wait until no copy is queued or running (of ``key_ids``, or at all); False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.index.lock:
+            while (self.pending_bytes() > 0 if key_ids is None else any(self.busy(k) for k in key_ids)):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.index.changed.wait(timeout=0.5 if left is None else min(left, 0.5))
+        return True
+
+    def close(self) -> None:
+        """Stop the workers once the queues are empty (call after ``wait_idle``)."""
+        with self.index.lock:
+            self._closing = True
+            self.index.changed.notify_all()
+        for t in self._threads:
+            t.join()

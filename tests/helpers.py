@@ -1,0 +1,37 @@
+"""Test furniture the store tests share: a small namespace, chunks of random KV, bit-exact
+comparison, and a Store config builder on tiny pages."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
+from kvstore.keys import Namespace, chunk_keys
+
+PAGE = 4096
+NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16 chunks
+
+
+def chunks(n: int, ns: Namespace = NS, seed: int = 0):
+    """``n`` keys of one prefix and a random chunk for each."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=gen).tolist(), ns)
+    return keys, [torch.randn(ns.chunk_shape, generator=gen).to(ns.torch_dtype) for _ in keys]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaNs included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def store_config(tmp_path, host: int = 64 * PAGE, disk: int | None = 1 << 20, pending: int = 16 * PAGE,
+                 **kw) -> StoreConfig:
+    """Host RAM of ``host`` bytes on 4 KiB pages and, unless ``disk`` is None, a disk tier
+    under ``tmp_path/data``; other StoreConfig fields by keyword."""
+    return StoreConfig(
+        host=HostTierConfig(capacity_bytes=host, page_bytes=PAGE, prefault=False),
+        disk=DiskTierConfig(path=str(tmp_path / "data"), capacity_bytes=disk or 1, enabled=disk is not None),
+        write_behind=WriteBehindConfig(max_pending_bytes=pending),
+        **kw,
+    )
