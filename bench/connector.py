@@ -9,16 +9,19 @@ without the store.
    with mincore) and the host copies dropped; (c) the daemon over shared memory; (d) the
    daemon over the remote path (bulk TCP). A hit computes only the last prompt token. Each
    hit reports the bytes loaded and the load's own time (the connector's: from its first
-   read to the KV in the paged cache), beside, in the same run, memcpy of the same bytes
-   (torch's threaded copy, best of 5) and a raw read of the same chunk files (the better of
-   a buffered and an O_DIRECT read, cold, best of 3). Engines are long-lived, as in serving:
-   between runs the local prefix cache is reset, the KV cache and staging buffers are reused.
+   read to the KV in the paged cache), and right after each load the machine's limit for the
+   same bytes: memcpy (torch's threaded copy, best of 5 from distinct sources) beside host
+   loads, a raw read of the same chunk files (the better of a buffered and an O_DIRECT read,
+   cold) beside disk loads; cold runs alternate with host hits. Figures are medians of
+   ``--repeats``, so a load and its limit see the same load on a shared machine. Engines are
+   long-lived, as in serving: between runs the local prefix cache is reset, the KV cache and
+   staging buffers are reused.
 2. Multi-turn: conversations derived from the Mooncake conversation trace (each turn extends
    an earlier turn's prompt; a 512-token trace block becomes ``--block-tokens`` tokens),
-   run one request at a time through an engine whose KV-cache budget cannot hold every
-   conversation, with and without an in-process store (host RAM holding a third of the
-   workload's chunks, the rest on disk): mean and P90 TTFT, tokens recomputed, hit tokens
-   by tier.
+   run one request at a time, each through an engine without the store and one with an
+   in-process store (host RAM holding a third of the workload's chunks, the rest on disk) in
+   turn; both engines' KV-cache budget is one longest prompt, too small to hold every
+   conversation: mean and P90 TTFT, tokens recomputed, hit tokens by tier.
 
 ``--quick``: a tiny random checkpoint, short prompts and a few turns (a CI smoke test).
 """
@@ -77,13 +80,15 @@ def progress(message: str) -> None:
 # -- the machine's limits for the same bytes -------------------------------------------------
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
-    """torch's (threaded) copy of ``nbytes`` between two buffers already faulted in, best of ``repeats``."""
+    """torch's (threaded) copy of ``nbytes`` into a buffer already faulted in, best of
+    ``repeats``, each from its own source so that no copy reads what the cache still holds
+    (a load reads bytes the store wrote long before)."""
     import torch
 
-    src = torch.ones(nbytes // 4)
-    dst = torch.zeros_like(src)
+    sources = [torch.ones(nbytes // 4) for _ in range(repeats)]
+    dst = torch.zeros_like(sources[0])
     best = float("inf")
-    for _ in range(repeats):
+    for src in sources:
         started = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - started)
@@ -132,28 +137,27 @@ def cold_files(paths: list[Path]) -> None:
         raise RuntimeError(f"{left} pages of the chunk files are still cached after dropping them")
 
 
-def raw_read_gbps(paths: list[Path], repeats: int = 3) -> float:
-    """The better of a buffered and an O_DIRECT sequential read of the files, cold, best of ``repeats``."""
+def raw_read_gbps(paths: list[Path]) -> float:
+    """The better of a buffered and an O_DIRECT sequential read of the files, each cold."""
     size = max(p.stat().st_size for p in paths)
     aligned = mmap.mmap(-1, (size + 4095) // 4096 * 4096)  # page-aligned, as O_DIRECT needs
     view = memoryview(aligned)
     nbytes = sum(p.stat().st_size for p in paths)
     best = float("inf")
     for flags in (0, os.O_DIRECT):
-        for _ in range(repeats):
-            cold_files(paths)
-            started = time.perf_counter()
-            try:
-                for path in paths:
-                    fd = os.open(path, os.O_RDONLY | flags)
-                    try:
-                        while os.readv(fd, [view]) == len(view):
-                            pass
-                    finally:
-                        os.close(fd)
-            except OSError:
-                break  # this file system refuses O_DIRECT: the buffered read stands
-            best = min(best, time.perf_counter() - started)
+        cold_files(paths)
+        started = time.perf_counter()
+        try:
+            for path in paths:
+                fd = os.open(path, os.O_RDONLY | flags)
+                try:
+                    while os.readv(fd, [view]) == len(view):
+                        pass
+                finally:
+                    os.close(fd)
+        except OSError:
+            continue  # this file system refuses O_DIRECT: the buffered read stands
+        best = min(best, time.perf_counter() - started)
     view.release()
     aligned.close()
     return nbytes / best / GB
@@ -183,12 +187,18 @@ def first_token(llm, prompt: list[int]) -> dict:
     return result
 
 
-def median_run(llm, prompt: list[int], repeats: int, before_each=None) -> dict:
+def median_run(llm, prompt: list[int], repeats: int, before=None, limit=None) -> dict:
+    """The median of ``repeats`` runs of ``first_token``; ``before()`` prepares each run, and
+    ``limit(run)`` measures the machine's limit for the same bytes right after it (so a load
+    and its limit see the same load on a shared machine)."""
     runs = []
     for _ in range(repeats):
-        if before_each is not None:
-            before_each()
-        runs.append(first_token(llm, prompt))
+        if before is not None:
+            before()
+        run = first_token(llm, prompt)
+        if limit is not None:
+            run.update(limit(run))
+        runs.append(run)
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     load = f", load {median['load_s']:.4f} s for {median['loaded_bytes'] / 1e6:.1f} MB" if "load_s" in median else ""
     progress(f"  {len(prompt)} tokens: TTFT {median['ttft_s']:.4f} s{load}")
@@ -238,32 +248,38 @@ def kv_bytes_per_token(llm) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * llm.runner.kv_cache.element_size()
 
 
+def memcpy(run: dict) -> dict:
+    return {"memcpy_gbps": memcpy_gbps(run["loaded_bytes"])}
+
+
 def host_bytes_for(base, prompts) -> int:
     """Host RAM for every prompt's chunks, twice over, plus room for the pool's pages."""
     return 2 * sum(prompts) * kv_bytes_per_token(base) + (256 << 20)
 
 
 def ttft_in_process(base, setup: Setup, prompts: dict[int, list[int]], results: dict) -> dict[int, list[Path]]:
-    """Cold, and (a) host RAM hits; leaves every chunk on the disk tier for (b). Returns each
-    length's chunk files."""
+    """Cold (recompute) and (a) host-RAM hits, in turn, so both see the same load on a shared
+    machine; leaves every chunk on the disk tier for (b). Returns each length's chunk files."""
     from kvstore.keys import chunk_keys
     from kvstore.store import Store
 
-    host_bytes = host_bytes_for(base, prompts)
     files = {}
-    with base.with_config() as cold:
+    with Store(setup.store_config(host_bytes_for(base, prompts), setup.root / "disk")) as store, \
+            base.with_config() as plain, base.with_config(kv_store=store, connector=setup.connector_config()) as llm:
         for length, prompt in prompts.items():
-            progress(f"{length} tokens: cold (recompute)")
-            results[length]["cold_s"] = median_run(cold, prompt, setup.repeats)["ttft_s"]
-    with Store(setup.store_config(host_bytes, setup.root / "disk")) as store, \
-            base.with_config(kv_store=store, connector=setup.connector_config()) as llm:
-        for length, prompt in prompts.items():
-            progress(f"{length} tokens: saving, then hits from host RAM")
+            progress(f"{length} tokens: saving, then cold runs and hits from host RAM in turn")
             first_token(llm, prompt)
             llm.flush_saves()
-            results[length]["runs"]["host"] = full_hit(median_run(llm, prompt, setup.repeats), length)
-            keys = chunk_keys(prompt, llm.connector.namespace)
-            files[length] = [store.tiers[1].path_of(k.id) for k in keys]
+            colds = []
+
+            def cold() -> None:
+                colds.append(first_token(plain, prompt)["ttft_s"])
+
+            results[length]["runs"]["host"] = full_hit(median_run(llm, prompt, setup.repeats, before=cold,
+                                                                  limit=memcpy), length)
+            results[length]["cold_s"] = statistics.median(colds)
+            progress(f"  {length} tokens: cold TTFT {results[length]['cold_s']:.4f} s")
+            files[length] = [store.tiers[1].path_of(k.id) for k in chunk_keys(prompt, llm.connector.namespace)]
         store.flush()
     return files
 
@@ -305,8 +321,11 @@ def _disk_child(setup: Setup, prompts: dict, files: dict, host_bytes: int, queue
                     store.drop(keys, "host")
                     cold_files(files[length])
 
+                def raw_read(run) -> dict:
+                    return {"raw_read_gbps": raw_read_gbps(files[length])}
+
                 before = store.stats().tiers["nvme"].hits
-                run = full_hit(median_run(llm, prompt, setup.repeats, before_each=cold), length)
+                run = full_hit(median_run(llm, prompt, setup.repeats, before=cold, limit=raw_read), length)
                 run["disk_chunk_reads"] = store.stats().tiers["nvme"].hits - before
                 out[length] = run
         queue.put(out)
@@ -348,12 +367,10 @@ def ttft_figures(base, setup: Setup, seed: int) -> dict:
     for length, run in disk_hits_in_a_new_process(setup, prompts, files, host_bytes_for(base, prompts)).items():
         results[length]["runs"]["disk"] = run
     daemon_hits(base, setup, prompts, results)
-    progress("memcpy and raw disk reads of the same bytes")
-    for length, r in results.items():
-        nbytes = r["runs"]["host"]["loaded_bytes"]
-        r["bytes"] = nbytes
-        r["memcpy_gbps"] = memcpy_gbps(nbytes)
-        r["raw_read_gbps"] = raw_read_gbps(files[length])
+    for r in results.values():
+        r["bytes"] = r["runs"]["host"]["loaded_bytes"]
+        r["memcpy_gbps"] = r["runs"]["host"]["memcpy_gbps"]  # measured beside each host load
+        r["raw_read_gbps"] = r["runs"]["disk"]["raw_read_gbps"]  # beside each disk load
         r["hit_s"] = {s: r["runs"][s]["ttft_s"] for s in SOURCES}
         r["load_s"] = {s: r["runs"][s]["load_s"] for s in SOURCES}
         r["load_gbps"] = {s: r["runs"][s]["loaded_bytes"] / r["runs"][s]["load_s"] / GB for s in SOURCES}
@@ -408,16 +425,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def multi_turn_run(llm, prompts: list[tuple[int, list[int]]], output_tokens: int, store=None) -> dict:
-    """One request at a time, in trace order; TTFT from each request's arrival."""
-    from engine import SamplingParams
-
-    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
-    tiers_before = {n: t.hits for n, t in store.stats().tiers.items()} if store is not None else {}
-    metrics = [llm.generate(prompt, params)[0].metrics for _, prompt in prompts]
+def summary(metrics: list, store=None, tiers_before=None, chunk_tokens: int = 0) -> dict:
     ttfts = [m.ttft for m in metrics]
     result = {
-        "requests": len(prompts),
+        "requests": len(metrics),
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p90_s": percentile(ttfts, 0.9),
         "prompt_tokens": sum(m.num_prompt_tokens for m in metrics),
@@ -425,14 +436,17 @@ def multi_turn_run(llm, prompts: list[tuple[int, list[int]]], output_tokens: int
         "hit_tokens": {"device": sum(m.num_cached_tokens for m in metrics)},
     }
     if store is not None:
-        chunk = llm.connector.namespace.chunk_tokens
         for name, t in store.stats().tiers.items():
-            result["hit_tokens"][name] = (t.hits - tiers_before[name]) * chunk
+            result["hit_tokens"][name] = (t.hits - tiers_before[name]) * chunk_tokens
         result["loaded_tokens"] = sum(m.num_loaded_tokens for m in metrics)
     return result
 
 
 def multi_turn(base, setup: Setup, args) -> dict:
+    """Each request runs through an engine without the store and one with it, in turn (the
+    order alternating), so both see the same load on a shared machine; the engines have
+    separate KV caches of the same size."""
+    from engine import SamplingParams
     from kvstore.store import Store
 
     vocab = base.model_config.vocab_size
@@ -449,14 +463,19 @@ def multi_turn(base, setup: Setup, args) -> dict:
             "mean_prompt_tokens": statistics.fmean(len(p) for _, p in prompts), "kv_cache_blocks": num_blocks,
             "kv_cache_tokens": num_blocks * setup.block_size, "distinct_chunks": len(distinct),
             "store_host_bytes": host_bytes}
-    progress(f"multi-turn: {len(prompts)} requests, without the store")
-    with base.with_config(**engine) as llm:
-        without = multi_turn_run(llm, prompts, args.output_tokens)
-    progress(f"multi-turn: {len(prompts)} requests, with the store")
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+    progress(f"multi-turn: {len(prompts)} requests, each without and with the store")
     with Store(setup.store_config(host_bytes, setup.root / "multi-turn")) as store, \
-            base.with_config(kv_store=store, connector=setup.connector_config(), **engine) as llm:
-        with_store = multi_turn_run(llm, prompts, args.output_tokens, store)
-    return {**info, "with_store": with_store, "without_store": without}
+            base.with_config(**engine) as plain, \
+            base.with_config(kv_store=store, connector=setup.connector_config(), **engine) as stored:
+        tiers_before = {n: t.hits for n, t in store.stats().tiers.items()}
+        without, with_store = [], []
+        for i, (_, prompt) in enumerate(prompts):
+            pair = [(plain, without), (stored, with_store)]
+            for llm, out in pair if i % 2 == 0 else reversed(pair):
+                out.append(llm.generate(prompt, params)[0].metrics)
+        return {**info, "without_store": summary(without),
+                "with_store": summary(with_store, store, tiers_before, setup.chunk_tokens)}
 
 
 # -- the command ------------------------------------------------------------------------------
