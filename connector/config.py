@@ -47,9 +47,10 @@ class ConnectorConfig:
     chunks_per_read: int = 2  # chunks per store read call (one round trip through a daemon)
     staging_chunks: int = 16  # idle chunk buffers kept for reuse (fresh ones fault in every page)
     save: bool = True  # False: only load (a consumer that never writes the store)
-    # Chunks gathered and waiting for their put; past this the store is pushing back and new
-    # saves are dropped (and counted): a dropped save is a future miss, never a wrong load.
-    max_pending_saves: int = 8
+    # Chunks gathered and waiting for their put (a 4k-token prompt of 256-token chunks is 16);
+    # past this the store is pushing back and new saves are dropped (and counted): a dropped
+    # save is a future miss, never a wrong load.
+    max_pending_saves: int = 32
     pin_ttl_s: float = 30.0  # lease on looked-up chunks until they are loaded (bounds any leak)
     # After a store failure the connector is off (no lookups, loads or saves) this long.
     unavailable_backoff_s: float = 30.0

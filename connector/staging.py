@@ -15,21 +15,21 @@ import torch
 
 class StagingPool:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool, keep: int,
-                 limit: int | None = None) -> None:
-        """``keep`` idle buffers are kept for reuse; at most ``limit`` are out at once (None: no limit)."""
+                 limit: int | None = None, prefault: int = 0) -> None:
+        """``keep`` idle buffers are kept for reuse; at most ``limit`` are out at once (None: no
+        limit); ``prefault`` buffers are made and touched now, so the first loads reuse them."""
         self.shape, self.dtype, self.pin_memory = shape, dtype, pin_memory
         self.keep, self.limit = keep, limit
-        self._idle: list[torch.Tensor] = []
+        self._idle = [self._fresh().zero_() for _ in range(min(prefault, keep))]
         self._out = 0
         self._lock = threading.Lock()
+
+    def _fresh(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
 
     @property
     def nbytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
-
-    @property
-    def in_use(self) -> int:
-        return self._out
 
     def take(self) -> torch.Tensor | None:
         """An idle buffer, or a fresh one; None when ``limit`` buffers are out."""
@@ -39,7 +39,7 @@ class StagingPool:
             self._out += 1
             if self._idle:
                 return self._idle.pop()
-        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
+        return self._fresh()
 
     def give(self, buf: torch.Tensor) -> None:
         """Back for reuse: nothing writes ``buf`` any more."""

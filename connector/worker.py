@@ -48,8 +48,10 @@ class WorkerConnector:
         """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once."""
         self.mover = ChunkMover(kv_cache)
         pin = kv_cache.is_cuda
-        self.load_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks)
-        self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.max_pending_saves,
+        in_flight = self.config.load_workers * self.config.chunks_per_read  # buffers one direct load uses
+        self.load_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
+                                        prefault=in_flight)
+        self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
                                         limit=self.config.max_pending_saves)
         self.saver = Saver(self.store, self.save_staging, self.availability, self.stats)
 
@@ -119,9 +121,6 @@ class WorkerConnector:
         self.stats.add(loads=1, loaded_chunks=result.loaded_chunks, loaded_tokens=result.loaded_tokens,
                        loaded_bytes=result.bytes, load_s=result.seconds, failed_loads=int(not result.ok),
                        timed_out_loads=int(result.timed_out))
-
-    def pending_loads(self) -> int:
-        return len(self._inflight)
 
     def wait_for_loads(self, timeout_s: float) -> None:
         """Nothing else to run: wait until an asynchronous load is settled or past its deadline."""

@@ -8,10 +8,12 @@ import sys
 
 import torch
 
+from connector.config import ConnectorConfig
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.policies import POLICIES
 from engine.sampling import SamplingParams
+from kvstore.config import load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-blocks", type=int, default=512)
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--connector", default=None,
+                     help="TOML connector configuration: load and save KV through a store (docs/connector.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return parser
 
@@ -40,20 +44,25 @@ def generate(args) -> int:
         torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy))
-    prompts = args.prompt
-    if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
-        m = out.metrics
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
-                              "ttft_s": m.ttft, "tpot_s": m.tpot, "prompt_tokens": m.num_prompt_tokens,
-                              "cached_tokens": m.num_cached_tokens, "output_tokens": m.num_output_tokens}))
-        else:
-            print(out.text)
-            print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, ttft {m.ttft:.3f}s, "
-                  f"finish: {out.finish_reason}]", file=sys.stderr)
+    connector = load_config(args.connector, ConnectorConfig) if args.connector else None
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
+                          connector=connector)
+    with LLM(args.model, config) as llm:
+        prompts = args.prompt
+        if args.chat:
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
+            m = out.metrics
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                                  "ttft_s": m.ttft, "tpot_s": m.tpot, "prompt_tokens": m.num_prompt_tokens,
+                                  "cached_tokens": m.num_cached_tokens, "loaded_tokens": m.num_loaded_tokens,
+                                  "output_tokens": m.num_output_tokens}))
+            else:
+                print(out.text)
+                print(f"[{m.num_prompt_tokens} prompt tokens ({m.num_cached_tokens} cached, {m.num_loaded_tokens} "
+                      f"loaded from the store), {m.num_output_tokens} generated, ttft {m.ttft:.3f}s, "
+                      f"finish: {out.finish_reason}]", file=sys.stderr)
     return 0
 
 

@@ -121,6 +121,14 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the KV bytes stay, unreachable): later requests miss locally."""
+        for block in self.blocks:
+            if block.ref_count:
+                raise RuntimeError("reset_prefix_cache with blocks in use")
+            block.hash = None
+        self.cached.clear()
+
     def check_integrity(self, holders: list[Sequence]) -> None:
         """Raise AssertionError unless the books balance for ``holders`` (every sequence that
         holds blocks): each block's reference count is its number of holders, the free list is

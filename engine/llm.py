@@ -102,6 +102,12 @@ class LLM:
         other._start()
         return other
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the local prefix cache (between runs of a benchmark or a test); the engine must be idle."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache while requests are queued or running")
+        self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """Totals over the requests finished so far, and the connector's counters."""
         return dataclasses.replace(self.totals, connector=self.connector.stats() if self.connector else None)
@@ -128,6 +134,9 @@ class LLM:
         """Validate and queue one request; raises ValueError naming the problem."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
+        queued = self.scheduler.waiting + self.scheduler.running + self.scheduler.loading
+        if request_id and any(s.request_id == request_id for s in queued):
+            raise ValueError(f"request id {request_id!r} is already in use")  # the connector tracks requests by id
         now = time.perf_counter() if arrival_time is None else arrival_time
         seq = Sequence(token_ids, params, now, request_id=request_id)
         self.scheduler.add(seq)

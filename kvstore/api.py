@@ -17,8 +17,8 @@ Rules every implementation keeps:
 - ``pin`` keeps present chunks from eviction for ``ttl_s`` seconds (it extends, never
   shortens, an earlier pin); the lease bounds any leak. Pins are per chunk, not per holder:
   one caller's ``unpin`` ends everybody's pin on that chunk.
-- ``put`` of a key already held is a no-op that keeps the stored bytes (keys name content).
-  It may wait while the store's write-behind queues are full (backpressure).
+- The last acknowledged ``put`` of a key is what reads return; putting the same blob again
+  is a no-op. A put may wait while the store's write-behind queues are full (backpressure).
 - Errors a caller can cause are ``ValueError``/``TypeError``; an unreachable store raises
   the implementation's own error (``DaemonError``, ``StoreClosed``, ``OSError``).
 

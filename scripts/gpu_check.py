@@ -1,5 +1,7 @@
 """Check the compiled Triton kernels against their torch references on a GPU, then measure
-paged decode attention's memory bandwidth as a fraction of the GPU's peak.
+paged decode attention's memory bandwidth as a fraction of the GPU's peak; then run the
+engine on the GPU with the KV connector (sync and layer-wise loads, a store with host RAM
+and disk, and one with the GPU tier) and check its outputs equal the engine's without a store.
 
 CI has no GPU, so the kernels only ever run there under the Triton interpreter; run this by
 hand where a GPU is lent:
@@ -7,7 +9,8 @@ hand where a GPU is lent:
     python scripts/gpu_check.py results.json [--peak-gbps 4800] [--quick]
 
 Prints a table and writes every number to the JSON path. Exit status: 0 all checks pass,
-1 a kernel disagrees with its reference, 2 no CUDA GPU or no triton (nothing is run).
+1 a kernel or the connector disagrees with its reference, 2 no CUDA GPU or no triton
+(nothing is run).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -165,6 +169,15 @@ def check_shape(shape: ModelShape, dtype, device, contexts=CHECK_CONTEXTS) -> li
     block_copy.scatter_blocks_triton(chunk, got_kv, dest)
     block_copy.scatter_blocks_torch(chunk, want_kv, dest)
     record("scatter_blocks", _max_err(got_kv, want_kv), 0.0)
+    # the one-layer variants of a layer-wise load, the chunk viewed past its first block
+    layer = shape.layers - 1
+    got = block_copy.gather_layer_blocks_triton(kv[layer], ids)
+    record("gather_layer_blocks", _max_err(got, block_copy.gather_layer_blocks_torch(kv[layer], ids)), 0.0)
+    tail = chunk[layer, :, shape.block_size:]
+    got_kv, want_kv = torch.zeros_like(kv), torch.zeros_like(kv)
+    block_copy.scatter_layer_blocks_triton(tail, got_kv[layer], dest[1:])
+    block_copy.scatter_layer_blocks_torch(tail, want_kv[layer], dest[1:])
+    record("scatter_layer_blocks", _max_err(got_kv, want_kv), 0.0)
 
     # quantisation of that chunk: the kernels promise the CPU reference's bytes exactly
     # (torch on CUDA divides by a scalar as a reciprocal multiply, so it is not the yardstick)
@@ -181,6 +194,46 @@ def check_shape(shape: ModelShape, dtype, device, contexts=CHECK_CONTEXTS) -> li
     deq4 = quant.dequantize_int4_triton(packed, s4, z4, 32, dtype)
     record("dequantize_int4", _max_err(deq4.cpu(), quant.dequantize_int4_torch(p_ref, s4_ref, z4_ref, 32, dtype)), 0.0)
     return checks
+
+
+def check_connector(device, workdir: Path) -> tuple[list[Check], dict]:
+    """The engine on ``device`` with the connector: greedy outputs with KV loaded from a store
+    (sync and layer-wise; host RAM + disk, and with the GPU tier) equal the engine's without
+    one (``max_abs_err`` counts differing requests); figures: what was loaded, and how fast."""
+    from connector import ConnectorConfig
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.testing import make_tiny_checkpoint
+    from kvstore.config import DiskTierConfig, GpuTierConfig, HostTierConfig, StoreConfig
+    from kvstore.store import Store
+
+    model = make_tiny_checkpoint(workdir / "tiny", "llama", num_layers=4)
+    base = LLM(model, EngineConfig(num_blocks=256, block_size=16, dtype="float32", device=str(device),
+                                   max_num_batched_tokens=1024))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (256, 300, 480, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.output_token_ids for o in base.generate(prompts, params)]
+    checks, figures = [], {"kvikio_installed": importlib.util.find_spec("kvikio") is not None,
+                           "kvikio_used": False, "staging": "pinned host buffers" if device.type == "cuda" else "host"}
+    stores = {"host+disk": {}, "gpu tier": {"gpu": GpuTierConfig(enabled=device.type == "cuda", device=str(device))}}
+    for name, extra in stores.items():
+        for mode in ("sync", "layerwise"):
+            cfg = StoreConfig(host=HostTierConfig(capacity_bytes=256 << 20),
+                              disk=DiskTierConfig(path=str(workdir / f"{name}-{mode}".replace(" ", "-"))), **extra)
+            with Store(cfg) as store:
+                connector = ConnectorConfig(chunk_tokens=64, load_mode=mode)
+                with base.with_config(kv_store=store, connector=connector) as cold:
+                    cold.generate(prompts, params)
+                    cold.flush_saves()
+                with base.with_config(kv_store=store, connector=connector) as warm:
+                    got = [o.output_token_ids for o in warm.generate(prompts, params)]
+                    stats = warm.stats().connector
+            wrong = sum(g != w for g, w in zip(got, want))
+            checks.append(Check(f"connector outputs ({mode})", f"tiny, {name}", "float32", float(wrong), 0.0, wrong == 0))
+            figures[f"{name}, {mode}"] = {"loaded_tokens": stats.loaded_tokens, "loaded_bytes": stats.loaded_bytes,
+                                          "load_s": stats.load_s,
+                                          "load_gbps": stats.loaded_bytes / stats.load_s / 1e9 if stats.load_s else 0.0}
+    return checks, figures
 
 
 def time_kernel(fn, warmup: int, iters: int, rounds: int = 5) -> float:
@@ -253,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\npaged decode attention, one layer (KV bytes read / kernel time)\n"
           + format_table([asdict(b) for b in bandwidth]))
 
-    ok = all(c.ok for c in checks)
+    with tempfile.TemporaryDirectory() as tmp:
+        connector_checks, connector_figures = check_connector(device, Path(tmp))
+    print("\nthe engine with the KV connector on the GPU (outputs vs no store)\n"
+          + format_table([asdict(c) for c in connector_checks]))
+    print(json.dumps(connector_figures, indent=2))
+
+    ok = all(c.ok for c in checks + connector_checks)
     result = {
         "device": props.name,
         "peak_gbps": peak,
@@ -261,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "ok": ok,
         "checks": [asdict(c) for c in checks],
         "bandwidth": [asdict(b) for b in bandwidth],
+        "connector": {"checks": [asdict(c) for c in connector_checks], "figures": connector_figures},
     }
     args.json_path.write_text(json.dumps(result, indent=2))
     print(f"\n{'all checks pass' if ok else 'SOME CHECKS FAILED'}; results written to {args.json_path}")

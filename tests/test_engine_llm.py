@@ -149,7 +149,9 @@ def test_metrics_are_filled(tiny):
 
 def test_bad_requests_raise_and_engine_keeps_serving(tiny):
     llm = engine(tiny)
-    good = llm.add_request("serve me", GREEDY)
+    good = llm.add_request("serve me", GREEDY, request_id="good")
+    with pytest.raises(ValueError, match="request id 'good' is already in use"):
+        llm.add_request("me too", GREEDY, request_id="good")
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.add_request("", GREEDY)
     with pytest.raises(ValueError, match="prompt too long"):

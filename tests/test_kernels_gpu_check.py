@@ -59,3 +59,11 @@ def test_correctness_sweep_passes_on_a_tiny_model(gpu_check):
     assert {c.op for c in checks} >= {"paged_decode_attention", "gather_blocks", "scatter_blocks", "quantize_int4"}
     failed = {c.op for c in checks if not c.ok}
     assert failed == {"dispatch_picks_triton"}  # CPU tensors: the dispatchers rightly pick torch
+
+
+def test_connector_check_runs_on_a_cpu(gpu_check, tmp_path):
+    """The script's connector part, on CPU tensors: outputs with the store equal those without."""
+    checks, figures = gpu_check.check_connector(torch.device("cpu"), tmp_path)
+    assert [c.ok for c in checks] == [True] * 4
+    assert all(f["loaded_tokens"] > 0 for k, f in figures.items() if isinstance(f, dict))
+    assert figures["kvikio_used"] is False

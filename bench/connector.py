@@ -1,0 +1,570 @@
+"""``kvbench connector``: time to first token of the bundled engine when its KV comes from
+the store instead of being recomputed, and a multi-turn conversation workload with and
+without the store.
+
+1. TTFT at each prompt length (default 512, 1k, 2k, 4k tokens of SmolLM2-135M, fp32 KV):
+   cold (no store: the whole prefill recomputed) and a full-prefix hit loaded from
+   (a) host RAM, in-process; (b) the local-disk tier, in a new engine process, with the
+   chunk files' pages dropped from the page cache (fdatasync + POSIX_FADV_DONTNEED, checked
+   with mincore) and the host copies dropped; (c) the daemon over shared memory; (d) the
+   daemon over the remote path (bulk TCP). A hit computes only the last prompt token. Each
+   hit reports the bytes loaded and the load's own time (the connector's: from its first
+   read to the KV in the paged cache), and right after each load the machine's limit for the
+   same bytes: memcpy (torch's threaded copy, best of 5 from distinct sources) beside host
+   loads, a raw read of the same chunk files (the better of a buffered and an O_DIRECT read,
+   cold; the files are read once before each load, so that a cache below the guest's page
+   cache, as a virtual disk has, is in the same state for both) beside disk loads; cold runs
+   alternate with host hits. Figures are medians of
+   ``--repeats``, so a load and its limit see the same load on a shared machine. Engines are
+   long-lived, as in serving: between runs the local prefix cache is reset, the KV cache and
+   staging buffers are reused.
+2. Multi-turn: conversations derived from the Mooncake conversation trace (each turn extends
+   an earlier turn's prompt; a 512-token trace block becomes ``--block-tokens`` tokens),
+   run one request at a time, each through an engine without the store and one with an
+   in-process store (host RAM holding a third of the workload's chunks, the rest on disk) in
+   turn; both engines' KV-cache budget is one longest prompt, too small to hold every
+   conversation: mean and P90 TTFT, tokens recomputed, hit tokens by tier.
+
+``--quick``: a tiny random checkpoint, short prompts and a few turns (a CI smoke test).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gzip
+import json
+import mmap
+import multiprocessing
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+SOURCES = ("host", "disk", "shm", "remote")
+DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl.gz")
+TRACE_BLOCK_TOKENS = 512  # the Mooncake trace hashes its prompts in blocks of this many tokens
+TARGETS = {"hit_vs_cold_at_2k": 0.25, "host_load_vs_memcpy": 0.5, "disk_load_vs_raw_read": 0.7,
+           "multi_turn_mean_ttft_ratio": 0.5}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("connector", help="engine TTFT with KV loaded from the store vs recomputed; multi-turn")
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M GGUF; tiny with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny random model, short prompts: a smoke test")
+    p.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths in tokens")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per store chunk")
+    p.add_argument("--repeats", type=int, default=3, help="runs per TTFT figure (the median is kept)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--dir", default=None, help="directory for the disk tiers (default: a temporary one)")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake conversation trace (JSON lines, gzip)")
+    p.add_argument("--conversations", type=int, default=6, help="conversations in the multi-turn run")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
+    p.add_argument("--max-prompt", type=int, default=2048, help="multi-turn prompts are cut to this many tokens")
+    p.add_argument("--budget-prompts", type=float, default=1.0,
+                   help="the multi-turn KV cache holds this many longest prompts")
+    p.add_argument("--output-tokens", type=int, default=4, help="tokens generated per multi-turn request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=run)
+
+
+def progress(message: str) -> None:
+    print(f"kvbench connector: {message}", file=sys.stderr, flush=True)
+
+
+# -- the machine's limits for the same bytes -------------------------------------------------
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """torch's (threaded) copy of ``nbytes`` into a buffer already faulted in, best of
+    ``repeats``, each from its own source so that no copy reads what the cache still holds
+    (a load reads bytes the store wrote long before)."""
+    import torch
+
+    sources = [torch.ones(nbytes // 4) for _ in range(repeats)]
+    dst = torch.zeros_like(sources[0])
+    best = float("inf")
+    for src in sources:
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / GB
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def resident_pages(paths: list[Path]) -> int:
+    """Pages of the files in the page cache now (mincore over a read-only shared mapping)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for path in paths:
+        size = path.stat().st_size
+        if not size:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {path}")
+            try:
+                vec = ctypes.create_string_buffer((size + page - 1) // page)
+                if _libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore {path}")
+                total += sum(b & 1 for b in vec.raw)
+            finally:
+                _libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
+
+
+def cold_files(paths: list[Path]) -> None:
+    """Drop the files' cached pages (fdatasync + POSIX_FADV_DONTNEED) and check none is left."""
+    from bench.tiers import _drop_cache
+
+    _drop_cache(paths)
+    left = resident_pages(paths)
+    if left:
+        raise RuntimeError(f"{left} pages of the chunk files are still cached after dropping them")
+
+
+def raw_read_gbps(paths: list[Path]) -> float:
+    """The better of a buffered and an O_DIRECT sequential read of the files, each cold."""
+    size = max(p.stat().st_size for p in paths)
+    aligned = mmap.mmap(-1, (size + 4095) // 4096 * 4096)  # page-aligned, as O_DIRECT needs
+    view = memoryview(aligned)
+    nbytes = sum(p.stat().st_size for p in paths)
+    best = float("inf")
+    for flags in (0, os.O_DIRECT):
+        cold_files(paths)
+        started = time.perf_counter()
+        try:
+            for path in paths:
+                fd = os.open(path, os.O_RDONLY | flags)
+                try:
+                    while os.readv(fd, [view]) == len(view):
+                        pass
+                finally:
+                    os.close(fd)
+        except OSError:
+            continue  # this file system refuses O_DIRECT: the buffered read stands
+        best = min(best, time.perf_counter() - started)
+    view.release()
+    aligned.close()
+    return nbytes / best / GB
+
+
+# -- TTFT ------------------------------------------------------------------------------------
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def first_token(llm, prompt: list[int]) -> dict:
+    """One request for one token through a long-lived engine whose local prefix cache was reset:
+    its TTFT, and what the connector loaded for it (bytes, the load's own seconds)."""
+    from engine import SamplingParams
+
+    llm.reset_prefix_cache()
+    before = llm.connector.stats() if llm.connector else None
+    (out,) = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
+    result = {"ttft_s": out.metrics.ttft, "loaded_tokens": out.metrics.num_loaded_tokens,
+              "computed_tokens": out.metrics.num_prefilled_tokens}
+    if before is not None:
+        after = llm.connector.stats()
+        result["loaded_bytes"] = after.loaded_bytes - before.loaded_bytes
+        result["load_s"] = after.load_s - before.load_s
+    return result
+
+
+def median_run(llm, prompt: list[int], repeats: int, before=None, limit=None) -> dict:
+    """The median of ``repeats`` runs of ``first_token``; ``before()`` prepares each run, and
+    ``limit(run)`` measures the machine's limit for the same bytes right after it (so a load
+    and its limit see the same load on a shared machine)."""
+    runs = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        run = first_token(llm, prompt)
+        if limit is not None:
+            run.update(limit(run))
+        runs.append(run)
+    median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    load = f", load {median['load_s']:.4f} s for {median['loaded_bytes'] / 1e6:.1f} MB" if "load_s" in median else ""
+    progress(f"  {len(prompt)} tokens: TTFT {median['ttft_s']:.4f} s{load}")
+    return median
+
+
+def full_hit(run: dict, length: int) -> dict:
+    """A full-prefix hit: everything loaded but the last token, which is computed."""
+    if run["loaded_tokens"] != length or run["computed_tokens"] != 1:
+        raise RuntimeError(f"expected a full-prefix hit of {length} tokens, got {run}")
+    return run
+
+
+@dataclass
+class Setup:
+    model: str
+    lengths: list[int]
+    chunk_tokens: int
+    repeats: int
+    threads: int
+    root: Path
+    block_size: int = 16
+
+    def engine_config(self, **overrides):
+        from engine import EngineConfig
+
+        longest = max(self.lengths)
+        kw = dict(num_blocks=longest // self.block_size + 16, block_size=self.block_size, dtype="float32",
+                  max_num_batched_tokens=longest, max_num_seqs=4)
+        return EngineConfig(**{**kw, **overrides})
+
+    def connector_config(self, **overrides):
+        from connector import ConnectorConfig
+
+        return ConnectorConfig(chunk_tokens=self.chunk_tokens, **overrides)
+
+    def store_config(self, host_bytes: int, disk_dir: Path):
+        from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
+
+        return StoreConfig(host=HostTierConfig(capacity_bytes=host_bytes, page_bytes=1 << 20, fetch_workers=2),
+                           disk=DiskTierConfig(path=str(disk_dir), capacity_bytes=4 * host_bytes),
+                           write_behind=WriteBehindConfig(max_pending_bytes=host_bytes // 2))
+
+
+def kv_bytes_per_token(llm) -> int:
+    cfg = llm.model_config
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * llm.runner.kv_cache.element_size()
+
+
+def memcpy(run: dict) -> dict:
+    return {"memcpy_gbps": memcpy_gbps(run["loaded_bytes"])}
+
+
+def host_bytes_for(base, prompts) -> int:
+    """Host RAM for every prompt's chunks, twice over, plus room for the pool's pages."""
+    return 2 * sum(prompts) * kv_bytes_per_token(base) + (256 << 20)
+
+
+def ttft_in_process(base, setup: Setup, prompts: dict[int, list[int]], results: dict) -> dict[int, list[Path]]:
+    """Cold (recompute) and (a) host-RAM hits, in turn, so both see the same load on a shared
+    machine; leaves every chunk on the disk tier for (b). Returns each length's chunk files."""
+    from kvstore.keys import chunk_keys
+    from kvstore.store import Store
+
+    files = {}
+    with Store(setup.store_config(host_bytes_for(base, prompts), setup.root / "disk")) as store, \
+            base.with_config() as plain, base.with_config(kv_store=store, connector=setup.connector_config()) as llm:
+        for length, prompt in prompts.items():
+            progress(f"{length} tokens: saving, then cold runs and hits from host RAM in turn")
+            first_token(llm, prompt)
+            llm.flush_saves()
+            colds = []
+
+            def cold() -> None:
+                colds.append(first_token(plain, prompt)["ttft_s"])
+
+            results[length]["runs"]["host"] = full_hit(median_run(llm, prompt, setup.repeats, before=cold,
+                                                                  limit=memcpy), length)
+            results[length]["cold_s"] = statistics.median(colds)
+            progress(f"  {length} tokens: cold TTFT {results[length]['cold_s']:.4f} s")
+            files[length] = [store.tiers[1].path_of(k.id) for k in chunk_keys(prompt, llm.connector.namespace)]
+        store.flush()
+    return files
+
+
+def disk_hits_in_a_new_process(setup: Setup, prompts: dict[int, list[int]], files: dict[int, list[Path]],
+                               host_bytes: int) -> dict:
+    """(b): a new engine process, a new Store on the same disk directory (host RAM empty)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_disk_child, args=(setup, prompts, files, host_bytes, queue))
+    child.start()
+    try:
+        result = queue.get(timeout=1800)
+    finally:
+        child.join(60)
+    if isinstance(result, str):
+        raise RuntimeError(f"the disk-tier engine process failed: {result}")
+    return result
+
+
+def _disk_child(setup: Setup, prompts: dict, files: dict, host_bytes: int, queue) -> None:
+    """In the new process: before each run, drop the chunks' host copies (promoted by the
+    previous read) and their files' cached pages, then time a full-prefix hit."""
+    try:
+        import torch
+
+        from engine import LLM
+        from kvstore.keys import chunk_keys
+        from kvstore.store import Store
+
+        torch.set_num_threads(setup.threads)
+        out = {}
+        with Store(setup.store_config(host_bytes, setup.root / "disk")) as store, \
+                LLM(setup.model, setup.engine_config(connector=setup.connector_config()), kv_store=store) as llm:
+            for length, prompt in prompts.items():
+                keys = chunk_keys(prompt, llm.connector.namespace)
+
+                def cold() -> None:
+                    """The virtual disk may cache below the guest's page cache: read the files
+                    once first, so the load and the raw read after it start alike."""
+                    raw_read_gbps(files[length])
+                    store.drop(keys, "host")
+                    cold_files(files[length])
+
+                def raw_read(run) -> dict:
+                    return {"raw_read_gbps": raw_read_gbps(files[length])}
+
+                before = store.stats().tiers["nvme"].hits
+                run = full_hit(median_run(llm, prompt, setup.repeats, before=cold, limit=raw_read), length)
+                run["disk_chunk_reads"] = store.stats().tiers["nvme"].hits - before
+                out[length] = run
+        queue.put(out)
+    except BaseException as exc:  # reported to the parent, which raises
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def daemon_hits(base, setup: Setup, prompts: dict[int, list[int]], results: dict) -> None:
+    """(c) and (d): one daemon; the chunks are saved through it once, then loaded over each path."""
+    from connector import DaemonBackendConfig
+    from kvstore.daemon.spawn import DaemonProcess
+
+    chunk_bytes = setup.chunk_tokens * kv_bytes_per_token(base)
+    host_bytes = host_bytes_for(base, prompts)
+    config = setup.root / "daemon.toml"
+    config.write_text(f'[shm]\nslots = 16\nslot_bytes = {chunk_bytes + (1 << 20)}\n'
+                      f'[store.host]\ncapacity_bytes = {host_bytes}\npage_bytes = {1 << 20}\n'
+                      f'[store.disk]\nenabled = false\n')
+    with DaemonProcess(["--config", str(config), "--listen", "127.0.0.1:0"]) as daemon:
+        for source, transport in (("shm", "shm"), ("remote", "remote")):
+            backend = DaemonBackendConfig(addr=daemon.addr, transport=transport)
+            connector = setup.connector_config(backend="daemon", daemon=backend)
+            with base.with_config(connector=connector) as llm:
+                for length, prompt in prompts.items():
+                    if source == "shm":
+                        progress(f"{length} tokens: saving through the daemon")
+                        first_token(llm, prompt)
+                        llm.flush_saves()
+                    progress(f"{length} tokens: hits from the daemon over {transport} ({llm.kv_store.path})")
+                    results[length]["runs"][source] = full_hit(median_run(llm, prompt, setup.repeats), length)
+
+
+def ttft_figures(base, setup: Setup, seed: int) -> dict:
+    vocab = base.model_config.vocab_size
+    prompts = {n: random_prompt(n, vocab, seed + n) for n in setup.lengths}
+    results = {n: {"runs": {}} for n in setup.lengths}
+    files = ttft_in_process(base, setup, prompts, results)
+    progress("hits from the disk tier in a new engine process (cold page cache)")
+    for length, run in disk_hits_in_a_new_process(setup, prompts, files, host_bytes_for(base, prompts)).items():
+        results[length]["runs"]["disk"] = run
+    daemon_hits(base, setup, prompts, results)
+    for r in results.values():
+        r["bytes"] = r["runs"]["host"]["loaded_bytes"]
+        r["memcpy_gbps"] = r["runs"]["host"]["memcpy_gbps"]  # measured beside each host load
+        r["raw_read_gbps"] = r["runs"]["disk"]["raw_read_gbps"]  # beside each disk load
+        r["hit_s"] = {s: r["runs"][s]["ttft_s"] for s in SOURCES}
+        r["load_s"] = {s: r["runs"][s]["load_s"] for s in SOURCES}
+        r["load_gbps"] = {s: r["runs"][s]["loaded_bytes"] / r["runs"][s]["load_s"] / GB for s in SOURCES}
+    return {str(n): r for n, r in results.items()}
+
+
+# -- multi-turn ---------------------------------------------------------------------------
+
+def conversation_prompts(trace: Path, conversations: int, turns: int, block_tokens: int, max_prompt: int,
+                         vocab: int, seed: int) -> list[tuple[int, list[int]]]:
+    """(conversation, prompt) in trace order for the first ``conversations`` conversations with
+    ``turns`` turns. A request continues the conversation of the earliest request it shares
+    at least two leading trace blocks with (block 0, a common system prompt, alone does not
+    count); a trace block id becomes ``block_tokens`` tokens drawn from a generator seeded
+    with it, so equal trace prefixes give equal token prefixes."""
+    if not trace.exists():
+        raise FileNotFoundError(f"trace {trace} not found")
+    with gzip.open(trace, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    owner: dict[int, int] = {}
+    conversation_of: list[int] = []
+    for i, row in enumerate(rows):
+        ids, shared = row["hash_ids"], 0
+        while shared < len(ids) and ids[shared] in owner:
+            shared += 1
+        conversation_of.append(conversation_of[owner[ids[shared - 1]]] if shared >= 2 else i)
+        for h in ids:
+            owner.setdefault(h, i)
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(conversation_of):
+        members.setdefault(c, []).append(i)
+    chosen = [c for c in sorted(members) if len(members[c]) >= turns][:conversations]
+    if len(chosen) < conversations:
+        raise ValueError(f"the trace has only {len(chosen)} conversations of {turns} turns")
+    picked = sorted((i, n) for n, c in enumerate(chosen) for i in members[c][:turns])
+
+    def block(h: int) -> list[int]:
+        rng = random.Random(seed * 1_000_003 + h)
+        return [rng.randrange(3, vocab) for _ in range(block_tokens)]
+
+    out = []
+    for i, n in picked:
+        row = rows[i]
+        length = min(max_prompt, -(-row["input_length"] * block_tokens // TRACE_BLOCK_TOKENS))
+        tokens = [t for h in row["hash_ids"] for t in block(h)]
+        out.append((n, tokens[:length]))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(metrics: list, store=None, tiers_before=None, chunk_tokens: int = 0) -> dict:
+    ttfts = [m.ttft for m in metrics]
+    result = {
+        "requests": len(metrics),
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p90_s": percentile(ttfts, 0.9),
+        "prompt_tokens": sum(m.num_prompt_tokens for m in metrics),
+        "recomputed_tokens": sum(m.num_prefilled_tokens for m in metrics),
+        "hit_tokens": {"device": sum(m.num_cached_tokens for m in metrics)},
+    }
+    if store is not None:
+        for name, t in store.stats().tiers.items():
+            result["hit_tokens"][name] = (t.hits - tiers_before[name]) * chunk_tokens
+        result["loaded_tokens"] = sum(m.num_loaded_tokens for m in metrics)
+    return result
+
+
+def multi_turn(base, setup: Setup, args) -> dict:
+    """Each request runs through an engine without the store and one with it, in turn (the
+    order alternating), so both see the same load on a shared machine; the engines have
+    separate KV caches of the same size."""
+    from engine import SamplingParams
+    from kvstore.store import Store
+
+    vocab = base.model_config.vocab_size
+    prompts = conversation_prompts(Path(args.trace), args.conversations, args.turns, args.block_tokens,
+                                   args.max_prompt, vocab, args.seed)
+    longest = max(len(p) for _, p in prompts)
+    num_blocks = int(args.budget_prompts * longest) // setup.block_size + 1
+    engine = dict(num_blocks=num_blocks, max_num_batched_tokens=longest)
+    chunk_bytes = setup.chunk_tokens * kv_bytes_per_token(base)
+    distinct = {tuple(p[:i + setup.chunk_tokens]) for _, p in prompts
+                for i in range(0, len(p) - setup.chunk_tokens + 1, setup.chunk_tokens)}
+    host_bytes = max(len(distinct) // 3, 2) * (chunk_bytes + (1 << 20)) + (32 << 20)
+    info = {"conversations": args.conversations, "turns": args.turns, "requests": len(prompts),
+            "mean_prompt_tokens": statistics.fmean(len(p) for _, p in prompts), "kv_cache_blocks": num_blocks,
+            "kv_cache_tokens": num_blocks * setup.block_size, "distinct_chunks": len(distinct),
+            "store_host_bytes": host_bytes}
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+    progress(f"multi-turn: {len(prompts)} requests, each without and with the store")
+    with Store(setup.store_config(host_bytes, setup.root / "multi-turn")) as store, \
+            base.with_config(**engine) as plain, \
+            base.with_config(kv_store=store, connector=setup.connector_config(), **engine) as stored:
+        tiers_before = {n: t.hits for n, t in store.stats().tiers.items()}
+        without, with_store = [], []
+        for i, (_, prompt) in enumerate(prompts):
+            pair = [(plain, without), (stored, with_store)]
+            for llm, out in pair if i % 2 == 0 else reversed(pair):
+                out.append(llm.generate(prompt, params)[0].metrics)
+        return {**info, "without_store": summary(without),
+                "with_store": summary(with_store, store, tiers_before, setup.chunk_tokens)}
+
+
+# -- the command ------------------------------------------------------------------------------
+
+def run(args) -> int:
+    import torch
+
+    from bench.cli import UsageError
+    from engine import LLM
+    from engine.assets import smollm2_gguf_path
+    from engine.testing import make_tiny_checkpoint
+
+    torch.set_num_threads(args.threads)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="kvbench-connector-"))
+    try:
+        if args.quick:
+            args.lengths, args.chunk_tokens, args.repeats = "64,128", 32, 1
+            args.conversations, args.turns, args.block_tokens, args.max_prompt, args.output_tokens = 3, 2, 8, 256, 2
+            args.budget_prompts = 1.0
+            model = args.model or make_tiny_checkpoint(root / "tiny", num_layers=2)
+        else:
+            model = args.model or smollm2_gguf_path()
+        lengths = [int(x) for x in args.lengths.split(",")]
+        if any(n <= 0 or n % args.chunk_tokens for n in lengths):
+            raise UsageError(f"every length must be a positive multiple of --chunk-tokens {args.chunk_tokens}")
+        setup = Setup(str(model), lengths, args.chunk_tokens, args.repeats, args.threads, root)
+        progress(f"loading {model}")
+        base = LLM(model, setup.engine_config())
+        results = {"model": str(model), "quick": args.quick, "threads": args.threads,
+                   "chunk_tokens": args.chunk_tokens, "kv_bytes_per_token": kv_bytes_per_token(base),
+                   "repeats": args.repeats, "ttft": ttft_figures(base, setup, args.seed)}
+        at = str(2048 if 2048 in lengths else max(lengths))
+        results["figures_at"] = int(at)
+        results["memcpy_gbps"] = results["ttft"][at]["memcpy_gbps"]
+        results["raw_read_gbps"] = results["ttft"][at]["raw_read_gbps"]
+        results["multi_turn"] = multi_turn(base, setup, args)
+        results["checks"] = checks(results)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def checks(r: dict) -> dict:
+    """The issue's targets against this run's figures (at 2k tokens, or the longest prompt)."""
+    at = r["ttft"][str(r["figures_at"])]
+    mt = r["multi_turn"]
+    return {
+        "hit_vs_cold_at_2k": {s: at["hit_s"][s] / at["cold_s"] for s in SOURCES},
+        "host_load_vs_memcpy": at["load_gbps"]["host"] / at["memcpy_gbps"],
+        "disk_load_vs_raw_read": at["load_gbps"]["disk"] / at["raw_read_gbps"],
+        "multi_turn_mean_ttft_ratio": mt["with_store"]["ttft_mean_s"] / mt["without_store"]["ttft_mean_s"],
+        "targets": TARGETS,
+    }
+
+
+def format_table(r: dict) -> str:
+    lines = [f"model {r['model']}  chunk {r['chunk_tokens']} tokens  threads {r['threads']}  "
+             f"KV {r['kv_bytes_per_token']} B/token  median of {r['repeats']}",
+             "TTFT (s): cold = recompute; a full-prefix hit from host RAM / disk (new process, cold page "
+             "cache) / daemon shm / daemon remote",
+             f"{'tokens':>6} {'MB':>6} {'cold':>7} {'host':>7} {'disk':>7} {'shm':>7} {'remote':>7}   "
+             f"load GB/s {'host':>6} {'disk':>6} {'shm':>6} {'remote':>6}   {'memcpy':>6} {'raw rd':>6}"]
+    for n, t in r["ttft"].items():
+        hits = " ".join(f"{t['hit_s'][s]:7.3f}" for s in SOURCES)
+        loads = " ".join(f"{t['load_gbps'][s]:6.2f}" for s in SOURCES)
+        lines.append(f"{n:>6} {t['bytes'] / 1e6:6.1f} {t['cold_s']:7.3f} {hits}             {loads}   "
+                     f"{t['memcpy_gbps']:6.2f} {t['raw_read_gbps']:6.2f}")
+    mt = r["multi_turn"]
+    lines.append(f"multi-turn: {mt['requests']} requests ({mt['conversations']} conversations x {mt['turns']} turns, "
+                 f"mean prompt {mt['mean_prompt_tokens']:.0f} tokens), KV cache {mt['kv_cache_tokens']} tokens")
+    lines.append(f"{'':14} {'TTFT mean':>9} {'p90':>7} {'recomputed':>10}   hit tokens by tier")
+    for name in ("with_store", "without_store"):
+        m = mt[name]
+        tiers = "  ".join(f"{k} {v}" for k, v in m["hit_tokens"].items())
+        lines.append(f"{name:14} {m['ttft_mean_s']:9.3f} {m['ttft_p90_s']:7.3f} {m['recomputed_tokens']:10}   {tiers}")
+    c = r["checks"]
+    ratios = ", ".join(f"{s} {v:.3f}" for s, v in c["hit_vs_cold_at_2k"].items())
+    lines.append(f"at {r['figures_at']} tokens: hit/cold {ratios} (target <= {TARGETS['hit_vs_cold_at_2k']}); "
+                 f"host load/memcpy {c['host_load_vs_memcpy']:.2f} (>= {TARGETS['host_load_vs_memcpy']}); "
+                 f"disk load/raw read {c['disk_load_vs_raw_read']:.2f} (>= {TARGETS['disk_load_vs_raw_read']})")
+    lines.append(f"multi-turn mean TTFT with/without the store {c['multi_turn_mean_ttft_ratio']:.2f} "
+                 f"(target <= {TARGETS['multi_turn_mean_ttft_ratio']})")
+    return "\n".join(lines)
