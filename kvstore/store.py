@@ -265,6 +265,7 @@ class Store:
 
     def _first_missing(self, keys: Sequence[ChunkKey]) -> int:
         with self.index.lock:
+            self.index.check_open()
             for i, key in enumerate(keys):
                 entry = self.index.get(key.id)
                 if entry is None or not entry.readable():
@@ -291,6 +292,7 @@ class Store:
         until = time.monotonic() + min(ttl_s, self.config.max_pin_ttl_s)
         pinned = 0
         with self.index.lock:
+            self.index.check_open()
             self.index.expire_pins()
             for key in keys:
                 entry = self.index.get(key.id)
@@ -302,6 +304,7 @@ class Store:
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
         """End pins early; returns how many of the keys were pinned."""
         with self.index.lock:
+            self.index.check_open()
             self.index.expire_pins()
             return sum(self.index.unpin(k.id, e) for k in keys if (e := self.index.get(k.id)) is not None)
 
@@ -310,6 +313,7 @@ class Store:
         reads started. A key already being prefetched is not read again, and at most
         ``prefetch_max_inflight`` prefetches run or wait at once (the rest are not started)."""
         with self.index.lock:
+            self.index.check_open()
             todo = []
             for key in keys:
                 entry = self.index.get(key.id)
@@ -336,10 +340,12 @@ class Store:
         key.namespace.check(out, "out")
         if not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError("out must be a contiguous CPU tensor")
+        self.index.check_open()
         return self._reads.read(key, out) is not None
 
     def get_blob(self, key: ChunkKey) -> bytes | None:
         """The verified blob (header + encoded payload) of a chunk, or None on a miss."""
+        self.index.check_open()
         return self._reads.read(key, None)
 
     def replicas(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
@@ -421,6 +427,7 @@ class Store:
         deletes = []
         present = 0
         with self.index.lock:
+            self.index.check_open()
             for key in keys:
                 entry = self.index.get(key.id)
                 if entry is None:

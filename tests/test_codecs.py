@@ -43,7 +43,8 @@ def kv_like(shape, dtype, seed: int, scale: float) -> torch.Tensor:
     x = torch.randn(shape, generator=g) * scale
     if x.dim() and x.shape[-1]:
         x[..., 0] *= 20
-    return x.to(dtype)
+    limit = torch.finfo(dtype).max  # outliers of a large scale would overflow fp16 to inf
+    return x.clamp(-limit, limit).to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

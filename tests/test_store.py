@@ -555,3 +555,16 @@ def test_a_chunk_deleted_and_put_again_starts_over_in_its_policies(tmp_path, pin
         store.put(keys[0], values[0])
         store.flush()
         assert keys[0].id in host._t1
+
+
+def test_a_closed_store_refuses_every_call(tmp_path):
+    keys, values = chunks(1)
+    store = Store(config(tmp_path))
+    store.put(keys[0], values[0])
+    store.close()
+    for call in (lambda: store.lookup(keys), lambda: store.pin(keys, 1.0), lambda: store.unpin(keys),
+                 lambda: store.get(keys), lambda: store.get_into(keys[0], torch.empty_like(values[0])),
+                 lambda: store.get_blob(keys[0]), lambda: store.prefetch(keys), lambda: store.delete(keys),
+                 lambda: store.put(keys[0], values[0])):
+        with pytest.raises(Exception, match="closed"):
+            call()
