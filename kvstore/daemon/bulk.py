@@ -7,29 +7,44 @@ its Gets and Puts there instead: the requests are the RPCs' own messages (GetReq
 PutHeader), so validation, limits and errors are the same; chunk bytes follow their reply
 as raw bytes, or stay in shared-memory slots. gRPC keeps everything else (leases, lookups,
 stats, the attach itself) and serves Get/Put for clients without a channel (TLS, other
-languages).
+languages). The frames and the attach handshake are in kvstore/wire/frames.py.
 
-The frames and the attach handshake are in kvstore/wire/frames.py.
+Floods and dead peers: the accept loop survives every accept() error (out of descriptors:
+it backs off and logs); a connection that has not presented its session token is one of at
+most ``max_unauthenticated`` (newer ones are closed at once) and has ``hello_timeout_s`` to
+do so; attached connections use TCP keepalive, so a peer that vanished without a FIN is
+noticed. Host-pool pages a Get pins for its client stay pinned until RELEASE, the next
+request or the connection's end, and at most ``pin_ttl_s``: then they are released and the
+connection is cut off (a client that reads a Get's data later than that must discard it:
+``BulkAttachReply.pin_ttl_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
 import os
 import secrets
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
 
 from kvstore.daemon.buffers import BufferPool
+from kvstore.daemon.config import BulkConfig
+from kvstore.daemon.identity import Tenant
 from kvstore.wire.frames import FRAME, HELLO, MAX_META_BYTES, RELEASE, REQUEST_KINDS, TOKEN_BYTES
 
 log = logging.getLogger(__name__)
+
+# accept() errors that mean "out of something, for now": back off instead of spinning
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
 
 class BulkError(Exception):
     pass
@@ -40,20 +55,63 @@ class Session:
     session_id: int
     token: bytes
     issued: float
+    owner: Tenant
     sock: socket.socket | None = None
 
 
-class Channel:
-    """An attached connection, as the request handler sees it: it sends reply frames."""
+class _Every:
+    """Log a recurring condition at most once per ``period_s``, with how often it happened."""
 
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
-        self.sock, self.timeout_s = sock, timeout_s
-        self.held: list[Callable[[], object]] = []  # releases of chunks the client is copying
+    def __init__(self, period_s: float = 10.0) -> None:
+        self.period_s, self._last, self._count = period_s, 0.0, 0
+
+    def __call__(self, message: str, *args) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self.period_s:
+            log.warning(message + " (%d times since the last such message)", *args, self._count)
+            self._last, self._count = now, 0
+
+
+class Channel:
+    """An attached connection, as the request handler sees it: it sends reply frames and
+    holds the pins of the chunks its client is reading."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, owner: Tenant, pin_ttl_s: float,
+                 max_pinned_bytes: int) -> None:
+        self.sock, self.timeout_s, self.owner = sock, timeout_s, owner
+        self.pin_ttl_s, self.max_pinned_bytes = pin_ttl_s, max_pinned_bytes
+        self._held: list[Callable[[], object]] = []
+        self.pinned_bytes = 0
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def can_pin(self, nbytes: int) -> bool:
+        return self.pinned_bytes + nbytes <= self.max_pinned_bytes
+
+    def hold(self, release: Callable[[], object], nbytes: int) -> None:
+        """Keep a chunk's pin until RELEASE, or ``pin_ttl_s`` from the first pin held."""
+        self._held.append(release)
+        self.pinned_bytes += nbytes
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().call_later(self.pin_ttl_s, self._expire)
 
     def release(self) -> None:
-        held, self.held = self.held, []
+        held, self._held, self.pinned_bytes = self._held, [], 0
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for release in held:
             release()
+
+    def _expire(self) -> None:
+        self._expiry = None
+        log.info("bulk: a client held %d pinned chunks for %.0f s without RELEASE; releasing them and "
+                 "closing its connection", len(self._held), self.pin_ttl_s)
+        self.release()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop sees the end and cleans up
+        except OSError:
+            pass
 
     async def send(self, kind: int, meta: bytes = b"", data=None) -> None:
         """One frame; ``data`` is a buffer, a list of buffers (sent back to back), or None.
@@ -114,20 +172,21 @@ Handler = Callable[[Channel, int, bytes, "np.ndarray | None"], Awaitable[None]]
 
 
 class BulkServer:
-    def __init__(self, host: str, port: int, max_sessions: int, max_frame_bytes: int,
-                 frame_timeout_s: float, socket_buffer_bytes: int, pool: BufferPool) -> None:
-        self.host, self.max_sessions, self.pool = host, max_sessions, pool
-        self.max_frame_bytes, self.frame_timeout_s = max_frame_bytes, frame_timeout_s
-        self.socket_buffer_bytes = socket_buffer_bytes
+    def __init__(self, host: str, config: BulkConfig, max_frame_bytes: int, pool: BufferPool) -> None:
+        self.host, self.config, self.pool = host, config, pool
+        self.max_frame_bytes, self.frame_timeout_s = max_frame_bytes, config.frame_timeout_s
         self._sessions: dict[int, Session] = {}
         self._tasks: set[asyncio.Task] = set()
         self._idle: dict[asyncio.Task, socket.socket] = {}  # connections between requests
         self._closing = False
+        self.unauthenticated = 0
+        self.refused = 0  # connections closed at once: too many unauthenticated ones
+        self._warn_accept, self._warn_refused = _Every(), _Every()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
-        self._listener.listen(64)
+        self._listener.bind((host, config.port))
+        self._listener.listen(128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._accept_task: asyncio.Task | None = None
@@ -141,12 +200,15 @@ class BulkServer:
         self._handler = handler
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
-    def issue(self) -> Session:
+    def issue(self, owner: Tenant) -> Session:
         """A new, unattached session with a one-time token (answer to BulkAttach)."""
         self._drop_stale_tokens()
-        if len(self._sessions) >= self.max_sessions:
-            raise BulkError(f"{self.max_sessions} bulk sessions open; close some first")
-        session = Session(secrets.randbits(63) or 1, secrets.token_bytes(TOKEN_BYTES), time.monotonic())
+        if len(self._sessions) >= self.config.max_sessions:
+            raise BulkError(f"{self.config.max_sessions} bulk sessions open; close some first")
+        mine = Counter(s.owner.name for s in self._sessions.values())[owner.name]
+        if mine >= self.config.max_sessions_per_tenant:
+            raise BulkError(f"{mine} bulk sessions of this tenant open; close some first")
+        session = Session(secrets.randbits(63) or 1, secrets.token_bytes(TOKEN_BYTES), time.monotonic(), owner)
         self._sessions[session.session_id] = session
         return session
 
@@ -157,9 +219,30 @@ class BulkServer:
                 del self._sessions[sid]
 
     async def _accept_loop(self) -> None:
+        """Accept until closed, whatever accept() says: out of descriptors (EMFILE, ENFILE)
+        or buffers, back off (10 ms doubling to 1 s) and try again; a connection that died
+        in the backlog (ECONNABORTED, ...) is skipped."""
         loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self._listener)
+        backoff = 0.0
+        while not self._closing:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                if self._closing:
+                    return
+                if exc.errno in _EXHAUSTED:
+                    backoff = min(1.0, max(0.01, backoff * 2))
+                    self._warn_accept("bulk: accept() failed: %s; retrying in %.2f s", exc.strerror, backoff)
+                    await asyncio.sleep(backoff)
+                continue
+            backoff = 0.0
+            if self.unauthenticated >= self.config.max_unauthenticated:
+                self.refused += 1
+                self._warn_refused("bulk: %d connections have not presented a token yet; closing a new one",
+                                   self.unauthenticated)
+                conn.close()
+                continue
+            self.unauthenticated += 1
             task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
             task.add_done_callback(self._forget)
@@ -180,32 +263,47 @@ class BulkServer:
 
     async def _attach(self, conn: socket.socket) -> Session | None:
         hello = bytearray(HELLO.size)
-        await asyncio.wait_for(self._recv_exactly(conn, hello), self.frame_timeout_s)
+        await asyncio.wait_for(self._recv_exactly(conn, hello), self.config.hello_timeout_s)
         sid, token = HELLO.unpack(hello)
         session = self._sessions.get(sid)
         if session is None or session.sock is not None or not hmac.compare_digest(session.token, token):
-            log.warning("bulk: rejected a connection with a bad session or token")
+            log.debug("bulk: rejected a connection with a bad session or token")
             return None
         session.sock = conn
         await asyncio.get_running_loop().sock_sendall(conn, b"\x01")
         return session
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def _tune(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            conn.setsockopt(socket.SOL_SOCKET, opt, self.socket_buffer_bytes)
+            conn.setsockopt(socket.SOL_SOCKET, opt, self.config.socket_buffer_bytes)
+        idle, interval = self.config.keepalive_idle_s, self.config.keepalive_interval_s
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        # unacknowledged data (a peer gone mid-transfer) ends the connection as soon, too
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (idle + 3 * interval) * 1000)
+
+    async def _serve(self, conn: socket.socket) -> None:
         session = None
-        channel = Channel(conn, self.frame_timeout_s)
+        channel = None
         try:
-            session = await self._attach(conn)
+            try:
+                self._tune(conn)
+                session = await self._attach(conn)
+            finally:
+                self.unauthenticated -= 1
             if session is None:
                 return
+            channel = Channel(conn, self.frame_timeout_s, session.owner, self.config.pin_ttl_s,
+                              self.config.max_pinned_bytes)
             header = bytearray(FRAME.size)
             task = asyncio.current_task()
             while not self._closing:
                 self._idle[task] = conn
-                await self._recv_exactly(conn, header)  # an idle connection may wait forever
+                await self._recv_exactly(conn, header)  # an idle connection may wait (keepalive watches it)
                 del self._idle[task]
                 kind, meta_len, data_len = FRAME.unpack(header)
                 if kind not in REQUEST_KINDS or meta_len > MAX_META_BYTES or data_len > self.max_frame_bytes:
@@ -227,7 +325,8 @@ class BulkServer:
         except (ConnectionError, OSError, asyncio.TimeoutError):
             pass
         finally:
-            channel.release()
+            if channel is not None:
+                channel.release()
             if session is not None:
                 self._sessions.pop(session.session_id, None)
             conn.close()
