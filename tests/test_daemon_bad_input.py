@@ -414,3 +414,32 @@ def test_chunks_sent_by_reference_stay_pinned_until_release(stub, client):
     assert recv_exactly(sock, data_len) == bytes(tensor_bytes(value))
     sock.sendall(frame(RELEASE))
     still_serving(client)
+
+
+def test_absurd_namespace_dimensions_are_refused_before_anything_is_allocated(stub, client):
+    """Finding #22: a Get sized a buffer by the namespace's dimensions before knowing whether
+    the key existed; num_layers=10**6 meant a huge allocation or a MemoryError (UNKNOWN)."""
+    keys, _ = keys_and_value(20)
+    good = _fields(ns_to_proto(NS))
+    for bad in ({"num_layers": 10**6}, {"num_layers": 2**32 - 1, "head_dim": 2**32 - 1},
+                {"chunk_tokens": 4096},  # 4 MiB: over this daemon's 64 KiB max_chunk_bytes
+                {"model_id": "m" * 1000}, {"model_id": "bad\x1fid"}, {"tenant": "t" * 1000}):
+        spec = pb.NamespaceSpec(**{**good, **bad})
+        for payload in (pb.TENSOR, pb.BLOB):
+            request = pb.GetRequest(namespace=spec, prefix_hashes=[keys[0].prefix_hash] * 8, payload=payload)
+            assert code_of(lambda: list(stub.Get(request))) == Code.INVALID_ARGUMENT
+        assert code_of(lambda: stub.Lookup(pb.KeysRequest(namespace=spec, prefix_hashes=[keys[0].prefix_hash]))) \
+            == Code.INVALID_ARGUMENT
+        sock = attached(stub)
+        sock.sendall(frame(GET, pb.GetRequest(namespace=spec, prefix_hashes=[keys[0].prefix_hash], payload=pb.TENSOR)))
+        assert bulk_error(sock) == Code.INVALID_ARGUMENT
+    still_serving(client)
+
+
+def test_pin_ttl_is_bounded(stub, client):
+    keys, value = keys_and_value(21)
+    client.put(keys[0], value)
+    for ttl in (float("inf"), float("nan"), 0.0, 1e9):
+        assert code_of(lambda: stub.Pin(pb.PinRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+                                                      ttl_s=ttl))) == Code.INVALID_ARGUMENT
+    still_serving(client)

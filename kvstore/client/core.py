@@ -52,6 +52,7 @@ from kvstore.wire.convert import ns_to_proto, split_host_port, stats_from_proto
 from kvstore.wire.frames import DONE, END, GET, PUT, RELEASE
 
 PIN_MARGIN = 0.9  # of BulkAttachReply.pin_ttl_s: a Get read later than this is discarded
+LEASE_AGAIN_S = 1.0  # after the daemon had no free slots for a lease
 
 
 class ClientCore:
@@ -68,7 +69,8 @@ class ClientCore:
                              for p in (options.tls_ca, options.tls_key, options.tls_cert))
         self._lock = threading.Lock()
         self._lease: ShmLease | None = None
-        self._shm_tried = False
+        self._shm_tried = False  # and found shared memory out of reach (another host, shm off)
+        self._lease_again_at = 0.0  # after "no free slots": when to ask again
         self._retired: list[int] = []  # leases to release: their slots may still be in use
         self._idle: list[BulkSession] = []
         self._bulk_ok = not options.tls_ca  # the bulk channel is not encrypted
@@ -155,18 +157,22 @@ class ClientCore:
                 yield Rpc("RenewLease", pb.LeaseRef(lease_id=lease.lease_id))
             lease.touch()
             return lease
-        if self._shm_tried and self.options.transport == "auto":
+        if self.options.transport == "auto" and (self._shm_tried or time.monotonic() < self._lease_again_at):
             return None
-        self._shm_tried = True
         try:
             reply = yield Rpc("Lease", pb.LeaseRequest(slots=self.options.shm_slots))
-        except DaemonError:
+        except DaemonError as exc:
             if self.options.transport == "shm":
                 raise
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # all slots leased now: try again later
+                self._lease_again_at = time.monotonic() + LEASE_AGAIN_S
+            else:
+                self._shm_tried = True
             return None
         try:
             lease = ShmLease(reply)
         except OSError as exc:
+            self._shm_tried = True  # not on the daemon's host
             yield Rpc("ReleaseLease", pb.LeaseRef(lease_id=reply.lease_id))
             if self.options.transport == "shm":
                 raise DaemonError(grpc.StatusCode.FAILED_PRECONDITION,
