@@ -54,6 +54,7 @@ from kvstore.config import StoreConfig
 from kvstore.fetch import FetchJob
 from kvstore.keys import ChunkKey
 from kvstore.placement import Placement
+from kvstore.quota import NO_USAGE, ReplicaUsage
 from kvstore.stats import EWMA_ALPHA, StoreStats, TierStats
 from kvstore.policies import make_policy
 from tiers.base import SharedPool, Tier, TierError, TierFull
@@ -140,10 +141,12 @@ class Store:
         config: StoreConfig | None = None,
         extra_tiers: Sequence[Tier] = (),
         extra_fetch_workers: dict[str, int] | None = None,
+        usage: ReplicaUsage | None = None,
     ) -> None:
         """``extra_tiers`` are appended after the configured ones (slower media, tests), with
         ``extra_fetch_workers[name]`` fetch workers each (default 4)."""
         self.config = config = config or StoreConfig()
+        self._usage = usage or NO_USAGE  # told of every replica recorded and removed (kvstore/quota.py)
         setups = build_tiers(config) + [
             TierSetup(t, (extra_fetch_workers or {}).get(t.name, 4)) for t in extra_tiers
         ]
@@ -222,6 +225,7 @@ class Store:
             if entry.size != size:
                 continue  # another tier holds a different encoding; keep the first seen
             entry.replicas.add(tier.name)
+            self._usage.added(tier.name, key_id, size)
             self._sync_policies(key_id, entry)
             found += 1
         with self._lock:
@@ -388,6 +392,7 @@ class Store:
                 entry.encodings.pop(tier.name, None)
                 entry.header = entry.header or header
             entry.replicas.add(tier.name)
+            self._usage.added(tier.name, key_id, size)
             entry.parent = parent if parent is not None else entry.parent
             self._sync_policies(key_id, entry)
             if replicate is not None:
@@ -520,6 +525,7 @@ class Store:
             size = sum(len(p) for p in parts)
             if tier.footprint(size) < tier.footprint(job.size) and self._replace(tier, key_id, parts):
                 entry.encodings[name] = (size, job.codec.codec_id)
+                self._usage.added(name, key_id, size)
                 self._stats[name].recodes += 1
                 self._stats[name].bytes_written += size
                 if self._evictable_from(name, entry):
@@ -552,6 +558,7 @@ class Store:
         """Delete one copy; a tier that cannot be reached keeps it (counted, not raised)."""
         try:
             tier.delete(key_id)
+            self._usage.removed(tier.name, key_id)
         except TierError as exc:
             self._stats[tier.name].errors += 1
             log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
@@ -596,6 +603,7 @@ class Store:
             if written and current is entry and entry.size == size:
                 self._stats[tier.name].bytes_written += size
                 entry.replicas.add(tier.name)
+                self._usage.added(tier.name, key_id, size)
             elif written and current is None:
                 self._delete_from(tier, key_id)  # deleted while queued
             elif error is not None:
@@ -895,6 +903,7 @@ class Store:
                 return _REENCODED
             if entry is not None and tier.name in entry.replicas:
                 entry.replicas.discard(tier.name)
+                self._usage.removed(tier.name, key_id)
                 self._sync_policies(key_id, entry)
                 if not entry.replicas and not entry.pending:
                     del self._index[key_id]
