@@ -172,3 +172,32 @@ def test_unauthenticated_mode_is_for_loopback_and_says_so(tmp_path, capsys):
     with DaemonProcess(["--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"), "--host-bytes", "16MiB",
                         "--no-shm"]) as daemon:
         assert "auth off (every caller is one tenant; loopback only)" in daemon.text
+
+
+def test_a_tenant_at_its_quota_replaces_its_own_chunks_never_anothers(tmp_path):
+    chunk = 128 + 16 * 1024  # one blob
+    quotas = {"alice": f"host_bytes = {10 * chunk}\ndisk_bytes = {20 * chunk}\n"}
+    (tmp_path / "daemon.toml").write_text('[shm]\nenabled = false\n[store.host]\ncapacity_bytes = "8MiB"\n'
+                                          'page_bytes = 4096\nprefault = false\n[store.disk]\ncapacity_bytes = "64MiB"\n')
+    with DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(tmp_path / "data"), "--metrics", "127.0.0.1:0",
+                        "--tenants-file", tenants_file(tmp_path / "tenants.toml", quotas)]) as daemon:
+        theirs = chunk_keys(list(range(50_000, 50_000 + 30 * 32)), ns())
+        with Client(daemon.addr, token=TOKENS["bob"]) as bob:
+            for i, k in enumerate(theirs):
+                bob.put(k, values(float(i), 1)[0], durable=True)
+        mine = chunk_keys(list(range(60 * 32)), ns())
+        with Client(daemon.addr, token=TOKENS["alice"]) as alice:
+            for i, k in enumerate(mine):
+                alice.put(k, values(float(i), 1)[0], durable=True)
+            assert alice.lookup(mine[-20:]) == 20  # her newest 20, within her disk quota
+            assert not any(alice.contains(k) for k in mine[:40])  # her oldest made room
+            got = alice.get(mine[-1:])
+            assert len(got) == 1 and same(got[0], values(59.0, 1)[0])
+        with Client(daemon.addr, token=TOKENS["bob"]) as bob:  # bob lost nothing
+            assert bob.lookup(theirs) == 30
+        port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        host = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="host"\} (\S+)', text).group(1)))
+        disk = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="nvme"\} (\S+)', text).group(1)))
+        assert 0 < host <= 10 * chunk and 0 < disk <= 20 * chunk

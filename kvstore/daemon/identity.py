@@ -148,6 +148,11 @@ class Credentials:
                    by_token, by_cert, shared, named=True)
 
     @property
+    def all_tenants(self) -> list[Tenant]:
+        """Every tenant, the shared one included."""
+        return self.tenants + ([self.shared] if self.shared else [])
+
+    @property
     def authenticated(self) -> bool:
         return self._anyone is None
 

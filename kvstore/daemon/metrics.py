@@ -24,10 +24,17 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
 
 
 class _StoreCollector:
-    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]]) -> None:
-        self._stats, self._extra = stats, extra
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]],
+                 tenant_bytes: dict[str, Callable[[], dict[str, int]]]) -> None:
+        self._stats, self._extra, self._tenant_bytes = stats, extra, tenant_bytes
 
     def collect(self):
+        fam = GaugeMetricFamily("kvstore_tenant_bytes", "bytes a tenant holds in a tier (what its quota counts)",
+                                labels=["tenant", "tier"])
+        for label, used in self._tenant_bytes.items():
+            for tier, nbytes in used().items():
+                fam.add_metric([label, tier], nbytes)
+        yield fam
         s = self._stats()
         for name in _TIER_COUNTERS:
             fam = CounterMetricFamily(f"kvstore_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
@@ -54,9 +61,11 @@ class _StoreCollector:
 
 
 class DaemonMetrics:
-    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]],
+                 tenant_bytes: dict[str, Callable[[], dict[str, int]]] | None = None) -> None:
+        """``tenant_bytes``: per tenant label, its bytes per tier."""
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(stats, extra))
+        self.registry.register(_StoreCollector(stats, extra, tenant_bytes or {}))
         labels = ["tenant"]
         self.hits = Counter("kvstore_tenant_hits", "chunks served", labels, registry=self.registry)
         self.misses = Counter("kvstore_tenant_misses", "chunks asked for and absent", labels, registry=self.registry)

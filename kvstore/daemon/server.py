@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -36,9 +37,11 @@ from kvstore.daemon.bulk import BulkServer
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.identity import Credentials
 from kvstore.daemon.metrics import DaemonMetrics
+from kvstore.daemon.quotas import DISK, HOST, Quotas
 from kvstore.daemon.service import KVStoreService, register
 from kvstore.daemon.shmfiles import POOL, SharedFile, remove_orphans
 from kvstore.daemon.slots import SlotArena
+from kvstore.quota import ReplicaUsage
 from kvstore.store import Store
 from kvstore.wire.convert import split_host_port
 from tiers.base import TierUnavailable
@@ -102,8 +105,10 @@ class Daemon:
         loop = asyncio.get_running_loop()
         if cfg.shm.enabled and (n := remove_orphans(cfg.shm.dir)):
             log.info("removed %d shared-memory file(s) of daemons that are gone", n)
+        usage = ReplicaUsage([HOST, DISK])
         try:
-            self.store = await loop.run_in_executor(self._executor, Store, self._store_config())
+            self.store = await loop.run_in_executor(self._executor, functools.partial(
+                Store, self._store_config(), usage=usage))
         except TierUnavailable as exc:  # e.g. the data directory is another daemon's
             raise StartupError(str(exc)) from None
         if cfg.shm.enabled:
@@ -111,7 +116,9 @@ class Daemon:
             self.arena = SlotArena(s.dir, s.slots, s.slot_bytes, s.lease_ttl_s, s.max_slots_per_lease)
         if cfg.bulk.enabled and tls is None:  # the bulk channel is not encrypted
             self.bulk = BulkServer(host, cfg.bulk, cfg.limits.max_chunk_bytes, self.pool)
-        self.metrics = DaemonMetrics(self.store.stats, self._gauges)
+        quotas = Quotas(self.store, usage)
+        self.metrics = DaemonMetrics(self.store.stats, self._gauges, {t.label: functools.partial(quotas.used, t)
+                                                                     for t in credentials.all_tenants})
         options = [
             ("grpc.max_send_message_length", cfg.limits.max_message_bytes),
             ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
@@ -126,7 +133,7 @@ class Daemon:
             maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams,
         )
         self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
-                                      self.pool, credentials)
+                                      self.pool, credentials, quotas)
         register(self.service, self._server)
         if self.bulk is not None:
             self.bulk.start(self.service.bulk_request)
@@ -187,6 +194,7 @@ class Daemon:
     def _gauges(self) -> dict[str, int]:
         return {
             "io_inflight": self.service.io_inflight,
+            "prefetches_running": self.service.prefetches.running,
             "shm_slots_free": self.arena.free_slots if self.arena else 0,
             "bulk_sessions": self.bulk.sessions if self.bulk else 0,
         }

@@ -31,6 +31,7 @@ from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
 from kvstore.daemon.identity import Credentials, Tenant
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
+from kvstore.daemon.quotas import Quotas
 from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
@@ -56,8 +57,8 @@ def _copy_views(dst: memoryview, views: list[memoryview]) -> None:
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: Store, config: DaemonConfig, executor: ThreadPoolExecutor,
                  arena: SlotArena | None, bulk: BulkServer | None, metrics: DaemonMetrics, pool: BufferPool,
-                 credentials: Credentials) -> None:
-        self.store, self.config, self.executor, self.pool = store, config, executor, pool
+                 credentials: Credentials, quotas: Quotas) -> None:
+        self.store, self.config, self.executor, self.pool, self.quotas = store, config, executor, pool, quotas
         self.arena, self.bulk, self.metrics, self.credentials = arena, bulk, metrics, credentials
         self.limits = config.limits
         self.address = ""
@@ -128,6 +129,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"blob holds {DTYPE_NAMES[header.dtype]}{list(header.shape)}, the namespace needs "
                        f"{ns.dtype}{list(ns.chunk_shape)}")
         parts = [bound.header_for(header, payload, claimed=False), payload] if bound.rekeyed else [blob]
+        self.quotas.make_room(bound.owner, key, len(memoryview(blob).cast("B")))
         self.store.put_blob(key.id, parts, parent=parent, durable=durable)
 
     async def _store(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
