@@ -213,9 +213,10 @@ class BulkServer:
         return session
 
     def _drop_stale_tokens(self) -> None:
+        """A token not presented within 2 x hello_timeout_s of its issue is void."""
         now = time.monotonic()
         for sid, s in list(self._sessions.items()):
-            if s.sock is None and now - s.issued > self.frame_timeout_s:
+            if s.sock is None and now - s.issued > 2 * self.config.hello_timeout_s:
                 del self._sessions[sid]
 
     async def _accept_loop(self) -> None:

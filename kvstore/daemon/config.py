@@ -36,11 +36,12 @@ class BulkConfig:
     port: int = 0  # 0 = any free port, advertised through BulkAttach
     max_sessions: int = 256
     max_sessions_per_tenant: int = 64
-    # How long a Put waits for its bulk frame, and an attach token stays valid.
+    # How long a Put waits for its bulk frame, and a reply frame for its reader.
     frame_timeout_s: float = 30.0
     socket_buffer_bytes: int = 4 << 20
     # Connections that have not presented a session token yet: at most this many at once
-    # (newer ones are closed at once), each for at most hello_timeout_s.
+    # (newer ones are closed at once), each for at most hello_timeout_s; a token not
+    # presented within 2 x hello_timeout_s of its BulkAttach is void.
     max_unauthenticated: int = 64
     hello_timeout_s: float = 3.0
     # Host-pool pages a Get pins for its client (sendfile, pool views) are released on

@@ -79,8 +79,8 @@ def translate(exc: Exception, name: str) -> Fail:
         return exc
     if isinstance(exc, SlotError):
         return Fail(SLOT_STATUS[exc.kind], str(exc))
-    if isinstance(exc, BulkError):
-        return Fail(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, BulkError):  # too many sessions
+        return Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, CorruptBlob):
         return Fail(grpc.StatusCode.INVALID_ARGUMENT, f"blob rejected: {type(exc).__name__}: {exc}")
     if isinstance(exc, TierFull):
