@@ -175,3 +175,24 @@ def test_pins_of_a_bulk_client_that_never_releases_them_come_back(tmp_path):
                 rest = sock.recv(1 << 16)
             sock.close()
             assert "without RELEASE" in daemon.text
+
+
+def test_an_async_get_the_caller_cancels_writes_nothing_after_it_ends(slow_daemon):
+    """The caller gives up (wait_for): when the cancelled call ends, nothing writes into its
+    tensors any more, its slots are never reused, and the client goes on working."""
+
+    async def scenario():
+        async with AsyncClient(slow_daemon.addr, transport="shm", shm_slots=8) as client:
+            outs = [torch.zeros(NS.chunk_shape, dtype=torch.float16) for _ in range(2)]
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.get_many_into(slow_daemon.keys[6:8], outs), 0.05)
+            before = [o.clone() for o in outs]
+            fresh = chunk_keys(list(range(30_000, 30_000 + 64)), NS)[0]
+            await client.put(fresh, value(9))  # through a new lease: the old one is retired
+            got = await client.get([fresh])
+            assert len(got) == 1 and torch.equal(got[0], value(9))
+            return outs, before
+
+    outs, before = asyncio.run(scenario())
+    assert sum(t.corruptions for t in settled(slow_daemon).tiers) == 0  # the abandoned reads have ended
+    assert all(torch.equal(a, b) for a, b in zip(outs, before)), "a tensor changed after the call ended"
