@@ -70,6 +70,7 @@ class ReplicaUsage:
                 self._bytes[tier][fp] -= old.size
                 if not replicas:
                     del by_fp[fp]
+                    del self._bytes[tier][fp]
 
     # -- owners -------------------------------------------------------------------------------
 
