@@ -36,8 +36,8 @@ def test_a_connection_flood_is_shed_and_the_daemon_serves_on(target):
 
 
 def test_clients_killed_mid_operation_give_everything_back(target):
-    report = dying.run(target, rounds=1, seed=3)
-    assert sum(report.kills.values()) == 7 and report.wrong == 0 and report.victim_bad == 0
+    report = dying.run(target, rounds=1, seed=3, cases=(("get", "shm"), ("put", "remote"), ("pin", "shm")))
+    assert sum(report.kills.values()) == 3 and report.wrong == 0 and report.victim_bad == 0
 
 
 def test_a_tenant_gets_nothing_of_anothers_on_any_rpc_or_path(target):
@@ -46,22 +46,25 @@ def test_a_tenant_gets_nothing_of_anothers_on_any_rpc_or_path(target):
 
 
 def test_a_short_soak_reads_no_wrong_byte(target):
-    report = soak.run(target, 3.0, workers=3)
+    report = soak.run(target, 3.0, workers=2)
     assert report.ops > 100 and report.hits > 0 and report.wrong == 0 and report.errors == 0
     assert report.victim_bad == 0
 
 
-def test_kill_9_during_durable_put_storms_loses_no_acknowledged_durable_chunk(tmp_path):
-    report = kill9.run(str(tmp_path), rounds=2, acks_per_round=40, per_round=200)
-    assert report.rounds == 2 and report.acked_durable > 0 and report.lost == []
+@pytest.fixture(scope="module")
+def kill9_rounds(tmp_path_factory):
+    return kill9.run(str(tmp_path_factory.mktemp("kill9")), rounds=2, acks_per_round=60, per_round=200)
+
+
+def test_kill_9_during_durable_put_storms_loses_no_acknowledged_durable_chunk(kill9_rounds):
+    assert kill9_rounds.rounds == 2 and kill9_rounds.acked_durable > 0 and kill9_rounds.lost == []
 
 
 @pytest.mark.xfail(reason="Store finding #2 (the lead's): a durable re-put with another codec is acknowledged "
                           "while the first put's copy to disk is still queued, and that copy is then skipped",
                    strict=False)
-def test_kill_9_keeps_durable_re_puts_with_another_codec(tmp_path):
-    report = kill9.run(str(tmp_path), rounds=2, acks_per_round=60, per_round=200)
-    assert report.acked_reputs > 0 and report.lost_reputs == []
+def test_kill_9_keeps_durable_re_puts_with_another_codec(kill9_rounds):
+    assert kill9_rounds.acked_reputs > 0 and kill9_rounds.lost_reputs == []
 
 
 def test_kvbench_attack_writes_its_reports(tmp_path, capsys):

@@ -45,16 +45,19 @@ def _quiet(target: Target, slots: int, host_bytes: int, forget, timeout_s: float
             time.sleep(0.05)
 
 
-def run(target: Target, rounds: int, seed: int = 0, slots: int = 64) -> DyingReport:
-    """``rounds`` deaths of each kind (Get, Put, holding pins) on each transport."""
+CASES = (("get", "shm"), ("get", "remote"), ("get", "grpc"), ("put", "shm"), ("put", "remote"), ("pin", "shm"),
+         ("pin", "remote"))
+
+
+def run(target: Target, rounds: int, seed: int = 0, slots: int = 64, cases=CASES) -> DyingReport:
+    """``rounds`` deaths of each kind of ``cases`` (Get, Put, holding pins; on a transport)."""
     rng = random.Random(seed)
     report = DyingReport()
     n = len(target.victim_keys)
     with target.client("victim", transport="grpc") as c:
         host_bytes = next(t for t in c.stats_reply().tiers if t.name == "host").used_bytes
     for r in range(rounds):
-        for mode, transport in (("get", "shm"), ("get", "remote"), ("get", "grpc"), ("put", "shm"),
-                                ("put", "remote"), ("pin", "shm"), ("pin", "remote")):
+        for mode, transport in cases:
             tenant = "victim" if mode == "get" else "attacker"
             start = 0 if mode == "get" else 10_000 + 1000 * r
             proc = worker(mode, target.addr, TOKENS[tenant], transport, start, n if mode == "get" else 16)
