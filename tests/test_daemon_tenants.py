@@ -201,3 +201,16 @@ def test_a_tenant_at_its_quota_replaces_its_own_chunks_never_anothers(tmp_path):
         host = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="host"\} (\S+)', text).group(1)))
         disk = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="nvme"\} (\S+)', text).group(1)))
         assert 0 < host <= 10 * chunk and 0 < disk <= 20 * chunk
+
+
+def test_the_tenant_field_only_tells_apart_a_tenants_own_namespaces(daemon):
+    """As in an in-process Store, another tenant field names other chunks; but only ever the
+    caller's own: "x" from alice is alice/x, and bob naming "alice/x" reaches bob/alice/x."""
+    value = values(70.0, 1)[0]
+    with Client(daemon.addr, token=TOKENS["alice"]) as alice, Client(daemon.addr, token=TOKENS["bob"]) as bob:
+        alice.put(chunk_keys(PROMPT, ns("x"))[0], value)
+        assert alice.lookup(chunk_keys(PROMPT, ns("x"))[:1]) == 1
+        assert alice.lookup(chunk_keys(PROMPT, ns("alice/x"))[:1]) == 1  # the same, spelled out
+        assert alice.lookup(chunk_keys(PROMPT, ns("y"))[:1]) == 0
+        for claim in ("x", "alice/x", "alice"):
+            assert bob.lookup(chunk_keys(PROMPT, ns(claim))[:1]) == 0

@@ -1,9 +1,14 @@
 """Binding the namespace a request names to the caller's tenant.
 
-The ``tenant`` a client writes into its namespace is ignored: the daemon builds the namespace
-it stores and reads under from the caller's authenticated tenant, so a caller addresses
-its own tenant's chunks and nobody else's, whatever it claims. The one claim honoured is the
-name of the shared tenant, and only for a tenant whose ``shared`` access allows the operation.
+The daemon builds the namespace it stores and reads under from the caller's authenticated
+tenant, so a caller addresses its own tenant's chunks and nobody else's, whatever it writes
+into its namespace's ``tenant``. That field gives no power: it only tells apart namespaces
+within the caller's own tenant (as it does in an in-process Store), so for a caller of
+tenant ``alice`` the field "" or "alice" means ``alice`` and "x" means ``alice/x`` ("alice/x"
+too). Tenant names contain no "/", so no caller's namespaces are ever another's. A daemon
+without tenants has one caller, and the field is its salt as it stands. The one claim that
+leaves the caller's tenant is the shared tenant's name, honoured for tenants whose ``shared``
+access allows the operation.
 
 Blob headers name the key as the client computed it (with its claimed tenant). A Put's blob
 is verified against that key and stored with a header naming the bound key; a blob read
@@ -76,14 +81,23 @@ def bind(spec: pb.NamespaceSpec, caller: Tenant, access: str, shared: Tenant | N
     if chunk_bytes > limits.max_chunk_bytes:
         raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                    f"the namespace's chunks are {chunk_bytes} bytes; this daemon's limit is {limits.max_chunk_bytes}")
-    owner = caller
+    owner, tenant = caller, _within(caller, spec.tenant)
     if shared is not None and spec.tenant == shared.name:
         if not caller.may(access):
             raise Fail(grpc.StatusCode.PERMISSION_DENIED, f"this credential may not {access} the shared tenant's chunks")
-        owner = shared
+        owner, tenant = shared, shared.name
     try:
         claimed = ns_from_proto(spec)
-        ns = claimed if claimed.tenant == owner.name else dataclasses.replace(claimed, tenant=owner.name)
+        ns = claimed if claimed.tenant == tenant else dataclasses.replace(claimed, tenant=tenant)
     except ValueError as exc:
         raise Fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     return Bound(ns, claimed, owner)
+
+
+def _within(caller: Tenant, claim: str) -> str:
+    """The tenant string a caller's claim stands for, inside the caller's own tenant."""
+    if not caller.name:  # no tenants: one caller, whose claim is its own salt
+        return claim
+    if claim in ("", caller.name) or claim.startswith(caller.name + "/"):
+        return claim or caller.name
+    return f"{caller.name}/{claim}"
