@@ -65,7 +65,7 @@ def _found(mode: str, report: dict) -> list[str]:
 def _one(mode: str, args, root: str) -> dict:
     if mode == "kill9":
         return kill9.run(root, args.rounds).as_dict()
-    target = start(root, max_open_files=512 if mode == "flood" else None)
+    target = start(root, max_open_files=512 if mode == "flood" else None, prefault=mode == "soak")
     try:
         if mode == "fuzz":
             report = fuzz.run(target, args.messages, args.seed).as_dict()

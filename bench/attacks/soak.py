@@ -1,6 +1,7 @@
 """A soak: client processes of three tenants mixing every RPC on every path for a while, every
 chunk they read checked against what it must hold, while the daemon's memory is sampled.
-The daemon's RSS must stay flat and no byte may be wrong."""
+The daemon's RSS must stay flat and no byte may be wrong. (Run the target with its host
+pool prefaulted, or the RSS grows by the pool's pages as they are first touched.)"""
 
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ class SoakReport:
     def as_dict(self) -> dict:
         rss = [r for _, r in self.rss_samples]
         warm = [r for t, r in self.rss_samples if t >= min(60.0, self.seconds / 4)] or rss
+        minutes: dict[int, int] = {}
+        for t, r in self.rss_samples:
+            minutes.setdefault(int(t // 60), r)
         return {"seconds": self.seconds, "workers": self.workers, "ops": self.ops, "hits": self.hits,
                 "wrong": self.wrong, "errors": self.errors, "rss_start": rss[0] if rss else 0,
                 "rss_after_warmup": warm[0] if warm else 0, "rss_end": rss[-1] if rss else 0,
-                "rss_max": max(rss, default=0), "victim_bad": self.victim_bad}
+                "rss_max": max(rss, default=0), "rss_by_minute": list(minutes.values()),
+                "victim_bad": self.victim_bad}
 
 
 def run(target: Target, seconds: float, workers: int = 6, sample_s: float = 1.0) -> SoakReport:

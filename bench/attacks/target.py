@@ -81,9 +81,10 @@ def tenants_toml() -> str:
 
 
 def start(root: str | None = None, victims: int = 32, extra: str = "", data_dir: str | None = None,
-          **spawn) -> Target:
+          prefault: bool = False, **spawn) -> Target:
     """Start a target daemon (in ``root``, or a new temporary directory) holding ``victims``
-    victim chunks, durable. ``extra`` is appended to its TOML config."""
+    victim chunks, durable, its host pool ``prefault``ed or not. ``extra`` is appended to its
+    TOML config (tables other than [shm], [bulk], [store.host] and [store.disk])."""
     root = root or tempfile.mkdtemp(prefix="kvbench-attack-")
     with open(os.path.join(root, "tenants.toml"), "w") as f:
         f.write(tenants_toml())
@@ -92,7 +93,7 @@ def start(root: str | None = None, victims: int = 32, extra: str = "", data_dir:
         f.write(f'listen = "127.0.0.1:0"\ntenants_file = "{os.path.join(root, "tenants.toml")}"\n'
                 f'[shm]\ndir = "{root}"\nslots = 64\nslot_bytes = "64KiB"\nlease_ttl_s = 2.0\n'
                 f'[bulk]\npin_ttl_s = 2.0\nhello_timeout_s = 1.0\n'
-                f'[store.host]\ncapacity_bytes = "64MiB"\npage_bytes = 4096\nprefault = false\n'
+                f'[store.host]\ncapacity_bytes = "64MiB"\npage_bytes = 4096\nprefault = {str(prefault).lower()}\n'
                 f'[store.disk]\npath = "{data_dir or os.path.join(root, "data")}"\ncapacity_bytes = "256MiB"\n'
                 f'{extra}')
     target = Target(DaemonProcess(["--config", config], **spawn), root)
