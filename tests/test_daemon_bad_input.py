@@ -30,6 +30,7 @@ slots = 16
 slot_bytes = "64KiB"
 [bulk]
 frame_timeout_s = 2.0
+sendfile = true
 [store.host]
 capacity_bytes = "16MiB"
 page_bytes = 4096

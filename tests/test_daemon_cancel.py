@@ -148,7 +148,7 @@ def test_pins_of_a_bulk_client_that_never_releases_them_come_back(tmp_path):
     """Finding #11: host pages a bulk Get pinned stayed pinned until RELEASE, the next request
     or the connection's end; a client that goes silent (a vanished host: no FIN) held them
     for good. Now they are released after bulk.pin_ttl_s and the connection is cut off."""
-    cfg = config(tmp_path, extra='[bulk]\npin_ttl_s = 1.0\n')
+    cfg = config(tmp_path, extra='[bulk]\npin_ttl_s = 1.0\nsendfile = true\n')  # the socket holds the pages
     with DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "data")]) as daemon:
         keys = chunk_keys(list(range(16 * NS.chunk_tokens)), NS)
         with Client(daemon.addr, transport="remote") as client:

@@ -246,9 +246,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def _chunks(self, request, caller: Tenant, channel: Channel | None = None):
         """Validate a GetRequest, then yield one ``Read`` per chunk, in order, until the first
-        miss. On a bulk ``channel``, chunks raw in the host pool stay pinned for the client
-        (it copies them out itself, or the socket sends the pages by reference) until its
-        RELEASE; anything else a chunk holds is released when the consumer asks for the next."""
+        miss. On a bulk ``channel``, chunks raw in the host pool come pinned; they stay so for
+        the client until its RELEASE where it copies them out itself (pool views) or the socket
+        sends the pages by reference (``bulk.sendfile``). Anything else a chunk holds is
+        released when the consumer asks for the next."""
         bound, keys = self._keys(request, caller, READ)
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
@@ -280,8 +281,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         return
                     read.index = i
                     self.metrics.hit(caller.label, read.nbytes)
-                    if read.pool_runs is not None:  # pinned until the client's RELEASE
-                        channel.hold(read.release, read.nbytes)
+                    if read.pool_runs is not None and (request.pool_views or self.config.bulk.sendfile):
+                        channel.hold(read.release, read.nbytes)  # pinned until the client's RELEASE
                         read.release = None
                     try:
                         yield read
@@ -340,9 +341,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 elif request.pool_views:
                     reply.pool_runs.extend(x for run in read.pool_runs for x in run)
                     await channel.send(CHUNK, reply.SerializeToString())
-                elif pool.file is not None:
+                elif self.config.bulk.sendfile and pool.file is not None:
                     await channel.send_file_ranges(CHUNK, reply.SerializeToString(), pool.file, read.pool_runs)
-                else:
+                else:  # copied into the socket: unpinned once sent
                     await channel.send(CHUNK, reply.SerializeToString(), pool.views(read.pool_runs))
                 sent += 1
         await channel.send(END, pb.CountReply(count=sent).SerializeToString())
