@@ -33,15 +33,17 @@ class Read:
 class ReadAhead:
     """Reads ``count`` chunks, at most ``depth`` at once, handing them over in order.
 
-    ``start(i)`` reads chunk ``i`` (a coroutine returning a Read, or None on a miss);
-    ``done(read)`` releases what a read holds. ``close`` waits for every read started and
-    releases the results nobody took."""
+    ``ready`` are the reads of the first chunks, done already (a Get pins the leading chunks
+    that lie raw in host RAM in one executor call); ``start(i)`` reads chunk ``i`` (a
+    coroutine returning a Read, or None on a miss); ``done(read)`` releases what a read
+    holds. ``close`` waits for every read started and releases the results nobody took."""
 
     def __init__(self, count: int, depth: int, start: Callable[[int], Awaitable[Read | None]],
-                 done: Callable[[Read], None]) -> None:
+                 done: Callable[[Read], None], ready: list[Read] = ()) -> None:
         self._count, self._depth, self._start, self._done = count, max(1, depth), start, done
+        self._ready = collections.deque(ready)
         self._pending: collections.deque[asyncio.Task] = collections.deque()
-        self._queued = 0
+        self._queued = len(self._ready)
 
     def _refill(self) -> None:
         while self._queued < self._count and len(self._pending) < self._depth:
@@ -50,6 +52,10 @@ class ReadAhead:
 
     async def next(self) -> Read | None:
         """The next chunk's read (None on a miss, or when all were taken)."""
+        if self._ready:
+            if len(self._ready) <= self._depth:
+                self._refill()
+            return self._ready.popleft()
         self._refill()
         if not self._pending:
             return None
@@ -63,6 +69,8 @@ class ReadAhead:
         return read
 
     async def close(self) -> None:
+        while self._ready:
+            self._done(self._ready.popleft())
         pending, self._pending = self._pending, collections.deque()
         cancelled = False
         for task in pending:

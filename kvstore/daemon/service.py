@@ -229,6 +229,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         _copy_views(slot_view, [memoryview(p) for p in parts])
         return Read(len(blob))
 
+    def _pin_leading(self, keys: list[ChunkKey], chunk_bytes: int, room: int) -> list[Read]:
+        """Pins of the leading ``keys`` that lie raw in host RAM, up to ``room`` bytes (in an
+        executor thread); it stops at the first that does not."""
+        if self.store.host_pool is None:
+            return []
+        reads = []
+        for key in keys[: room // chunk_bytes]:
+            pin = ExitStack()
+            runs = pin.enter_context(self.store.pinned_payload(key))
+            if runs is None:
+                pin.close()
+                break
+            reads.append(Read(chunk_bytes, pool_runs=runs, release=pin.close))
+        return reads
+
     async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, hold: bool, owner: str):
         if slot is None:
             return await self._run(self._read, bound, key, payload, None, hold, abandoned=self._done)
@@ -272,7 +287,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return self._read_one(bound, keys[i], payload, slots[i] if slots else None, hold, caller.name)
 
         with self.admission.admit(caller, min(len(keys), depth) * chunk_bytes):
-            reads = ReadAhead(len(keys), depth, start, self._done)
+            ready = []
+            if holdable:  # the leading chunks raw in host RAM: pinned in one executor call, not one each
+                room = channel.max_pinned_bytes - channel.pinned_bytes
+                ready = await self._run(self._pin_leading, keys, chunk_bytes, room,
+                                        abandoned=lambda reads: [self._done(r) for r in reads])
+            reads = ReadAhead(len(keys), depth, start, self._done, ready)
             try:
                 for i in range(len(keys)):
                     read = await reads.next()
