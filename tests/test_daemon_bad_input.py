@@ -30,7 +30,6 @@ slots = 16
 slot_bytes = "64KiB"
 [bulk]
 frame_timeout_s = 2.0
-sendfile = true
 [store.host]
 capacity_bytes = "16MiB"
 page_bytes = 4096
@@ -396,9 +395,9 @@ def test_a_bulk_client_that_stops_reading_is_cut_off(stub, client):
     still_serving(client)
 
 
-def test_chunks_sent_by_reference_stay_pinned_until_release(stub, client):
-    """The daemon sendfile()s raw chunks out of the host pool: the socket holds the pages by
-    reference, so they must not be reused until the client has read them and sent RELEASE."""
+def test_chunks_a_socket_carries_are_copies(stub, client):
+    """A raw chunk goes out of the host pool into the socket as a copy: the client reads what
+    it asked for even when, before it reads, the chunk is deleted and every page reused."""
     keys, value = keys_and_value(12)
     client.put(keys[0], value)
     sock = attached(stub)

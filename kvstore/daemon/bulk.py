@@ -13,15 +13,19 @@ Floods and dead peers: the accept loop survives every accept() error (out of des
 it backs off and logs); a connection that has not presented its session token is one of at
 most ``max_unauthenticated`` (newer ones are closed at once) and has ``hello_timeout_s`` to
 do so; attached connections use TCP keepalive, so a peer that vanished without a FIN is
-noticed. Host-pool pages a Get pins for its client stay pinned until RELEASE, the next
-request or the connection's end, and at most ``pin_ttl_s``: then they are released and the
-connection is cut off (a client that reads a Get's data later than that must discard it:
-``BulkAttachReply.pin_ttl_s``).
+noticed. Host-pool pages a Get pins for a client that copies them out itself (pool views)
+stay pinned until RELEASE, the next request or the connection's end, and at most
+``pin_ttl_s``: then they are released and the connection is cut off (a client that reads a
+Get's data later than that must discard it: ``BulkAttachReply.pin_ttl_s``). Chunk bytes the
+daemon sends are copied into the socket (never sendfile()d by reference: pages released to
+other chunks while a socket still referenced them would reach a client that stopped reading
+or released early).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import functools
 import hmac
@@ -30,6 +34,7 @@ import os
 import secrets
 import select
 import socket
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -41,14 +46,14 @@ import numpy as np
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.config import BulkConfig
 from kvstore.daemon.identity import Tenant
-from kvstore.fence import fenced
 from kvstore.wire.frames import FRAME, HELLO, MAX_META_BYTES, RELEASE, REQUEST_KINDS, TOKEN_BYTES
 
 log = logging.getLogger(__name__)
 
 # accept() errors that mean "out of something, for now": back off instead of spinning
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-SMALL_FRAME_BYTES = 64 << 10  # reply frames smaller than this are sent from the event loop
+OUTBOX_BYTES = 16 << 20  # reply bytes a channel queues for its sender thread at most
+SMALL_FRAME_BYTES = 64 << 10  # written at once from the event loop when nothing is queued
 
 
 class BulkError(Exception):
@@ -89,6 +94,13 @@ class Channel:
         self._held: list[Callable[[], object]] = []
         self.pinned_bytes = 0
         self._expiry: asyncio.TimerHandle | None = None
+        # frames queued for the sender thread: (write(deadline), bytes, then), in order
+        self._outbox: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._writer: asyncio.Future | None = None  # the sender thread's run, while one runs
+        self._queued_bytes = 0
+        self._room, self._flushed = asyncio.Event(), asyncio.Event()
+        self._broken: BaseException | None = None
 
     def can_pin(self, nbytes: int) -> bool:
         return self.pinned_bytes + nbytes <= self.max_pinned_bytes
@@ -118,38 +130,103 @@ class Channel:
         except OSError:
             pass
 
-    async def send(self, kind: int, meta: bytes = b"", data=None) -> None:
-        """One frame; ``data`` is a buffer, a list of buffers (sent back to back), or None."""
+    async def send(self, kind: int, meta: bytes = b"", data=None, then: Callable[[], object] | None = None) -> None:
+        """Queue one frame; ``data`` is a buffer, a list of buffers (sent back to back), or
+        None. The frame's memory is in use until it is written: ``then`` (on the event loop)
+        runs after that, or once it is abandoned (a broken connection)."""
         parts = [] if data is None else data if isinstance(data, list) else [data]
         views = [memoryview(p).cast("B") for p in parts]
-        size = sum(v.nbytes for v in views)
-        head = FRAME.pack(kind, len(meta), size) + meta
-        if size < SMALL_FRAME_BYTES:  # fits the socket at once: no thread hop
-            loop = asyncio.get_running_loop()
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    await loop.sock_sendall(self.sock, head + b"".join(views))
-            except TimeoutError:
-                raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
-            return
-        await self._sending(functools.partial(self._write_all, [memoryview(head), *views]))
+        nbytes = sum(v.nbytes for v in views)
+        views.insert(0, memoryview(FRAME.pack(kind, len(meta), nbytes) + meta))
+        if nbytes < SMALL_FRAME_BYTES and self._writer is None and self._broken is None:
+            views = self._write_now(views)  # nothing queued before it: no thread hop for a small frame
+            if not views:
+                if then is not None:
+                    then()
+                return
+        await self._post(functools.partial(self._write_all, views), nbytes, then)
 
-    async def send_file_ranges(self, kind: int, meta: bytes, file, runs: list[tuple[int, int]]) -> None:
-        """One frame whose data is (offset, length) ranges of ``file``, sent with sendfile():
-        the kernel takes the pages by reference, so they must stay unchanged until the peer
-        has read them (the caller keeps them pinned until RELEASE)."""
-        head = FRAME.pack(kind, len(meta), sum(n for _, n in runs)) + meta
-        await self._sending(functools.partial(self._write_file, memoryview(head), file.fileno(), runs))
-
-    async def _sending(self, write) -> None:
-        """Run ``write(deadline)`` in a sender thread, fenced: the frame's memory (pinned
-        pages, buffers) is in use until the thread is done, even if we are cancelled. A
-        thread waits for socket room far more cheaply than an event-loop turn per wake-up
-        (which made a 4 MiB chunk cost ~2 ms more). A frame the peer has not taken within
-        ``timeout_s`` cuts it off (ConnectionError): what a Get holds for it must not stay
-        held forever."""
+    async def _post(self, write, nbytes: int, then) -> None:
+        """Put a frame in the outbox, started by a sender thread if none runs; wait while
+        more than OUTBOX_BYTES are queued. The thread writes frame after frame without coming
+        back to the event loop (a turn per frame left the socket idle between chunks), and
+        waits for socket room in poll(), far more cheaply than an event-loop turn per wake-up.
+        A frame the peer has not taken within ``timeout_s`` cuts the connection off: what a
+        Get holds for it must not stay held forever."""
+        if self._broken is not None:
+            if then is not None:
+                then()
+            raise ConnectionError(f"the bulk connection broke: {self._broken}")
         loop = asyncio.get_running_loop()
-        await fenced(loop.run_in_executor(self._senders, write, time.monotonic() + self.timeout_s))
+        deadline = loop.time() + self.timeout_s
+        while self._queued_bytes and self._queued_bytes + nbytes > OUTBOX_BYTES:
+            self._room.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._room.wait()
+            except TimeoutError:
+                if then is not None:
+                    then()
+                raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
+            if self._broken is not None:
+                if then is not None:
+                    then()
+                raise ConnectionError(f"the bulk connection broke: {self._broken}")
+        self._queued_bytes += nbytes
+        with self._lock:
+            self._outbox.append((write, nbytes, then))
+            start = self._writer is None
+            if start:
+                self._writer = loop.run_in_executor(self._senders, self._drain, loop)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The sender thread: write queued frames in order until the outbox is empty."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    self._writer = None
+                    return
+                write, nbytes, then = self._outbox.popleft()
+            if self._broken is None:
+                try:
+                    write(time.monotonic() + self.timeout_s)
+                except OSError as exc:
+                    self._broken = exc
+                    try:
+                        self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop sees the end too
+                    except OSError:
+                        pass
+            loop.call_soon_threadsafe(self._written, nbytes, then)
+
+    def _written(self, nbytes: int, then) -> None:
+        self._queued_bytes -= nbytes
+        self._room.set()
+        if then is not None:
+            then()
+        if self._queued_bytes == 0:
+            self._flushed.set()
+
+    async def flush(self) -> None:
+        """Wait until every queued frame is written (ConnectionError if the connection broke)."""
+        while self._queued_bytes or self._writer is not None:
+            self._flushed.clear()
+            await self._flushed.wait()
+        if self._broken is not None:
+            raise ConnectionError(f"the bulk connection broke: {self._broken}")
+
+    async def close(self) -> None:
+        """End the connection once no sender thread uses its socket any more."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        while self._queued_bytes or self._writer is not None:
+            self._flushed.clear()
+            try:
+                await self._flushed.wait()
+            except asyncio.CancelledError:
+                continue  # the socket must not close under the thread
+        self.sock.close()
 
     def _wait_writable(self, deadline: float) -> None:
         left = deadline - time.monotonic()
@@ -157,28 +234,28 @@ class Channel:
         poll.register(self.sock, select.POLLOUT)
         if left <= 0 or not poll.poll(left * 1000):
             raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s")
+        if self._broken is not None:
+            raise ConnectionError("the bulk connection was closed")
 
     def _write_all(self, views: list[memoryview], deadline: float) -> None:
-        for view in views:
-            while view.nbytes:
-                try:
-                    view = view[self.sock.send(view):]
-                except BlockingIOError:
-                    self._wait_writable(deadline)
+        """All of ``views``, in as few system calls as the socket's room allows (sendmsg)."""
+        while views := self._write_now(views):
+            self._wait_writable(deadline)
 
-    def _write_file(self, head: memoryview, fd: int, runs: list[tuple[int, int]], deadline: float) -> None:
-        self._write_all([head], deadline)
-        out = self.sock.fileno()
-        for offset, count in runs:
-            while count:
-                try:
-                    sent = os.sendfile(out, fd, offset, count)
-                except BlockingIOError:
-                    self._wait_writable(deadline)
-                    continue
-                if sent == 0:
-                    raise ConnectionError("sendfile() sent nothing: the pool file is shorter than its pages")
-                offset, count = offset + sent, count - sent
+    def _write_now(self, views: list[memoryview]) -> list[memoryview]:
+        """Write what the socket takes now; the views still to write."""
+        views = [v for v in views if v.nbytes]
+        while views:
+            try:
+                sent = self.sock.sendmsg(views[:1024])
+            except BlockingIOError:
+                return views
+            while views and sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            if sent:
+                views[0] = views[0][sent:]
+        return views
 
 
 # handler(channel, kind, meta, data): answer one request; data is a pool buffer or None and
@@ -350,7 +427,10 @@ class BulkServer:
                 channel.release()
             if session is not None:
                 self._sessions.pop(session.session_id, None)
-            conn.close()
+            if channel is not None:
+                await channel.close()
+            else:
+                conn.close()
 
     async def _recv_body(self, conn: socket.socket, meta: bytearray, data) -> None:
         if meta:

@@ -44,16 +44,11 @@ class BulkConfig:
     # presented within 2 x hello_timeout_s of its BulkAttach is void.
     max_unauthenticated: int = 64
     hello_timeout_s: float = 3.0
-    # Host-pool pages a Get pins for its client (sendfile, pool views) are released on
-    # RELEASE, or after this long at the latest (the connection is then cut off), and a
-    # channel pins at most max_pinned_bytes at once (further chunks are copied instead).
+    # Host-pool pages a Get pins for a client that copies them out itself (pool views) are
+    # released on RELEASE, or after this long at the latest (the connection is then cut off),
+    # and a channel pins at most max_pinned_bytes at once (further chunks go into slots).
     pin_ttl_s: float = 30.0
     max_pinned_bytes: int = 256 << 20
-    # Send raw host-RAM chunks with sendfile() (no copy: their pages stay pinned until the
-    # client's RELEASE) instead of send() from the pool's mapping (one copy; the pin ends once
-    # the frame is sent). Measure both: over loopback on the machine of docs/daemon.md's
-    # figures, send() was about 1.7x faster.
-    sendfile: bool = False
     # TCP keepalive: a peer that vanished without a FIN is noticed after about
     # keepalive_idle_s + 3 * keepalive_interval_s.
     keepalive_idle_s: int = 10

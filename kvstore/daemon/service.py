@@ -262,9 +262,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def _chunks(self, request, caller: Tenant, channel: Channel | None = None):
         """Validate a GetRequest, then yield one ``Read`` per chunk, in order, until the first
         miss. On a bulk ``channel``, chunks raw in the host pool come pinned; they stay so for
-        the client until its RELEASE where it copies them out itself (pool views) or the socket
-        sends the pages by reference (``bulk.sendfile``). Anything else a chunk holds is
-        released when the consumer asks for the next."""
+        a client that copies them out itself (pool views) until its RELEASE. Anything else a
+        chunk holds is released when the consumer asks for the next, unless the consumer took
+        it over (``handover``)."""
         bound, keys = self._keys(request, caller, READ)
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
@@ -276,7 +276,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
         if request.pool_views and (channel is None or not slots):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
-        # the socket of a bulk channel sends straight from the pool; a client that maps it copies from it
+        # the socket of a bulk channel sends from the pool; a client that maps it copies from it
         holdable = payload == pb.TENSOR and channel is not None and (
             not slots or (request.pool_views and self.pool_path is not None))
         chunk_bytes = bound.chunk_bytes
@@ -301,7 +301,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         return
                     read.index = i
                     self.metrics.hit(caller.label, read.nbytes)
-                    if read.pool_runs is not None and (request.pool_views or self.config.bulk.sendfile):
+                    if read.pool_runs is not None and request.pool_views:
                         channel.hold(read.release, read.nbytes)  # pinned until the client's RELEASE
                         read.release = None
                     try:
@@ -351,22 +351,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self.pool.give(data)
 
     async def _bulk_get(self, channel: Channel, request: pb.GetRequest) -> None:
+        """Replies go to the channel's sender thread; each chunk's pin or buffer is handed over
+        with its frame and released once the frame is written (copied into the socket)."""
         sent = 0
         pool = self.store.host_pool
         async with aclosing(self._chunks(request, channel.owner, channel)) as chunks:
             async for read in chunks:
                 reply = pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
-                if read.pool_runs is None:
-                    await channel.send(CHUNK, reply.SerializeToString(), read.data)
-                elif request.pool_views:
+                if request.pool_views and read.pool_runs is not None:
                     reply.pool_runs.extend(x for run in read.pool_runs for x in run)
                     await channel.send(CHUNK, reply.SerializeToString())
-                elif self.config.bulk.sendfile and pool.file is not None:
-                    await channel.send_file_ranges(CHUNK, reply.SerializeToString(), pool.file, read.pool_runs)
-                else:  # copied into the socket: unpinned once sent
-                    await channel.send(CHUNK, reply.SerializeToString(), pool.views(read.pool_runs))
+                else:
+                    data = read.data if read.pool_runs is None else pool.views(read.pool_runs)
+                    await channel.send(CHUNK, reply.SerializeToString(), data, then=self._handover(read))
                 sent += 1
         await channel.send(END, pb.CountReply(count=sent).SerializeToString())
+
+    def _handover(self, read: Read):
+        """What ``read`` holds, to release later; ``read`` itself then holds nothing."""
+        held = Read(read.nbytes, release=read.release, pooled=read.pooled)
+        read.release = read.pooled = None
+        return lambda: self._done(held)
 
     # -- index operations -----------------------------------------------------------------
 
