@@ -12,10 +12,12 @@ import pkgutil
 import sys
 
 import bench
+from tiers.base import TierUnavailable
 
 
 class UsageError(Exception):
-    """A mistake in the command line or its inputs: one line on stderr, exit code 2."""
+    """A mistake in the command line or its inputs: one line on stderr, exit code 2 (so is a
+    tier that cannot be used, e.g. a data directory another process holds)."""
 
 
 def _subcommand_modules():
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (UsageError, FileNotFoundError, PermissionError, ValueError) as exc:
+    except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable) as exc:
         print(f"kvbench {args.command}: {exc}", file=sys.stderr)
         return 2
 

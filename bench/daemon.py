@@ -12,19 +12,29 @@ present key is a no-op in the Store), so the host tier evicts once full. The get
 ``--batch`` consecutive chunks per call (how the connector loads a prefix: the daemon reads
 the next chunk while the previous one travels); latencies are per call, and a single-chunk
 ``get_into`` loop is reported beside it (``get_one_*``). Without ``--addr`` the benchmark starts its own daemon with
-the host tier only (the disk tier's write-behind would measure the disk, not the daemon).
+the host tier only (the disk tier's write-behind would measure the disk, not the daemon), and
+with tenants on: a tenants file, one tenant (and bearer token) per client, each naming its
+own tenant in its namespace.
+
+``--processes N`` then measures N client processes getting at once (each its own tenant and
+chunks, started together): their aggregate GB/s against one client's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import resource
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+
+import argparse
 
 import numpy as np
 import torch
@@ -50,8 +60,34 @@ def add_parser(subparsers) -> None:
     p.add_argument("--keys", type=int, default=16, help="distinct chunks per client")
     p.add_argument("--batch", type=int, default=8,
                    help="chunks per get call for the GB/s figure (a prefix is fetched in one call)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="also measure this many client processes getting at once (aggregate GB/s)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
+    # one of the --processes: measure in DIR, started when DIR/go appears
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--transport", default="shm", help=argparse.SUPPRESS)
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tenant", default="", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Credential:
+    """How one client authenticates, and the tenant its namespace names."""
+
+    token: str | None = None
+    token_file: str | None = None
+    tenant: str = ""
+
+
+def _tenants(root: str, count: int) -> tuple[str, list[Credential]]:
+    """A tenants file with ``count`` tenants, and their credentials."""
+    creds = [Credential(token=f"kvbench-token-{i}", tenant=f"bench{i}") for i in range(count)]
+    path = os.path.join(root, "tenants.toml")
+    with open(path, "w") as f:
+        for c in creds:
+            f.write(f'[tenants.{c.tenant}]\ntoken_sha256 = "{hashlib.sha256(c.token.encode()).hexdigest()}"\n')
+    return path, creds
 
 
 def _namespace(chunk_bytes: int) -> Namespace:
@@ -110,8 +146,10 @@ def _measure(clients: list[Client], work, seconds: float, daemon_pid: int | None
     return _summary([x for lat in latencies for x in lat], sum(done), elapsed, cpu)
 
 
-def _path(addr: str, transport: str, args, ns: Namespace, daemon_pid: int | None) -> dict:
-    clients = [Client(addr, transport=transport, token_file=args.auth_token_file, timeout_s=60) for _ in range(args.clients)]
+def _path(addr: str, transport: str, args, ns: Namespace, daemon_pid: int | None, creds: list[Credential]) -> dict:
+    clients = [Client(addr, transport=transport, token=c.token, token_file=c.token_file, timeout_s=60)
+               for c in creds[: args.clients]]
+    tenant_ns = [dataclasses.replace(ns, tenant=c.tenant) for c in creds[: args.clients]]
     try:
         used = clients[0].path
         keys: list[list[ChunkKey]] = [[] for _ in clients]
@@ -123,7 +161,7 @@ def _path(addr: str, transport: str, args, ns: Namespace, daemon_pid: int | None
             ``--keys`` stay for the get phase."""
             n = 0
             while time.perf_counter() < deadline or n < args.keys:
-                key = ChunkKey(ns, hashlib.blake2b(f"{transport}/{i}/{n}".encode(), digest_size=16).digest())
+                key = ChunkKey(tenant_ns[i], hashlib.blake2b(f"{transport}/{i}/{n}".encode(), digest_size=16).digest())
                 t0 = time.perf_counter()
                 client.put(key, chunk)
                 lat.append(time.perf_counter() - t0)
@@ -226,22 +264,88 @@ def _memcpy_gbps(chunk_bytes: int, seconds: float, sources: int, destinations: i
     return n * chunk_bytes / (time.perf_counter() - start) / GB
 
 
+def _worker(args, ns: Namespace) -> int:
+    """One of ``--processes``: put its chunks, say ready, get in a loop once told to go."""
+    ns = dataclasses.replace(ns, tenant=args.tenant)
+    with Client(args.addr, transport=args.transport, token=args.token, token_file=args.auth_token_file,
+                timeout_s=60) as client:
+        chunk = torch.randn(ns.chunk_shape).to(torch.float16)
+        keys = [ChunkKey(ns, hashlib.blake2b(f"{args.tenant}/{n}".encode(), digest_size=16).digest())
+                for n in range(args.keys)]
+        for k in keys:
+            client.put(k, chunk)
+        batch = min(args.batch, args.keys)
+        outs = [torch.zeros_like(chunk) for _ in range(batch)]
+        with open(os.path.join(args.worker, f"ready-{os.getpid()}"), "w"):
+            pass
+        while not os.path.exists(os.path.join(args.worker, "go")):
+            time.sleep(0.001)
+        start = time.perf_counter()
+        deadline, n = start + args.seconds, 0
+        while time.perf_counter() < deadline:
+            first = (n * batch) % (len(keys) - batch + 1)
+            if client.get_many_into(keys[first : first + batch], outs) != batch:
+                raise RuntimeError("a chunk the benchmark stored is missing (host tier too small?)")
+            n += 1
+        elapsed = time.perf_counter() - start
+    with open(os.path.join(args.worker, f"result-{os.getpid()}.json"), "w") as f:
+        json.dump({"bytes": n * batch * chunk.numel() * 2, "elapsed": elapsed}, f)
+    return 0
+
+
+def _aggregate(addr: str, transport: str, args, creds: list[Credential]) -> dict:
+    """``--processes`` client processes getting at once: their aggregate GB/s."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="kvbench-daemon-procs-") as work:
+        procs = []
+        for c in creds[: args.processes]:
+            cmd = [sys.executable, "-m", "bench", "daemon", "--worker", work, "--addr", addr, "--transport", transport,
+                   "--tenant", c.tenant, "--chunk-bytes", args.chunk_bytes, "--seconds", str(args.seconds),
+                   "--keys", str(args.keys), "--batch", str(args.batch)]
+            cmd += ["--token", c.token] if c.token else ["--auth-token-file", c.token_file] if c.token_file else []
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": root}))
+        try:
+            deadline = time.monotonic() + 300
+            while sum(n.startswith("ready-") for n in os.listdir(work)) < len(procs):
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError("a benchmark client process failed to start")
+                time.sleep(0.05)
+            with open(os.path.join(work, "go"), "w"):
+                pass
+            if any(p.wait() != 0 for p in procs):
+                raise RuntimeError("a benchmark client process failed")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        results = [json.load(open(os.path.join(work, n))) for n in os.listdir(work) if n.startswith("result-")]
+    total = sum(r["bytes"] for r in results)
+    return {"processes": len(results), "get_gbps": total / max(r["elapsed"] for r in results) / GB,
+            "per_process_gbps": [r["bytes"] / r["elapsed"] / GB for r in results]}
+
+
 def run(args) -> int:
-    if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0 or args.batch <= 0:
+    if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0 or args.batch <= 0 or args.processes < 0:
         raise UsageError("--clients, --seconds, --keys and --batch must be positive")
     chunk_bytes = parse_size(args.chunk_bytes)
     ns = _namespace(chunk_bytes)
     keep_large_blocks_in_heap()
+    if args.worker:
+        return _worker(args, ns)
     daemon = None
     tmp = None
     addr = args.addr
+    creds = [Credential(token_file=args.auth_token_file)] * max(args.clients, args.processes)
     if addr is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvbench-daemon-")
-        host_bytes = max(256 << 20, 4 * args.clients * args.keys * (chunk_bytes + (256 << 10)))
+        clients = max(args.clients, args.processes)
+        tenants_file, creds = _tenants(tmp.name, clients)
+        host_bytes = max(256 << 20, 4 * clients * args.keys * (chunk_bytes + (256 << 10)))
         config = os.path.join(tmp.name, "daemon.toml")
         with open(config, "w") as f:
-            f.write(f'listen = "127.0.0.1:0"\n[store.host]\ncapacity_bytes = {host_bytes}\n'
-                    f'[store.disk]\nenabled = false\n[shm]\nslot_bytes = {-(-chunk_bytes // 4096) * 4096 + 4096}\n')
+            f.write(f'listen = "127.0.0.1:0"\ntenants_file = "{tenants_file}"\n[store.host]\n'
+                    f'capacity_bytes = {host_bytes}\n[store.disk]\nenabled = false\n'
+                    f'[shm]\nslot_bytes = {-(-chunk_bytes // 4096) * 4096 + 4096}\nslots = {max(64, 16 * clients)}\n')
         daemon = DaemonProcess(["--config", config])
         addr = daemon.addr
 
@@ -260,9 +364,12 @@ def run(args) -> int:
         pid = daemon.proc.pid if daemon else None
         results = {
             "chunk_bytes": chunk_bytes, "clients": args.clients, "seconds": args.seconds,
-            "remote": _path(addr, "remote", args, ns, pid),
-            "shm": _path(addr, "shm", args, ns, pid),
+            "tenants": args.addr is None,
+            "remote": _path(addr, "remote", args, ns, pid, creds),
+            "shm": _path(addr, "shm", args, ns, pid, creds),
         }
+        if args.processes:
+            results["aggregate"] = {t: _aggregate(addr, t, args, creds) for t in ("remote", "shm")}
         after = baselines()
     finally:
         if daemon is not None:
@@ -298,6 +405,10 @@ def run(args) -> int:
     print(f"limits: raw loopback socket {results['socket_gbps']:.2f} GB/s ({results['socket_cpu_s_per_gb']:.2f} CPU s/GB), "
           f"memcpy {results['memcpy_gbps']:.2f} GB/s ({results['memcpy_cpu_s_per_gb']:.2f} CPU s/GB); "
           f"better of before/after")
+    for name, agg in results.get("aggregate", {}).items():
+        agg["vs_one_client"] = agg["get_gbps"] / results[name]["get_gbps"]
+        print(f"{name:6} {agg['processes']} processes at once: get {agg['get_gbps']:.2f} GB/s in all = "
+              f"{agg['vs_one_client']:.2f}x one client's")
     q = results["ratios"]
     print(f"remote get {q['remote_get_vs_socket']:.2f}x socket, shm get {q['shm_get_vs_memcpy']:.2f}x memcpy")
     if args.json:

@@ -87,6 +87,10 @@ def _daemon_config(args):
         cfg.metrics = args.metrics
     if args.auth_token_file:
         cfg.auth_token_file = args.auth_token_file
+    if args.tenants_file:
+        cfg.tenants_file = args.tenants_file
+    if args.tls_client_ca:
+        cfg.tls_client_ca = args.tls_client_ca
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise UsageError("--tls-cert and --tls-key go together")
@@ -135,8 +139,8 @@ def _check_bindable(host: str, port: int) -> None:
 def _client(args):
     from kvstore.client import Client
 
-    return Client(args.addr, token_file=args.auth_token_file, tls_ca=args.tls_ca, timeout_s=args.timeout,
-                  transport="grpc")
+    return Client(args.addr, token_file=args.auth_token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                  tls_key=args.tls_key, timeout_s=args.timeout, transport="grpc")
 
 
 def cmd_stats(args) -> int:
@@ -170,6 +174,8 @@ def _add_remote(p) -> None:
     p.add_argument("--addr", default="127.0.0.1:50051", help="daemon address HOST:PORT")
     p.add_argument("--auth-token-file", help="file holding the daemon's bearer token")
     p.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS daemon")
+    p.add_argument("--tls-cert", help="client certificate chain (PEM), for a daemon that requires one")
+    p.add_argument("--tls-key", help="client private key (PEM)")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
 
 
@@ -192,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-bytes", help="host RAM tier capacity, e.g. 8GiB")
     p.add_argument("--disk-bytes", help="disk tier capacity, e.g. 100GiB")
     p.add_argument("--metrics", help="HOST:PORT for the Prometheus endpoint")
-    p.add_argument("--auth-token-file", help="require this bearer token on every RPC")
+    p.add_argument("--auth-token-file", help="require this bearer token on every RPC (one tenant)")
+    p.add_argument("--tenants-file", help="TOML file mapping tokens and certificates to tenants (docs/daemon.md)")
     p.add_argument("--tls-cert", help="TLS certificate chain (PEM)")
     p.add_argument("--tls-key", help="TLS private key (PEM)")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (PEM): mutual TLS")
     p.add_argument("--no-shm", action="store_true", help="disable the shared-memory slots")
     p.add_argument("--no-bulk", action="store_true", help="disable the bulk TCP channel")
     p.set_defaults(func=cmd_serve)
@@ -222,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _unreachable_errors() -> tuple[type[BaseException], ...]:
-    """Errors talking to a daemon that are the user's to fix (wrong address, token)."""
+    """Errors talking to, or starting, a daemon that are the user's to fix (wrong address or
+    token; a data directory another daemon holds)."""
     from kvstore.client import DaemonError
+    from kvstore.daemon.server import StartupError
 
-    return (DaemonError,)
+    return (DaemonError, StartupError)
 
 
 if __name__ == "__main__":

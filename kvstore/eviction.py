@@ -170,7 +170,7 @@ class Evictor:
                 index.sync(key_id, entry)
                 return
             if written:
-                entry.replicas[name] = Replica(size, job.codec.codec_id, job.replica.version, job.replica.synced)
+                index.record(key_id, entry, name, Replica(size, job.codec.codec_id, job.replica.version, job.replica.synced))
                 index.stats[name].recodes += 1
                 index.stats[name].bytes_written += size
                 if index.evictable(name, entry):

@@ -39,6 +39,7 @@ from typing import Iterator
 
 from kvstore.blob import BlobHeader
 from kvstore.policies.base import EvictionPolicy
+from kvstore.quota import NO_USAGE, ReplicaUsage
 from kvstore.stats import TierStats
 
 
@@ -115,8 +116,9 @@ class ChunkIndex:
     room may have appeared (copies done, pins expired, entries gone)."""
 
     def __init__(self, policies: dict[str, EvictionPolicy], capacities: dict[str, int], first: str,
-                 footprints: dict) -> None:
+                 footprints: dict, usage: ReplicaUsage | None = None) -> None:
         self.lock = threading.RLock()
+        self.usage = usage or NO_USAGE  # told of every replica recorded and removed (kvstore/quota.py)
         self.changed = threading.Condition(self.lock)
         self.entries: dict[bytes, Entry] = {}
         self.policies = policies
@@ -174,12 +176,18 @@ class ChunkIndex:
         if tier_name in self.policies and key_id in self.policies[tier_name] and tier_name in entry.replicas:
             # a new size: the policy must learn it (out, then back in as a hand-back)
             self.policies[tier_name].on_remove(key_id, held=True)
-        entry.replicas[tier_name] = replica
+        self.record(key_id, entry, tier_name, replica)
         self.sync(key_id, entry)
+
+    def record(self, key_id: bytes, entry: Entry, tier_name: str, replica: Replica) -> None:
+        """Put ``replica`` in the entry as its tier's copy (policies are the caller's)."""
+        entry.replicas[tier_name] = replica
+        self.usage.added(tier_name, key_id, replica.size)
 
     def remove_replica(self, key_id: bytes, entry: Entry, tier_name: str) -> None:
         """The index forgets one tier's copy (the caller deletes the value)."""
-        entry.replicas.pop(tier_name, None)
+        if entry.replicas.pop(tier_name, None) is not None:
+            self.usage.removed(tier_name, key_id)
         self.sync(key_id, entry)
         self.forget_if_empty(key_id, entry)
 
@@ -202,6 +210,8 @@ class ChunkIndex:
         if entry is None:
             return None
         tiers = list(entry.replicas)
+        for name in tiers:
+            self.usage.removed(name, key_id)
         entry.replicas.clear()
         entry.pinned_until = 0.0
         self.sync(key_id, entry)

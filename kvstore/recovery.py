@@ -43,7 +43,7 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
         entry = index.entries.get(key_id)
         if entry is None:
             entry = index.entries[key_id] = Entry(version=0, size=size, header=header)
-        entry.replicas[tier.name] = Replica(size, header.codec_id if header is not None else None, 0)
+        index.record(key_id, entry, tier.name, Replica(size, header.codec_id if header is not None else None, 0))
         index.sync(key_id, entry)
         found += 1
     index.stats[tier.name].corruptions += dropped

@@ -40,6 +40,7 @@ from kvstore.integrity import check_integrity
 from kvstore.keys import ChunkKey
 from kvstore.placement import Placement
 from kvstore.policies import make_policy
+from kvstore.quota import ReplicaUsage
 from kvstore.read_path import ReadPath
 from kvstore.recovery import recover
 from kvstore.stats import StoreStats, TierStats
@@ -64,21 +65,22 @@ def _leading_header(parts):
 
 class Store:
     def __init__(self, config: StoreConfig | None = None, extra_tiers: Sequence[Tier] = (),
-                 extra_fetch_workers: dict[str, int] | None = None) -> None:
+                 extra_fetch_workers: dict[str, int] | None = None, usage: ReplicaUsage | None = None) -> None:
         """``extra_tiers`` are appended after the configured ones (slower media, tests), with
-        ``extra_fetch_workers[name]`` fetch workers each (default 4)."""
+        ``extra_fetch_workers[name]`` fetch workers each (default 4); ``usage`` is told of
+        every replica recorded and removed (per-tenant quotas, kvstore/quota.py)."""
         self.config = config = config or StoreConfig()
         config.validate()
         setups = build_tiers(config) + [TierSetup(t, (extra_fetch_workers or {}).get(t.name, 4)) for t in extra_tiers]
         self.tiers: list[Tier] = [s.tier for s in setups]
         try:
-            self._build(config, setups)
+            self._build(config, setups, usage)
         except BaseException:
             for tier in reversed(self.tiers):  # releases a data directory's lock, shared memory
                 tier.close()
             raise
 
-    def _build(self, config: StoreConfig, setups: list[TierSetup]) -> None:
+    def _build(self, config: StoreConfig, setups: list[TierSetup], usage: ReplicaUsage | None) -> None:
         self.first = self.tiers[0]
         self._by_name = {t.name: t for t in self.tiers}
         if len(self._by_name) != len(self.tiers):
@@ -99,7 +101,7 @@ class Store:
             raise ValueError(f"placement.tiers names shared tiers {shared_named}; only private tiers are re-encoded")
         policies = {t.name: make_policy(config.eviction_policy, t.capacity_bytes) for t in self.tiers}
         self.index = ChunkIndex(policies, {t.name: t.capacity_bytes for t in self.tiers}, self.first.name,
-                                {t.name: t.footprint for t in self.tiers})
+                                {t.name: t.footprint for t in self.tiers}, usage)
         self._locks = KeyLocks()
         self._io = TierIO(self.index, self._locks, self.shared_index)
         self._evictor = Evictor(self.index, self._locks, self._io, self._by_name, self.placement,

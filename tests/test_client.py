@@ -81,3 +81,37 @@ def test_arguments_are_checked_before_any_rpc():
             client.lookup([key, other])
         with pytest.raises(ValueError, match="ChunkKey"):
             client.put_blob(b"\0" * 32, [b"x"])
+
+
+def test_client_options_are_one_dataclass_loadable_like_the_config(tmp_path):
+    from kvstore.client import ClientOptions
+    from kvstore.config import ConfigError, load_config
+
+    path = tmp_path / "client.toml"
+    path.write_text('transport = "remote"\ntimeout_s = 3\npiece_bytes = "64KiB"\n')
+    options = load_config(path, ClientOptions)
+    assert options.transport == "remote" and options.timeout_s == 3.0 and options.piece_bytes == 64 << 10
+    path.write_text("timeout = 3\n")
+    with pytest.raises(ConfigError, match="timeout"):
+        load_config(path, ClientOptions)
+    with pytest.raises(TypeError, match="unknown client option"):
+        Client("127.0.0.1:1", timeot_s=3)
+    with pytest.raises(ValueError, match="tls_ca"):
+        ClientOptions(tls_cert="c.pem", tls_key="k.pem")
+    with Client("127.0.0.1:1", options, retries=0) as client:
+        assert client.options.transport == "remote" and client.options.retries == 0
+
+
+def test_retry_decisions():
+    from kvstore.client.errors import RAISE, RENEW, RETRY, decide, slots_reusable
+
+    unavailable = DaemonError(grpc.StatusCode.UNAVAILABLE, "gone")
+    stale = DaemonError(grpc.StatusCode.FAILED_PRECONDITION, "lease 7 is unknown or expired")
+    assert decide(unavailable, 0, False, 2) == RETRY and decide(unavailable, 2, False, 2) == RAISE
+    assert decide(stale, 0, False, 2) == RENEW and decide(stale, 0, True, 2) == RAISE
+    assert decide(ConnectionResetError(), 0, False, 2) == RETRY
+    assert decide(DaemonError(grpc.StatusCode.INVALID_ARGUMENT, "no"), 0, False, 2) == RAISE
+    assert decide(ValueError("a bug"), 0, False, 2) == RAISE
+    assert slots_reusable(DaemonError(grpc.StatusCode.INVALID_ARGUMENT, "no"))
+    for exc in (DaemonError(grpc.StatusCode.DEADLINE_EXCEEDED, ""), TimeoutError(), KeyboardInterrupt()):
+        assert not slots_reusable(exc)

@@ -1,6 +1,6 @@
 """The daemon as a real process, driven through the real client: round trips on every path,
-the index operations, stats, metrics, the CLI's stats/ping, token auth, tenant isolation and
-the benchmark's quick mode. The daemon requires a bearer token; ``connect`` supplies it."""
+the index operations, stats, metrics, the CLI's stats/ping, token auth and the benchmark's
+quick mode (tenants: tests/test_daemon_tenants.py). The daemon requires a bearer token; ``connect`` supplies it."""
 
 import asyncio
 import json
@@ -106,7 +106,7 @@ def test_encoded_chunks_take_the_copying_path_beside_zero_copy_ones(daemon, tran
     the same Get is decoded into a slot or a buffer instead."""
     keys, values = chunks(3, BIG, seed=31)
     with connect(daemon, transport=transport) as client:
-        assert transport != "shm" or client._shm_or_none().pool is not None
+        assert transport != "shm" or client._drive(client._core._shm()).pool is not None
         client.put(keys[0], values[0])
         client.put(keys[1], values[1], codec="int8")
         client.put(keys[2], values[2])
@@ -152,7 +152,8 @@ def test_stats_metrics_and_cli(daemon, capsys):
     assert 'kvstore_tier_lossy_hits_total{tier="nvme"} 0.0' in text
     assert "kvstore_write_behind_queue" in text and "kvstore_io_inflight" in text
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
-    assert re.search(r'kvstore_namespace_misses_total\{model="test-model",namespace="[0-9a-f]{12}"\} [1-9]', text)
+    assert re.search(r'kvstore_tenant_misses_total\{tenant="default"\} [1-9]', text)
+    assert "test-model" not in text  # no label takes a value a client sent
 
     token = ["--auth-token-file", daemon.token_file]
     assert main(["stats", "--addr", daemon.addr, *token]) == 0
@@ -162,32 +163,12 @@ def test_stats_metrics_and_cli(daemon, capsys):
     assert "SERVING" in capsys.readouterr().out
 
 
-def test_tenants_cannot_read_or_detect_each_others_chunks(daemon):
-    alice = Namespace("shared-model", 2, 2, 8, chunk_tokens=8, tenant="alice")
-    bob = Namespace("shared-model", 2, 2, 8, chunk_tokens=8, tenant="bob")
-    tokens = list(range(100, 100 + 3 * 8))
-    a_keys, b_keys = chunk_keys(tokens, alice), chunk_keys(tokens, bob)
-    value = torch.randn(alice.chunk_shape).half()
-    with connect(daemon) as client:
-        for k in a_keys:
-            client.put(k, value)
-        assert client.lookup(a_keys) == 3
-        assert client.lookup(b_keys) == 0
-        assert not client.contains(b_keys[0])
-        assert client.get(b_keys) == [] and client.get_blob(b_keys[0]) is None
-        assert client.pin(b_keys, 10) == 0 and client.delete(b_keys) == 0
-        blob = client.get_blob(a_keys[0])
-        with pytest.raises(Exception, match="INVALID_ARGUMENT"):  # alice's blob under bob's key
-            client.put_blob(b_keys[0], [blob])
-        assert client.lookup(b_keys) == 0 and client.lookup(a_keys) == 3
-
-
 def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
     with connect(daemon, transport="shm", shm_slots=4) as client:
         keys, values = chunks(1, seed=3)
         client.put(keys[0], values[0])
         before = client.stats_reply().shm_slots_free
-        client._shm = None  # forget the lease without releasing it, as a dead client would
+        client._core._lease = None  # forget the lease without releasing it, as a dead client would
         with connect(daemon, transport="grpc") as other:
             deadline = time.monotonic() + 10
             while other.stats_reply().shm_slots_free < before + 4:
@@ -255,7 +236,7 @@ def test_every_rpc_needs_the_token(daemon):
     # the bulk side channel: a session exists only through an authenticated RPC, and its
     # connection must present that session's one-time token
     with connect(daemon) as client:
-        attach = client._rpc(client._stub.BulkAttach, pb.BulkAttachRequest())
+        attach = client._drive(client._core._call("BulkAttach", pb.BulkAttachRequest()))
         assert client.contains(keys[0])
     sock = socket.create_connection(("127.0.0.1", attach.port))
     sock.sendall(HELLO.pack(attach.session ^ 1, attach.token))

@@ -395,9 +395,9 @@ def test_a_bulk_client_that_stops_reading_is_cut_off(stub, client):
     still_serving(client)
 
 
-def test_chunks_sent_by_reference_stay_pinned_until_release(stub, client):
-    """The daemon sendfile()s raw chunks out of the host pool: the socket holds the pages by
-    reference, so they must not be reused until the client has read them and sent RELEASE."""
+def test_chunks_a_socket_carries_are_copies(stub, client):
+    """A raw chunk goes out of the host pool into the socket as a copy: the client reads what
+    it asked for even when, before it reads, the chunk is deleted and every page reused."""
     keys, value = keys_and_value(12)
     client.put(keys[0], value)
     sock = attached(stub)
@@ -413,4 +413,33 @@ def test_chunks_sent_by_reference_stay_pinned_until_release(stub, client):
     recv_exactly(sock, meta_len)
     assert recv_exactly(sock, data_len) == bytes(tensor_bytes(value))
     sock.sendall(frame(RELEASE))
+    still_serving(client)
+
+
+def test_absurd_namespace_dimensions_are_refused_before_anything_is_allocated(stub, client):
+    """Finding #22: a Get sized a buffer by the namespace's dimensions before knowing whether
+    the key existed; num_layers=10**6 meant a huge allocation or a MemoryError (UNKNOWN)."""
+    keys, _ = keys_and_value(20)
+    good = _fields(ns_to_proto(NS))
+    for bad in ({"num_layers": 10**6}, {"num_layers": 2**32 - 1, "head_dim": 2**32 - 1},
+                {"chunk_tokens": 4096},  # 4 MiB: over this daemon's 64 KiB max_chunk_bytes
+                {"model_id": "m" * 1000}, {"model_id": "bad\x1fid"}, {"tenant": "t" * 1000}):
+        spec = pb.NamespaceSpec(**{**good, **bad})
+        for payload in (pb.TENSOR, pb.BLOB):
+            request = pb.GetRequest(namespace=spec, prefix_hashes=[keys[0].prefix_hash] * 8, payload=payload)
+            assert code_of(lambda: list(stub.Get(request))) == Code.INVALID_ARGUMENT
+        assert code_of(lambda: stub.Lookup(pb.KeysRequest(namespace=spec, prefix_hashes=[keys[0].prefix_hash]))) \
+            == Code.INVALID_ARGUMENT
+        sock = attached(stub)
+        sock.sendall(frame(GET, pb.GetRequest(namespace=spec, prefix_hashes=[keys[0].prefix_hash], payload=pb.TENSOR)))
+        assert bulk_error(sock) == Code.INVALID_ARGUMENT
+    still_serving(client)
+
+
+def test_pin_ttl_is_bounded(stub, client):
+    keys, value = keys_and_value(21)
+    client.put(keys[0], value)
+    for ttl in (float("inf"), float("nan"), 0.0, 1e9):
+        assert code_of(lambda: stub.Pin(pb.PinRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+                                                      ttl_s=ttl))) == Code.INVALID_ARGUMENT
     still_serving(client)

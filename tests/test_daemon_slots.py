@@ -1,6 +1,7 @@
-"""The slot arena's invariants without a daemon: a slot belongs to one lease at a time, every
-hand-over bumps its generation, stale and forged references fail with their kind, a busy
-lease never expires."""
+"""The slot arena's invariants without a daemon: a slot belongs to one lease (of one tenant)
+at a time and serves one request at a time, every hand-over bumps its generation, stale and
+forged references fail with their kind, a busy lease is reclaimed only once its copies end;
+and the shared-memory files of live daemons are never taken for orphans."""
 
 import time
 
@@ -28,13 +29,13 @@ def test_arena_file_is_private_and_starts_with_the_nonce(arena):
 
 
 def test_leases_never_share_a_slot_and_references_are_checked(arena):
-    a, b = arena.lease(4), arena.lease(4)
+    a, b = arena.lease(4, "alice"), arena.lease(4, "alice")
     assert not set(a.slots) & set(b.slots)
     with pytest.raises(SlotError) as info:
-        arena.lease(1)
+        arena.lease(1, "alice")
     assert info.value.kind == "exhausted"
     ref = (a.lease_id, a.slots[0], arena.generation(a.slots[0]))
-    with arena.using([ref], 4096) as (view,):
+    with arena.using([ref], 4096, "alice") as (view,):
         view[:3] = b"abc"
     cases = {
         "stale": [(a.lease_id + 1, a.slots[0], ref[2]), (a.lease_id, a.slots[0], ref[2] + 1)],
@@ -44,28 +45,66 @@ def test_leases_never_share_a_slot_and_references_are_checked(arena):
     for kind, refs in cases.items():
         for r in refs:
             with pytest.raises(SlotError) as info:
-                with arena.using([r], 4097 if r == ref else 10):
+                with arena.using([r], 4097 if r == ref else 10, "alice"):
                     pass
             assert info.value.kind == kind
-    arena.release(a.lease_id)
-    with pytest.raises(SlotError) as info:
-        with arena.using([ref], 10):
+    with pytest.raises(SlotError) as info:  # another tenant may not use, renew or release alice's lease
+        with arena.using([ref], 10, "mallory"):
             pass
     assert info.value.kind == "stale"
-    c = arena.lease(4)  # gets a's slots back, at new generations
+    with pytest.raises(SlotError):
+        arena.renew(a.lease_id, "mallory")
+    arena.release(a.lease_id, "mallory")
+    with arena.using([ref], 10, "alice"):
+        pass
+    arena.release(a.lease_id, "alice")
+    with pytest.raises(SlotError) as info:
+        with arena.using([ref], 10, "alice"):
+            pass
+    assert info.value.kind == "stale"
+    c = arena.lease(4, "alice")  # gets a's slots back, at new generations
     assert set(c.slots) == set(a.slots) and arena.generation(a.slots[0]) > ref[2]
 
 
 def test_unused_leases_expire_but_not_while_busy(arena):
-    a, b = arena.lease(2), arena.lease(2)
+    a, b = arena.lease(2, "t"), arena.lease(2, "t")
     ref = (b.lease_id, b.slots[0], arena.generation(b.slots[0]))
-    with arena.using([ref], 10):
+    with arena.using([ref], 10, "t"):
         time.sleep(0.3)
         assert arena.expire() == 1  # a expired; b is busy
     assert arena.free_slots == 8 - 2
     with pytest.raises(SlotError):
-        arena.renew(a.lease_id)
-    arena.renew(b.lease_id)
+        arena.renew(a.lease_id, "t")
+    arena.renew(b.lease_id, "t")
+
+
+def test_a_slot_serves_one_request_at_a_time(arena):
+    """Finding #4(c): two requests naming one slot at once were both accepted."""
+    a = arena.lease(2, "t")
+    ref = (a.lease_id, a.slots[0], arena.generation(a.slots[0]))
+    with arena.using([ref], 10, "t"):
+        for refs in ([ref], [(a.lease_id, a.slots[1], arena.generation(a.slots[1])), ref]):
+            with pytest.raises(SlotError) as info:
+                with arena.using(refs, 10, "t"):
+                    pass
+            assert info.value.kind == "busy"
+    with arena.using([ref], 10, "t"):  # free again once the first request is done
+        pass
+    with pytest.raises(SlotError) as info:
+        with arena.using([ref, ref], 10, "t"):
+            pass
+    assert info.value.kind == "busy"
+
+
+def test_a_lease_released_while_busy_comes_back_when_its_copy_ends(arena):
+    a = arena.lease(4, "t")
+    ref = (a.lease_id, a.slots[0], arena.generation(a.slots[0]))
+    with arena.using([ref], 10, "t"):
+        arena.release(a.lease_id, "t")
+        assert arena.free_slots == 4  # not yet: the daemon may still be writing into the slot
+        with pytest.raises(SlotError):
+            arena.renew(a.lease_id, "t")
+    assert arena.free_slots == 8
 
 
 @settings(max_examples=40, deadline=None)
@@ -78,12 +117,12 @@ def test_random_lease_sequences_keep_slots_exclusive(tmp_path_factory, ops):
         for op, n in ops:
             if op == "lease":
                 try:
-                    lease = arena.lease(n)
+                    lease = arena.lease(n, "t")
                 except SlotError:
                     continue
                 held[lease.lease_id] = list(lease.slots)
             elif held:
-                arena.release(next(iter(held)))
+                arena.release(next(iter(held)), "t")
                 held.pop(next(iter(held)))
             owned = [s for slots in held.values() for s in slots]
             assert len(owned) == len(set(owned)) and arena.free_slots == 8 - len(owned)

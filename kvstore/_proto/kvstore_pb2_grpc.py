@@ -165,7 +165,8 @@ class KVStoreServicer:
 
     def Lease(self, request, context):
         """Shared-memory slots for a same-host client; they return to the daemon when the lease
-        expires unless renewed (any use of a slot renews its lease too).
+        expires unless renewed (any use of a slot renews its lease too), or when it is released,
+        once no request is using them. A lease belongs to the tenant that took it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

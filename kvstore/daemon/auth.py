@@ -1,16 +1,18 @@
 """Bearer-token authentication for every RPC (health and reflection included).
 
-The token travels as ``authorization: Bearer <token>`` metadata; a call without it, or with
-another token, ends UNAUTHENTICATED before its handler runs. Tokens are compared in
-constant time.
+The token travels as ``authorization: Bearer <token>`` metadata; a call without a token the
+daemon knows ends UNAUTHENTICATED before its handler runs. Which tenant a token (or, with
+mutual TLS, a client certificate) belongs to is ``Credentials.identify``'s answer, asked by
+the KVStore handlers themselves (kvstore/daemon/service.py).
 """
 
 from __future__ import annotations
 
-import hmac
 import grpc
 
+from kvstore.daemon.identity import Credentials
 from kvstore.wire.auth import METADATA_KEY
+
 
 def _deny(kind: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def unary(request_or_iterator, context):
@@ -30,18 +32,12 @@ def _deny(kind: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def check(self, value: str | bytes | None) -> bool:
-        if value is None:
-            return False
-        got = value.encode() if isinstance(value, str) else value
-        return hmac.compare_digest(got, self._expected)
+    def __init__(self, credentials: Credentials) -> None:
+        self._credentials = credentials
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if handler is None or self.check(metadata.get(METADATA_KEY)):
+        if handler is None or self._credentials.token_valid(metadata.get(METADATA_KEY)):
             return handler
         return _deny(handler)

@@ -3,8 +3,10 @@ socket).
 
 A fresh chunk-sized allocation costs page faults on every page it touches (measured here:
 ~300 faults and ~1 ms of CPU per 4 MiB chunk in an executor thread, whose malloc arena gives
-memory back eagerly), more than the copy it is for. Chunks of one deployment all have the
-same size, so buffers are kept per exact size, up to ``max_bytes`` idle in total.
+memory back eagerly), more than the copy it is for. So buffers are kept for reuse, up to
+``max_bytes`` idle in total, by size rounded up to 64 KiB: blobs of one deployment differ in
+size only by their encoding (lz4, int8, ...), and exact sizes, some of which never recur, would
+each keep buffers of their own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
+GRANULE = 64 << 10
 
 
 class BufferPool:
@@ -22,16 +26,18 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 array of exactly ``nbytes`` (contents undefined)."""
+        """A uint8 array of exactly ``nbytes`` (contents undefined); give it back when done."""
+        capacity = -(-max(nbytes, 1) // GRANULE) * GRANULE
         with self._lock:
-            idle = self._idle.get(nbytes)
+            idle = self._idle.get(capacity)
             if idle:
-                self._idle_bytes -= nbytes
-                return idle.pop()
-        return np.empty(nbytes, dtype=np.uint8)
+                self._idle_bytes -= capacity
+                return idle.pop()[:nbytes]
+        return np.empty(capacity, dtype=np.uint8)[:nbytes]
 
     def give(self, buf: np.ndarray) -> None:
+        whole = buf if buf.base is None else buf.base
         with self._lock:
-            if self._idle_bytes + buf.nbytes <= self.max_bytes:
-                self._idle.setdefault(buf.nbytes, []).append(buf)
-                self._idle_bytes += buf.nbytes
+            if self._idle_bytes + whole.nbytes <= self.max_bytes:
+                self._idle.setdefault(whole.nbytes, []).append(whole)
+                self._idle_bytes += whole.nbytes

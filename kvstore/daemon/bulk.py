@@ -7,29 +7,54 @@ its Gets and Puts there instead: the requests are the RPCs' own messages (GetReq
 PutHeader), so validation, limits and errors are the same; chunk bytes follow their reply
 as raw bytes, or stay in shared-memory slots. gRPC keeps everything else (leases, lookups,
 stats, the attach itself) and serves Get/Put for clients without a channel (TLS, other
-languages).
+languages). The frames and the attach handshake are in kvstore/wire/frames.py.
 
-The frames and the attach handshake are in kvstore/wire/frames.py.
+Floods and dead peers: the accept loop survives every accept() error (out of descriptors:
+it backs off and logs); a connection that has not presented its session token is one of at
+most ``max_unauthenticated`` (newer ones are closed at once) and has ``hello_timeout_s`` to
+do so; attached connections use TCP keepalive, so a peer that vanished without a FIN is
+noticed. Host-pool pages a Get pins for a client that copies them out itself (pool views)
+stay pinned until RELEASE, the next request or the connection's end, and at most
+``pin_ttl_s``: then they are released and the connection is cut off (a client that reads a
+Get's data later than that must discard it: ``BulkAttachReply.pin_ttl_s``). Chunk bytes the
+daemon sends are copied into the socket (never sendfile()d by reference: pages released to
+other chunks while a socket still referenced them would reach a client that stopped reading
+or released early).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import errno
+import functools
 import hmac
 import logging
 import os
 import secrets
+import select
 import socket
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
 
 from kvstore.daemon.buffers import BufferPool
+from kvstore.daemon.config import BulkConfig
+from kvstore.daemon.identity import Tenant
 from kvstore.wire.frames import FRAME, HELLO, MAX_META_BYTES, RELEASE, REQUEST_KINDS, TOKEN_BYTES
 
 log = logging.getLogger(__name__)
+
+# accept() errors that mean "out of something, for now": back off instead of spinning
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+OUTBOX_BYTES = 16 << 20  # reply bytes a channel queues for its sender thread at most
+SMALL_FRAME_BYTES = 64 << 10  # written at once from the event loop when nothing is queued
+
 
 class BulkError(Exception):
     pass
@@ -40,72 +65,197 @@ class Session:
     session_id: int
     token: bytes
     issued: float
+    owner: Tenant
     sock: socket.socket | None = None
 
 
-class Channel:
-    """An attached connection, as the request handler sees it: it sends reply frames."""
+class _Every:
+    """Log a recurring condition at most once per ``period_s``, with how often it happened."""
 
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
-        self.sock, self.timeout_s = sock, timeout_s
-        self.held: list[Callable[[], object]] = []  # releases of chunks the client is copying
+    def __init__(self, period_s: float = 10.0) -> None:
+        self.period_s, self._last, self._count = period_s, 0.0, 0
+
+    def __call__(self, message: str, *args) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self.period_s:
+            log.warning(message + " (%d times since the last such message)", *args, self._count)
+            self._last, self._count = now, 0
+
+
+class Channel:
+    """An attached connection, as the request handler sees it: it sends reply frames and
+    holds the pins of the chunks its client is reading."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, owner: Tenant, pin_ttl_s: float,
+                 max_pinned_bytes: int, senders: ThreadPoolExecutor) -> None:
+        self.sock, self.timeout_s, self.owner, self._senders = sock, timeout_s, owner, senders
+        self.pin_ttl_s, self.max_pinned_bytes = pin_ttl_s, max_pinned_bytes
+        self._held: list[Callable[[], object]] = []
+        self.pinned_bytes = 0
+        self._expiry: asyncio.TimerHandle | None = None
+        # frames queued for the sender thread: (write(deadline), bytes, then), in order
+        self._outbox: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._writer: asyncio.Future | None = None  # the sender thread's run, while one runs
+        self._queued_bytes = 0
+        self._room, self._flushed = asyncio.Event(), asyncio.Event()
+        self._broken: BaseException | None = None
+
+    def can_pin(self, nbytes: int) -> bool:
+        return self.pinned_bytes + nbytes <= self.max_pinned_bytes
+
+    def hold(self, release: Callable[[], object], nbytes: int) -> None:
+        """Keep a chunk's pin until RELEASE, or ``pin_ttl_s`` from the first pin held."""
+        self._held.append(release)
+        self.pinned_bytes += nbytes
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().call_later(self.pin_ttl_s, self._expire)
 
     def release(self) -> None:
-        held, self.held = self.held, []
+        held, self._held, self.pinned_bytes = self._held, [], 0
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for release in held:
             release()
 
-    async def send(self, kind: int, meta: bytes = b"", data=None) -> None:
-        """One frame; ``data`` is a buffer, a list of buffers (sent back to back), or None.
-        A frame the peer has not taken within ``timeout_s`` cuts it off (ConnectionError): what
-        a Get holds for it (pinned pages, buffers) must not stay held forever."""
-        loop = asyncio.get_running_loop()
+    def _expire(self) -> None:
+        self._expiry = None
+        log.info("bulk: a client held %d pinned chunks for %.0f s without RELEASE; releasing them and "
+                 "closing its connection", len(self._held), self.pin_ttl_s)
+        self.release()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop sees the end and cleans up
+        except OSError:
+            pass
+
+    async def send(self, kind: int, meta: bytes = b"", data=None, then: Callable[[], object] | None = None) -> None:
+        """Queue one frame; ``data`` is a buffer, a list of buffers (sent back to back), or
+        None. The frame's memory is in use until it is written: ``then`` (on the event loop)
+        runs after that, or once it is abandoned (a broken connection)."""
         parts = [] if data is None else data if isinstance(data, list) else [data]
         views = [memoryview(p).cast("B") for p in parts]
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await loop.sock_sendall(self.sock, FRAME.pack(kind, len(meta), sum(v.nbytes for v in views)) + meta)
-                for view in views:
-                    if view.nbytes:
-                        await loop.sock_sendall(self.sock, view)
-        except TimeoutError:
-            raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
+        nbytes = sum(v.nbytes for v in views)
+        views.insert(0, memoryview(FRAME.pack(kind, len(meta), nbytes) + meta))
+        if nbytes < SMALL_FRAME_BYTES and self._writer is None and self._broken is None:
+            views = self._write_now(views)  # nothing queued before it: no thread hop for a small frame
+            if not views:
+                if then is not None:
+                    then()
+                return
+        await self._post(functools.partial(self._write_all, views), nbytes, then)
 
-    async def send_file_ranges(self, kind: int, meta: bytes, file, runs: list[tuple[int, int]]) -> None:
-        """One frame whose data is (offset, length) ranges of ``file``, sent with sendfile():
-        the kernel takes the pages by reference, so they must stay unchanged until the peer
-        has read them (the caller keeps them pinned until RELEASE)."""
+    async def _post(self, write, nbytes: int, then) -> None:
+        """Put a frame in the outbox, started by a sender thread if none runs; wait while
+        more than OUTBOX_BYTES are queued. The thread writes frame after frame without coming
+        back to the event loop (a turn per frame left the socket idle between chunks), and
+        waits for socket room in poll(), far more cheaply than an event-loop turn per wake-up.
+        A frame the peer has not taken within ``timeout_s`` cuts the connection off: what a
+        Get holds for it must not stay held forever."""
+        if self._broken is not None:
+            if then is not None:
+                then()
+            raise ConnectionError(f"the bulk connection broke: {self._broken}")
         loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await loop.sock_sendall(self.sock, FRAME.pack(kind, len(meta), sum(n for _, n in runs)) + meta)
-                for offset, length in runs:
-                    await self._sendfile(file.fileno(), offset, length)
-        except TimeoutError:
-            raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
-
-    async def _sendfile(self, fd: int, offset: int, count: int) -> None:
-        """sendfile() until done, waiting only when the socket is full. (The event loop's
-        sock_sendfile takes an extra loop turn per call, and a chunk can be many ranges.)"""
-        while count:
+        deadline = loop.time() + self.timeout_s
+        while self._queued_bytes and self._queued_bytes + nbytes > OUTBOX_BYTES:
+            self._room.clear()
             try:
-                sent = os.sendfile(self.sock.fileno(), fd, offset, count)
-            except BlockingIOError:
-                await self._writable()
-                continue
-            if sent == 0:
-                raise ConnectionError("sendfile() sent nothing: the pool file is shorter than its pages")
-            offset, count = offset + sent, count - sent
+                async with asyncio.timeout_at(deadline):
+                    await self._room.wait()
+            except TimeoutError:
+                if then is not None:
+                    then()
+                raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
+            if self._broken is not None:
+                if then is not None:
+                    then()
+                raise ConnectionError(f"the bulk connection broke: {self._broken}")
+        self._queued_bytes += nbytes
+        with self._lock:
+            self._outbox.append((write, nbytes, then))
+            start = self._writer is None
+            if start:
+                self._writer = loop.run_in_executor(self._senders, self._drain, loop)
 
-    async def _writable(self) -> None:
-        loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        fd = self.sock.fileno()
-        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The sender thread: write queued frames in order until the outbox is empty."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    self._writer = None
+                    return
+                write, nbytes, then = self._outbox.popleft()
+            if self._broken is None:
+                try:
+                    write(time.monotonic() + self.timeout_s)
+                except OSError as exc:
+                    self._broken = exc
+                    try:
+                        self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop sees the end too
+                    except OSError:
+                        pass
+            loop.call_soon_threadsafe(self._written, nbytes, then)
+
+    def _written(self, nbytes: int, then) -> None:
+        self._queued_bytes -= nbytes
+        self._room.set()
+        if then is not None:
+            then()
+        if self._queued_bytes == 0:
+            self._flushed.set()
+
+    async def flush(self) -> None:
+        """Wait until every queued frame is written (ConnectionError if the connection broke)."""
+        while self._queued_bytes or self._writer is not None:
+            self._flushed.clear()
+            await self._flushed.wait()
+        if self._broken is not None:
+            raise ConnectionError(f"the bulk connection broke: {self._broken}")
+
+    async def close(self) -> None:
+        """End the connection once no sender thread uses its socket any more."""
         try:
-            await ready
-        finally:
-            loop.remove_writer(fd)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        while self._queued_bytes or self._writer is not None:
+            self._flushed.clear()
+            try:
+                await self._flushed.wait()
+            except asyncio.CancelledError:
+                continue  # the socket must not close under the thread
+        self.sock.close()
+
+    def _wait_writable(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        poll = select.poll()
+        poll.register(self.sock, select.POLLOUT)
+        if left <= 0 or not poll.poll(left * 1000):
+            raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s")
+        if self._broken is not None:
+            raise ConnectionError("the bulk connection was closed")
+
+    def _write_all(self, views: list[memoryview], deadline: float) -> None:
+        """All of ``views``, in as few system calls as the socket's room allows (sendmsg)."""
+        while views := self._write_now(views):
+            self._wait_writable(deadline)
+
+    def _write_now(self, views: list[memoryview]) -> list[memoryview]:
+        """Write what the socket takes now; the views still to write."""
+        views = [v for v in views if v.nbytes]
+        while views:
+            try:
+                sent = self.sock.sendmsg(views[:1024])
+            except BlockingIOError:
+                return views
+            while views and sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            if sent:
+                views[0] = views[0][sent:]
+        return views
 
 
 # handler(channel, kind, meta, data): answer one request; data is a pool buffer or None and
@@ -114,20 +264,24 @@ Handler = Callable[[Channel, int, bytes, "np.ndarray | None"], Awaitable[None]]
 
 
 class BulkServer:
-    def __init__(self, host: str, port: int, max_sessions: int, max_frame_bytes: int,
-                 frame_timeout_s: float, socket_buffer_bytes: int, pool: BufferPool) -> None:
-        self.host, self.max_sessions, self.pool = host, max_sessions, pool
-        self.max_frame_bytes, self.frame_timeout_s = max_frame_bytes, frame_timeout_s
-        self.socket_buffer_bytes = socket_buffer_bytes
+    def __init__(self, host: str, config: BulkConfig, max_frame_bytes: int, pool: BufferPool) -> None:
+        self.host, self.config, self.pool = host, config, pool
+        self.max_frame_bytes, self.frame_timeout_s = max_frame_bytes, config.frame_timeout_s
         self._sessions: dict[int, Session] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._conns: dict[asyncio.Task, socket.socket] = {}
         self._idle: dict[asyncio.Task, socket.socket] = {}  # connections between requests
+        # threads that write reply frames with chunk bytes (a channel sends one frame at a time)
+        self._senders = ThreadPoolExecutor(max(1, config.max_sessions), thread_name_prefix="bulk-send")
         self._closing = False
+        self.unauthenticated = 0
+        self.refused = 0  # connections closed at once: too many unauthenticated ones
+        self._warn_accept, self._warn_refused = _Every(), _Every()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
-        self._listener.listen(64)
+        self._listener.bind((host, config.port))
+        self._listener.listen(128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._accept_task: asyncio.Task | None = None
@@ -141,31 +295,58 @@ class BulkServer:
         self._handler = handler
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
-    def issue(self) -> Session:
+    def issue(self, owner: Tenant) -> Session:
         """A new, unattached session with a one-time token (answer to BulkAttach)."""
         self._drop_stale_tokens()
-        if len(self._sessions) >= self.max_sessions:
-            raise BulkError(f"{self.max_sessions} bulk sessions open; close some first")
-        session = Session(secrets.randbits(63) or 1, secrets.token_bytes(TOKEN_BYTES), time.monotonic())
+        if len(self._sessions) >= self.config.max_sessions:
+            raise BulkError(f"{self.config.max_sessions} bulk sessions open; close some first")
+        mine = Counter(s.owner.name for s in self._sessions.values())[owner.name]
+        if mine >= self.config.max_sessions_per_tenant:
+            raise BulkError(f"{mine} bulk sessions of this tenant open; close some first")
+        session = Session(secrets.randbits(63) or 1, secrets.token_bytes(TOKEN_BYTES), time.monotonic(), owner)
         self._sessions[session.session_id] = session
         return session
 
     def _drop_stale_tokens(self) -> None:
+        """A token not presented within 2 x hello_timeout_s of its issue is void."""
         now = time.monotonic()
         for sid, s in list(self._sessions.items()):
-            if s.sock is None and now - s.issued > self.frame_timeout_s:
+            if s.sock is None and now - s.issued > 2 * self.config.hello_timeout_s:
                 del self._sessions[sid]
 
     async def _accept_loop(self) -> None:
+        """Accept until closed, whatever accept() says: out of descriptors (EMFILE, ENFILE)
+        or buffers, back off (10 ms doubling to 1 s) and try again; a connection that died
+        in the backlog (ECONNABORTED, ...) is skipped."""
         loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self._listener)
+        backoff = 0.0
+        while not self._closing:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                if self._closing:
+                    return
+                if exc.errno in _EXHAUSTED:
+                    backoff = min(1.0, max(0.01, backoff * 2))
+                    self._warn_accept("bulk: accept() failed: %s; retrying in %.2f s", exc.strerror, backoff)
+                    await asyncio.sleep(backoff)
+                continue
+            backoff = 0.0
+            if self.unauthenticated >= self.config.max_unauthenticated:
+                self.refused += 1
+                self._warn_refused("bulk: %d connections have not presented a token yet; closing a new one",
+                                   self.unauthenticated)
+                conn.close()
+                continue
+            self.unauthenticated += 1
             task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
+            self._conns[task] = conn
             task.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._conns.pop(task, None)
         self._idle.pop(task, None)
 
     @staticmethod
@@ -180,32 +361,47 @@ class BulkServer:
 
     async def _attach(self, conn: socket.socket) -> Session | None:
         hello = bytearray(HELLO.size)
-        await asyncio.wait_for(self._recv_exactly(conn, hello), self.frame_timeout_s)
+        await asyncio.wait_for(self._recv_exactly(conn, hello), self.config.hello_timeout_s)
         sid, token = HELLO.unpack(hello)
         session = self._sessions.get(sid)
         if session is None or session.sock is not None or not hmac.compare_digest(session.token, token):
-            log.warning("bulk: rejected a connection with a bad session or token")
+            log.debug("bulk: rejected a connection with a bad session or token")
             return None
         session.sock = conn
         await asyncio.get_running_loop().sock_sendall(conn, b"\x01")
         return session
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def _tune(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            conn.setsockopt(socket.SOL_SOCKET, opt, self.socket_buffer_bytes)
+            conn.setsockopt(socket.SOL_SOCKET, opt, self.config.socket_buffer_bytes)
+        idle, interval = self.config.keepalive_idle_s, self.config.keepalive_interval_s
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        # unacknowledged data (a peer gone mid-transfer) ends the connection as soon, too
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (idle + 3 * interval) * 1000)
+
+    async def _serve(self, conn: socket.socket) -> None:
         session = None
-        channel = Channel(conn, self.frame_timeout_s)
+        channel = None
         try:
-            session = await self._attach(conn)
+            try:
+                self._tune(conn)
+                session = await self._attach(conn)
+            finally:
+                self.unauthenticated -= 1
             if session is None:
                 return
+            channel = Channel(conn, self.frame_timeout_s, session.owner, self.config.pin_ttl_s,
+                              self.config.max_pinned_bytes, self._senders)
             header = bytearray(FRAME.size)
             task = asyncio.current_task()
             while not self._closing:
                 self._idle[task] = conn
-                await self._recv_exactly(conn, header)  # an idle connection may wait forever
+                await self._recv_exactly(conn, header)  # an idle connection may wait (keepalive watches it)
                 del self._idle[task]
                 kind, meta_len, data_len = FRAME.unpack(header)
                 if kind not in REQUEST_KINDS or meta_len > MAX_META_BYTES or data_len > self.max_frame_bytes:
@@ -227,10 +423,14 @@ class BulkServer:
         except (ConnectionError, OSError, asyncio.TimeoutError):
             pass
         finally:
-            channel.release()
+            if channel is not None:
+                channel.release()
             if session is not None:
                 self._sessions.pop(session.session_id, None)
-            conn.close()
+            if channel is not None:
+                await channel.close()
+            else:
+                conn.close()
 
     async def _recv_body(self, conn: socket.socket, meta: bytearray, data) -> None:
         if meta:
@@ -245,12 +445,20 @@ class BulkServer:
         if self._accept_task is not None:
             self._accept_task.cancel()
         self._listener.close()
-        for conn in self._idle.values():
+        self._shutdown(self._idle.values())
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        self._shutdown(self._conns.values())  # a sender thread waiting for room gives up at once
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        self._senders.shutdown(wait=False)
+
+    @staticmethod
+    def _shutdown(conns) -> None:
+        for conn in list(conns):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=grace_s)
-        for t in list(self._tasks):
-            t.cancel()

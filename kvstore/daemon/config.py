@@ -35,9 +35,24 @@ class BulkConfig:
     enabled: bool = True
     port: int = 0  # 0 = any free port, advertised through BulkAttach
     max_sessions: int = 256
-    # How long a Put waits for its bulk frame, and an attach token stays valid.
+    max_sessions_per_tenant: int = 64
+    # How long a Put waits for its bulk frame, and a reply frame for its reader.
     frame_timeout_s: float = 30.0
     socket_buffer_bytes: int = 4 << 20
+    # Connections that have not presented a session token yet: at most this many at once
+    # (newer ones are closed at once), each for at most hello_timeout_s; a token not
+    # presented within 2 x hello_timeout_s of its BulkAttach is void.
+    max_unauthenticated: int = 64
+    hello_timeout_s: float = 3.0
+    # Host-pool pages a Get pins for a client that copies them out itself (pool views) are
+    # released on RELEASE, or after this long at the latest (the connection is then cut off),
+    # and a channel pins at most max_pinned_bytes at once (further chunks go into slots).
+    pin_ttl_s: float = 30.0
+    max_pinned_bytes: int = 256 << 20
+    # TCP keepalive: a peer that vanished without a FIN is noticed after about
+    # keepalive_idle_s + 3 * keepalive_interval_s.
+    keepalive_idle_s: int = 10
+    keepalive_interval_s: int = 5
 
 
 @dataclass
@@ -45,20 +60,41 @@ class LimitsConfig:
     max_chunk_bytes: int = 64 << 20
     max_keys_per_request: int = 4096
     max_concurrent_streams: int = 256
+    # TCP connections to the gRPC port at once (grpc refuses more before any handshake), and
+    # how long a new one may take to complete its handshake.
+    max_connections: int = 1024
+    handshake_timeout_s: float = 5.0
     # Largest gRPC message either way (inline pieces are smaller than this).
     max_message_bytes: int = 16 << 20
     inline_piece_bytes: int = 4 << 20
     # Chunks of one Get read at once (in executor threads) while earlier ones travel.
     get_read_ahead: int = 3
+    # Per tenant (every caller with one credential): requests being served at once, and the
+    # chunk bytes they hold (puts' blobs, gets' read-ahead); beyond either a request is shed
+    # at once with RESOURCE_EXHAUSTED.
+    max_requests_per_tenant: int = 128
+    max_bytes_in_flight_per_tenant: int = 1 << 30
+    # Promotions started by Prefetch and not finished yet: daemon-wide and per tenant (a key
+    # already being promoted is not started again).
+    max_prefetches: int = 256
+    max_prefetches_per_tenant: int = 64
+    max_pin_ttl_s: float = 600.0
+    max_model_id_bytes: int = 256
 
 
 @dataclass
 class DaemonConfig:
     listen: str = "127.0.0.1:50051"
     metrics: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
+    # Who a caller is (docs/daemon.md, "Tenants"): one bearer token for a single tenant, or a
+    # tenants file mapping tokens (and client-certificate names) to tenants. Neither: no
+    # authentication, allowed on a loopback address only.
     auth_token_file: str | None = None
+    tenants_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # CA bundle (PEM) of client certificates: mutual TLS, every client must present one.
+    tls_client_ca: str | None = None
     # Threads for Store calls (file I/O, copies): bounds how much blocking work runs at once.
     io_threads: int = 8
     # Chunk-sized buffers kept for reuse between requests (fresh ones fault in every page).

@@ -2,7 +2,10 @@
 tests never collide).
 
 Tier figures are read from ``Store.stats()`` at scrape time (no double bookkeeping);
-per-namespace figures and per-RPC latencies are counted by the service as it serves.
+per-tenant figures, per-RPC latencies and shed requests are counted by the service as it
+serves. Every label takes values from a set fixed at start: tenants appear under the labels
+the tenants file gives them (never their names, never anything a client sends), methods
+under the service's own method names, shed requests under the limit that shed them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore.keys import Namespace
 from kvstore.stats import StoreStats
 
 _TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors",
@@ -22,10 +24,17 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
 
 
 class _StoreCollector:
-    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]]) -> None:
-        self._stats, self._extra = stats, extra
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]],
+                 tenant_bytes: dict[str, Callable[[], dict[str, int]]]) -> None:
+        self._stats, self._extra, self._tenant_bytes = stats, extra, tenant_bytes
 
     def collect(self):
+        fam = GaugeMetricFamily("kvstore_tenant_bytes", "bytes a tenant holds in a tier (what its quota counts)",
+                                labels=["tenant", "tier"])
+        for label, used in self._tenant_bytes.items():
+            for tier, nbytes in used().items():
+                fam.add_metric([label, tier], nbytes)
+        yield fam
         s = self._stats()
         for name in _TIER_COUNTERS:
             fam = CounterMetricFamily(f"kvstore_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
@@ -52,34 +61,33 @@ class _StoreCollector:
 
 
 class DaemonMetrics:
-    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict[str, int]],
+                 tenant_bytes: dict[str, Callable[[], dict[str, int]]] | None = None) -> None:
+        """``tenant_bytes``: per tenant label, its bytes per tier."""
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(stats, extra))
-        labels = ["model", "namespace"]
-        self.ns_hits = Counter("kvstore_namespace_hits", "chunks served", labels, registry=self.registry)
-        self.ns_misses = Counter("kvstore_namespace_misses", "chunks asked for and absent", labels, registry=self.registry)
-        self.ns_bytes_read = Counter("kvstore_namespace_bytes_read", "bytes served", labels, registry=self.registry)
-        self.ns_bytes_written = Counter("kvstore_namespace_bytes_written", "bytes stored", labels, registry=self.registry)
+        self.registry.register(_StoreCollector(stats, extra, tenant_bytes or {}))
+        labels = ["tenant"]
+        self.hits = Counter("kvstore_tenant_hits", "chunks served", labels, registry=self.registry)
+        self.misses = Counter("kvstore_tenant_misses", "chunks asked for and absent", labels, registry=self.registry)
+        self.bytes_read = Counter("kvstore_tenant_bytes_read", "bytes served", labels, registry=self.registry)
+        self.bytes_written = Counter("kvstore_tenant_bytes_written", "bytes stored", labels, registry=self.registry)
+        self.shed = Counter("kvstore_shed_requests", "requests refused at once with RESOURCE_EXHAUSTED",
+                            ["limit"], registry=self.registry)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "RPC latency", ["method"],
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
         self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs that ended in an error", ["method", "code"],
                                   registry=self.registry)
         self._server = None
 
-    @staticmethod
-    def ns_labels(ns: Namespace) -> tuple[str, str]:
-        return ns.model_id, ns.fingerprint.hex()[:12]
+    def hit(self, tenant_label: str, nbytes: int) -> None:
+        self.hits.labels(tenant_label).inc()
+        self.bytes_read.labels(tenant_label).inc(nbytes)
 
-    def hit(self, ns: Namespace, nbytes: int) -> None:
-        labels = self.ns_labels(ns)
-        self.ns_hits.labels(*labels).inc()
-        self.ns_bytes_read.labels(*labels).inc(nbytes)
+    def miss(self, tenant_label: str) -> None:
+        self.misses.labels(tenant_label).inc()
 
-    def miss(self, ns: Namespace) -> None:
-        self.ns_misses.labels(*self.ns_labels(ns)).inc()
-
-    def wrote(self, ns: Namespace, nbytes: int) -> None:
-        self.ns_bytes_written.labels(*self.ns_labels(ns)).inc(nbytes)
+    def wrote(self, tenant_label: str, nbytes: int) -> None:
+        self.bytes_written.labels(tenant_label).inc(nbytes)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint in a background thread; returns the bound port."""

@@ -1,6 +1,10 @@
 """The daemon process: one Store behind a grpc.aio server, plus the health and reflection
 services, the shared-memory slot arena, the bulk channel and the metrics endpoint.
 
+Start-up refuses, in one line (``StartupError``), what it cannot serve safely: no credentials
+on an address other than loopback, a data directory another process holds. A start that
+fails removes what it created (its /dev/shm files included).
+
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the server stops accepting and gives
 in-flight RPCs ``shutdown_grace_s``, then the Store flushes its write-behind queues and
 closes its tiers, so every chunk acknowledged as durable, and every queued copy, is on disk.
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import ipaddress
 import logging
 import os
 import signal
@@ -24,21 +30,49 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.config import StoreConfig
 from kvstore.daemon.auth import TokenAuth
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer
 from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.identity import Credentials
 from kvstore.daemon.metrics import DaemonMetrics
+from kvstore.daemon.quotas import DISK, HOST, Quotas
 from kvstore.daemon.service import KVStoreService, register
-from kvstore.daemon.slots import PREFIXES, SlotArena, remove_orphans, shm_file_path
-from kvstore.wire.auth import read_token_file
-from kvstore.wire.convert import split_host_port
-from kvstore.config import StoreConfig
+from kvstore.daemon.shmfiles import POOL, SharedFile, remove_orphans
+from kvstore.daemon.slots import SlotArena
+from kvstore.quota import ReplicaUsage
 from kvstore.store import Store
+from kvstore.wire.convert import split_host_port
+from tiers.base import TierUnavailable
 
 log = logging.getLogger("kvstore.daemon")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured; the message says why, in one line."""
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _credentials(cfg: DaemonConfig, host: str) -> Credentials:
+    if cfg.auth_token_file and cfg.tenants_file:
+        raise StartupError("auth_token_file and tenants_file exclude each other: choose one")
+    if cfg.tenants_file:
+        return Credentials.from_file(cfg.tenants_file)
+    if cfg.auth_token_file:
+        return Credentials.single_token(cfg.auth_token_file)
+    if not _loopback(host) and cfg.tls_client_ca is None:
+        raise StartupError(f"refusing to serve {host} without authentication: every caller would be one "
+                           "tenant; set auth_token_file or tenants_file, or listen on loopback")
+    return Credentials.none()
 
 
 def _human(nbytes: int) -> str:
@@ -61,39 +95,45 @@ class Daemon:
         self._executor = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="daemon-io")
         self.pool = BufferPool(config.idle_buffer_bytes)
         self._expiry: asyncio.Task | None = None
+        self._pool_file: SharedFile | None = None  # the shared host pool's file, locked while we live
 
     async def start(self) -> None:
         cfg = self.config
         host, port = split_host_port(cfg.listen)
-        token = read_token_file(cfg.auth_token_file) if cfg.auth_token_file else None
-        tls = None
-        if cfg.tls_cert or cfg.tls_key:
-            if not (cfg.tls_cert and cfg.tls_key):
-                raise ValueError("TLS needs both a certificate and a key")
-            tls = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        credentials = _credentials(cfg, host)
+        tls = self._tls()
         loop = asyncio.get_running_loop()
-        self.store = await loop.run_in_executor(self._executor, Store, self._store_config())
+        if cfg.shm.enabled and (n := remove_orphans(cfg.shm.dir)):
+            log.info("removed %d shared-memory file(s) of daemons that are gone", n)
+        usage = ReplicaUsage([HOST, DISK])
+        try:
+            self.store = await loop.run_in_executor(self._executor, functools.partial(
+                Store, self._store_config(), usage=usage))
+        except TierUnavailable as exc:  # e.g. the data directory is another daemon's
+            raise StartupError(str(exc)) from None
         if cfg.shm.enabled:
             s = cfg.shm
             self.arena = SlotArena(s.dir, s.slots, s.slot_bytes, s.lease_ttl_s, s.max_slots_per_lease)
         if cfg.bulk.enabled and tls is None:  # the bulk channel is not encrypted
-            b = cfg.bulk
-            self.bulk = BulkServer(host, b.port, b.max_sessions, cfg.limits.max_chunk_bytes,
-                                   b.frame_timeout_s, b.socket_buffer_bytes, self.pool)
-        self.metrics = DaemonMetrics(self.store.stats, self._gauges)
+            self.bulk = BulkServer(host, cfg.bulk, cfg.limits.max_chunk_bytes, self.pool)
+        quotas = Quotas(self.store, usage)
+        self.metrics = DaemonMetrics(self.store.stats, self._gauges, {t.label: functools.partial(quotas.used, t)
+                                                                     for t in credentials.all_tenants})
         options = [
             ("grpc.max_send_message_length", cfg.limits.max_message_bytes),
             ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
             ("grpc.max_concurrent_streams", cfg.limits.max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", cfg.limits.max_connections),
+            ("grpc.server_handshake_timeout_ms", int(cfg.limits.handshake_timeout_s * 1000)),
             ("grpc.so_reuseport", 0),
         ]
         self._server = grpc.aio.server(
-            interceptors=[TokenAuth(token)] if token else None,
+            interceptors=[TokenAuth(credentials)] if credentials.authenticated and cfg.tls_client_ca is None else None,
             options=options,
             maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams,
         )
         self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
-                                      self.pool, "")
+                                      self.pool, credentials, quotas)
         register(self.service, self._server)
         if self.bulk is not None:
             self.bulk.start(self.service.bulk_request)
@@ -118,28 +158,43 @@ class Daemon:
                  self.address, tiers,
                  f"{self.arena.slots}x{_human(self.arena.slot_bytes)}"
                  f"{' + host pool' if self.service.pool_path else ''}" if self.arena else "off",
-                 f"port {self.bulk.port}" if self.bulk else "off", metrics_at,
-                 "token" if token else "off", "on" if tls else "off")
+                 f"port {self.bulk.port}" if self.bulk else "off", metrics_at, credentials.mode,
+                 ("on, client certificates required" if cfg.tls_client_ca else "on") if tls else "off")
+
+    def _tls(self) -> grpc.ServerCredentials | None:
+        cfg = self.config
+        if not (cfg.tls_cert or cfg.tls_key):
+            if cfg.tls_client_ca:
+                raise StartupError("tls_client_ca needs tls_cert and tls_key")
+            return None
+        if not (cfg.tls_cert and cfg.tls_key):
+            raise StartupError("TLS needs both a certificate and a key")
+        pair = [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+        if cfg.tls_client_ca is None:
+            return grpc.ssl_server_credentials(pair)
+        return grpc.ssl_server_credentials(pair, root_certificates=Path(cfg.tls_client_ca).read_bytes(),
+                                           require_client_auth=True)
 
     def _store_config(self) -> StoreConfig:
         """The store's config, with the host pool in a shared file when same-host clients
-        may read from it (``shm.share_host_pool``) and the shm directory has room for it."""
+        may read from it (``shm.share_host_pool``) and the shm directory has room for it.
+        The file is created (and locked) here, so it is known to be ours and live."""
         cfg = self.config
         host = cfg.store.host
         if not (cfg.shm.enabled and cfg.shm.share_host_pool) or host.shm_path is not None:
             return cfg.store
-        remove_orphans(cfg.shm.dir)
         free = os.statvfs(cfg.shm.dir)
         if free.f_bavail * free.f_frsize < host.capacity_bytes * 1.05 + (64 << 20):
             log.warning("%s has too little room for the %s host pool: clients copy out of slots instead",
                         cfg.shm.dir, _human(host.capacity_bytes))
             return cfg.store
-        path = shm_file_path(cfg.shm.dir, PREFIXES[1])
-        return dataclasses.replace(cfg.store, host=dataclasses.replace(host, shm_path=path))
+        self._pool_file = SharedFile(cfg.shm.dir, POOL)
+        return dataclasses.replace(cfg.store, host=dataclasses.replace(host, shm_path=self._pool_file.path))
 
     def _gauges(self) -> dict[str, int]:
         return {
             "io_inflight": self.service.io_inflight,
+            "prefetches_running": self.service.prefetches.running,
             "shm_slots_free": self.arena.free_slots if self.arena else 0,
             "bulk_sessions": self.bulk.sessions if self.bulk else 0,
         }
@@ -179,6 +234,8 @@ class Daemon:
                 os._exit(1)
         if self.arena is not None:
             self.arena.close()
+        if self._pool_file is not None:
+            self._pool_file.close()
         if self.metrics is not None:
             self.metrics.close()
         say("stopped")

@@ -1,56 +1,40 @@
 """The shared-memory slot arena: fixed-size slots in one /dev/shm file, leased to clients.
 
-Slots are staging buffers: a client writes a blob into its slot and the daemon copies it
-into the store only after verifying it (Put: a client never writes into the store's own
-pages), or the daemon places a chunk in the client's slot (Get of a chunk that is not raw
-in host RAM: encoded, or on a slower tier). Raw chunks in host RAM need no slot when the
-daemon shares its host pool (``shm.share_host_pool``): the client maps the pool read-only
-and copies them out itself. Neither file widens who can read what: both are 0600, so only
-processes of the daemon's own user map them, and such a process can read any slot anyway.
+Slots are staging buffers. Put: the client writes a blob into its slot and names the slot;
+the daemon copies it out into private memory before verifying it, so a client that keeps
+writing into its slot can spoil only that one Put. Get: the daemon places a chunk in the
+client's slot (one that is not raw in host RAM, or for a client without pool views); the
+Store itself never reads into a slot, so its checksums and promotions only ever see memory
+no client can write. Raw chunks in host RAM need no slot when the daemon shares its host pool
+(``shm.share_host_pool``): the client maps the pool read-only and copies them out itself.
 
-Safety: a slot belongs to at most one lease at a time; every reference names the lease (a
-random 63-bit id), the slot index and the slot's generation, which is bumped whenever the
-slot changes hands, so a stale or forged reference is rejected. A lease unused for
-``lease_ttl_s`` is reclaimed, unless one of its slots is being copied right now.
-Used only from the event loop thread (no locks); copies run in the executor while the
-slot is marked busy.
+Who may write a slot, and until when: the client, until it names the slot in a request; the
+daemon, from then until it answers. A slot serves one request at a time (a second request
+naming a busy slot fails, ABORTED), and stays busy until the daemon's copy into or out of it
+has finished, even if the request was cancelled or timed out meanwhile (the service fences
+the executor's work before leaving ``using``). A lease released or expired while busy is
+reclaimed when its last copy ends, never before.
+
+References: every reference names the lease (a random 63-bit id), the slot index and the
+slot's generation, bumped whenever the slot changes hands, so a stale or forged reference is
+rejected; a lease belongs to the tenant that took it, and nobody else may use or release it.
+A lease unused for ``lease_ttl_s`` is reclaimed (never while busy: a use renews it). Used only from the event loop thread (no
+locks); copies run in the executor while their slots are busy.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import secrets
 import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kvstore.daemon.shmfiles import ARENA, SharedFile
 from kvstore.wire.frames import NONCE_BYTES
 
 ARENA_HEADER_BYTES = 4096
-
-
-PREFIXES = ("kvstore-slots-", "kvstore-pool-")  # slot arenas, shared host pools
-
-
-def shm_file_path(directory: str, prefix: str) -> str:
-    """A new file name under ``directory`` that names this process (see ``remove_orphans``)."""
-    return os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}")
-
-
-def remove_orphans(directory: str) -> None:
-    """Delete arenas and pools left by daemons that died without cleaning up (kill -9)."""
-    for name in os.listdir(directory):
-        prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-        if prefix is None:
-            continue
-        pid = name[len(prefix) :].split("-")[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 class SlotError(Exception):
@@ -58,7 +42,7 @@ class SlotError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "stale" | "forged" | "range" | "exhausted"
+        self.kind = kind  # "stale" | "forged" | "range" | "exhausted" | "busy"
 
 
 @dataclass
@@ -66,7 +50,9 @@ class Lease:
     lease_id: int
     slots: list[int]
     expires: float
+    owner: str  # the tenant that took it
     busy: int = 0
+    ended: bool = False  # released or expired; reclaimed once ``busy`` is 0
 
 
 @dataclass
@@ -84,20 +70,17 @@ class SlotArena:
             raise ValueError(f"shm.slot_bytes must be a positive multiple of {mmap.PAGESIZE}")
         if self.slots <= 0:
             raise ValueError("shm.slots must be positive")
-        remove_orphans(self.dir)
-        self.path = shm_file_path(self.dir, PREFIXES[0])
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, ARENA_HEADER_BYTES + self.slots * self.slot_bytes)
-            self._mmap = mmap.mmap(fd, ARENA_HEADER_BYTES + self.slots * self.slot_bytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        size = ARENA_HEADER_BYTES + self.slots * self.slot_bytes
+        self._file = SharedFile(self.dir, ARENA, size)
+        self.path = self._file.path
+        self._mmap = mmap.mmap(self._file.fd, size, flags=mmap.MAP_SHARED)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self._mmap[:NONCE_BYTES] = self.nonce
         self._view = memoryview(self._mmap)
         self._free: deque[int] = deque(range(self.slots))
         self._generation = [0] * self.slots
         self._owner = [0] * self.slots
+        self._in_use = [False] * self.slots
         self._leases: dict[int, Lease] = {}
 
     def offset(self, index: int) -> int:
@@ -107,7 +90,7 @@ class SlotArena:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def lease(self, count: int) -> Lease:
+    def lease(self, count: int, owner: str) -> Lease:
         self.expire()
         count = min(max(1, count), self.max_slots_per_lease)
         if len(self._free) < count:
@@ -117,65 +100,86 @@ class SlotArena:
         for i in slots:
             self._generation[i] += 1
             self._owner[i] = lease_id
-        lease = self._leases[lease_id] = Lease(lease_id, slots, time.monotonic() + self.lease_ttl_s)
+        lease = self._leases[lease_id] = Lease(lease_id, slots, time.monotonic() + self.lease_ttl_s, owner)
         return lease
 
     def generation(self, index: int) -> int:
         return self._generation[index]
 
-    def renew(self, lease_id: int) -> Lease:
+    def _live(self, lease_id: int, owner: str) -> Lease:
         lease = self._leases.get(lease_id)
-        if lease is None:
+        if lease is None or lease.ended or lease.owner != owner:
             raise SlotError("stale", f"lease {lease_id} is unknown or expired")
+        return lease
+
+    def renew(self, lease_id: int, owner: str) -> Lease:
+        lease = self._live(lease_id, owner)
         lease.expires = time.monotonic() + self.lease_ttl_s
         return lease
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, owner: str) -> None:
+        """End a lease; its slots come back once no copy into or out of them is running."""
         lease = self._leases.get(lease_id)
-        if lease is not None and not lease.busy:
-            self._reclaim(lease)
+        if lease is not None and lease.owner == owner:
+            self._end(lease)
 
-    def _reclaim(self, lease: Lease) -> None:
-        del self._leases[lease.lease_id]
-        for i in lease.slots:
-            self._generation[i] += 1
-            self._owner[i] = 0
-            self._free.append(i)
+    def _end(self, lease: Lease) -> None:
+        lease.ended = True
+        if lease.busy == 0:
+            del self._leases[lease.lease_id]
+            for i in lease.slots:
+                self._generation[i] += 1
+                self._owner[i] = 0
+                self._free.append(i)
 
     def expire(self) -> int:
         now = time.monotonic()
-        dead = [lease for lease in self._leases.values() if lease.expires <= now and not lease.busy]
+        dead = [lease for lease in self._leases.values() if lease.expires <= now and not (lease.ended or lease.busy)]
         for lease in dead:
-            self._reclaim(lease)
+            self._end(lease)
         return len(dead)
 
-    def _check(self, lease_id: int, index: int, generation: int, nbytes: int) -> Lease:
+    def _check(self, ref: tuple[int, int, int], nbytes: int, owner: str) -> Lease:
+        lease_id, index, generation = ref
         if not 0 <= index < self.slots:
             raise SlotError("range", f"slot index {index} out of range (arena has {self.slots})")
         if nbytes > self.slot_bytes:
             raise SlotError("range", f"{nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
         lease = self._leases.get(lease_id)
-        if lease is None or lease.expires <= time.monotonic():
+        if lease is None or lease.ended or lease.expires <= time.monotonic() or lease.owner != owner:
             raise SlotError("stale", f"lease {lease_id} is unknown or expired")
         if self._owner[index] != lease_id:
             raise SlotError("forged", f"slot {index} does not belong to lease {lease_id}")
         if self._generation[index] != generation:
             raise SlotError("stale", f"slot {index} generation {generation} is stale (now {self._generation[index]})")
+        if self._in_use[index]:
+            raise SlotError("busy", f"slot {index} is in use by another request")
         return lease
 
     @contextmanager
-    def using(self, refs: list[tuple[int, int, int]], nbytes: int):
-        """Views of the referenced slots (each ``nbytes`` long), valid inside the block; the
-        leases are renewed and cannot expire meanwhile."""
-        leases = [self._check(lid, idx, gen, nbytes) for lid, idx, gen in refs]
-        for lease in leases:
+    def using(self, refs: list[tuple[int, int, int]], nbytes: int, owner: str):
+        """Views of the referenced slots (each ``nbytes`` long), for the daemon alone inside
+        the block: each slot serves one request at a time, and its lease cannot be reclaimed
+        meanwhile. Leave the block only once nothing writes into or reads out of the views."""
+        indexes = [ref[1] for ref in refs]
+        if len(set(indexes)) != len(indexes):
+            raise SlotError("busy", "a request names one slot twice")
+        leases = [self._check(ref, nbytes, owner) for ref in refs]
+        now = time.monotonic()
+        for lease, index in zip(leases, indexes):
             lease.busy += 1
-            lease.expires = time.monotonic() + self.lease_ttl_s
+            lease.expires = now + self.lease_ttl_s
+            self._in_use[index] = True
         try:
-            yield [self._view[self.offset(idx) : self.offset(idx) + nbytes] for _, idx, _ in refs]
+            yield [self._view[self.offset(i) : self.offset(i) + nbytes] for i in indexes]
         finally:
-            for lease in leases:
+            now = time.monotonic()
+            for lease, index in zip(leases, indexes):
+                self._in_use[index] = False
                 lease.busy -= 1
+                lease.expires = now + self.lease_ttl_s  # a use renews the lease
+                if lease.ended:
+                    self._end(lease)
 
     def close(self) -> None:
         self._view.release()
@@ -183,7 +187,4 @@ class SlotArena:
             self._mmap.close()
         except BufferError:
             pass  # an executor thread still holds a view; the mapping goes with it
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._file.close()

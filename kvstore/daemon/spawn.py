@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -30,15 +31,22 @@ def _terminate_with_parent() -> None:
 
 
 class DaemonProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
-        """Run ``python -m kvstore serve *args`` and wait until it serves."""
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
+                 wrapper: list[str] = (), max_open_files: int | None = None) -> None:
+        """Run ``python -m kvstore serve *args`` (under the ``wrapper`` command, if any; with
+        at most ``max_open_files`` descriptors, if given) and wait until it serves."""
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
+
+        def prepare() -> None:
+            _terminate_with_parent()
+            if max_open_files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
-            preexec_fn=_terminate_with_parent,
+            [*wrapper, sys.executable, "-m", "kvstore", "serve", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env, preexec_fn=prepare,
         )
         self.log: deque[str] = deque(maxlen=2000)
         self.addr = ""

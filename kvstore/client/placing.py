@@ -1,0 +1,84 @@
+"""Where a Get's chunks go on the client: copies out of slots and the host pool, and the
+sink for chunks that arrive as bytes (gRPC pieces or bulk frames)."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.errors import DaemonError
+
+
+def _bytes(buf) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def copy_parts(dst: memoryview, views) -> None:
+    """Concatenate ``views`` into ``dst``; numpy's copy runs at memcpy speed without the GIL."""
+    off = 0
+    for v in views:
+        np.copyto(_bytes(dst[off : off + v.nbytes]), _bytes(v))
+        off += v.nbytes
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    np.copyto(_bytes(dst), _bytes(src))
+
+
+def copy_out(dst: memoryview, reply: pb.GetReply, slot: memoryview, pool: memoryview | None) -> None:
+    """A chunk's bytes into ``dst``: from the host pool ranges the reply names, else its slot."""
+    runs = reply.pool_runs
+    if not runs:
+        _copy(dst, slot[: reply.chunk_bytes])
+        return
+    if pool is None or sum(runs[1::2]) != dst.nbytes or any(o + n > pool.nbytes for o, n in zip(runs[::2], runs[1::2])):
+        raise DaemonError(grpc.StatusCode.INTERNAL, "the daemon named host pool ranges that do not fit the chunk")
+    off = 0
+    for start, length in zip(runs[::2], runs[1::2]):
+        _copy(dst[off : off + length], pool[start : start + length])
+        off += length
+
+
+def check_size(out: memoryview, chunk_bytes: int) -> None:
+    if out.nbytes != chunk_bytes:
+        raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {chunk_bytes} bytes for a {out.nbytes}-byte tensor")
+
+
+class StreamSink:
+    """Where the chunks of a Get that carries bytes (gRPC pieces or bulk frames) go: into
+    ``outs`` (views to fill, or None entries replaced by new buffers)."""
+
+    def __init__(self, outs: list) -> None:
+        self.outs, self.got = outs, 0
+        self._buf, self._off = None, 0
+
+    def take(self, reply: pb.GetReply, data_len: int, bulk: bool) -> memoryview | None:
+        """Place one reply's bytes: inline pieces are copied here; for a bulk frame, the view
+        to receive its ``data_len`` bytes into is returned."""
+        if not 0 <= reply.index < len(self.outs):
+            raise DaemonError(grpc.StatusCode.INTERNAL, f"reply for chunk {reply.index} of {len(self.outs)}")
+        out = self.outs[reply.index]
+        if reply.chunk_bytes:
+            if out is not None:
+                check_size(out, reply.chunk_bytes)
+            self._buf = out if out is not None else memoryview(bytearray(reply.chunk_bytes))
+            self._off = 0
+        if self._buf is None:
+            raise DaemonError(grpc.StatusCode.INTERNAL, "a chunk's piece arrived before its first one")
+        if bulk:
+            if data_len != reply.chunk_bytes:
+                raise ConnectionError(f"bulk chunk of {data_len} bytes announced as {reply.chunk_bytes}")
+            return self._buf[:data_len]
+        data = reply.data  # each access copies: read it once
+        if self._off + len(data) > self._buf.nbytes:
+            raise DaemonError(grpc.StatusCode.INTERNAL, "a chunk's pieces are longer than the chunk")
+        self._buf[self._off : self._off + len(data)] = data
+        self._off += len(data)
+        return None
+
+    def done(self, reply: pb.GetReply) -> None:
+        if reply.last:
+            if self.outs[reply.index] is None:
+                self.outs[reply.index] = self._buf
+            self.got += 1
