@@ -60,9 +60,6 @@ def test_kill_9_during_durable_put_storms_loses_no_acknowledged_durable_chunk(ki
     assert kill9_rounds.rounds == 2 and kill9_rounds.acked_durable > 0 and kill9_rounds.lost == []
 
 
-@pytest.mark.xfail(reason="Store finding #2 (the lead's): a durable re-put with another codec is acknowledged "
-                          "while the first put's copy to disk is still queued, and that copy is then skipped",
-                   strict=False)
 def test_kill_9_keeps_durable_re_puts_with_another_codec(kill9_rounds):
     assert kill9_rounds.acked_reputs > 0 and kill9_rounds.lost_reputs == []
 
