@@ -217,7 +217,21 @@ class ReadPath:
     def stream(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor], replicas: list[frozenset[str]]) -> Iterator[torch.Tensor]:
         """Free-tier fetch of ``len(replicas)`` leading chunks, yielded in order as they arrive:
         ``outs[i]``, or a tensor of its own for a chunk read from a tier that may hang or taken
-        over from a stalled reader. Returns only when no read writes into ``outs`` any more."""
+        over from a stalled reader. Returns only when no read writes into ``outs`` any more.
+
+        Leading chunks the first tier holds are read right here, in order: a copy out of host
+        RAM is faster than any other replica and needs no worker (handing each to a pool
+        costs more than the copy). The rest are fetched from every tier at once."""
+        first = self._by_name[self.index.first]
+        done = 0
+        while done < len(replicas) and first.name in replicas[done]:
+            if self.read_tier(first, keys[done], outs[done]) is None:
+                break  # gone from the first tier meanwhile: the fetch below tries every replica
+            yield outs[done]
+            done += 1
+        if done == len(replicas):
+            return
+        keys, outs, replicas = keys[done:], outs[done:], replicas[done:]
         detached = {t.name for t in self.tiers if t.shared}
         job = FetchJob(replicas, outs[: len(replicas)], lambda tier, i, out: self.read_tier(self._by_name[tier], keys[i], out) is not None,
                        self._stall_s, detached=detached)
