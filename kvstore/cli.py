@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import sys
 
@@ -104,8 +105,8 @@ def _daemon_config(args):
 
 def cmd_serve(args) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
-    from kvstore.malloc import keep_large_blocks_in_heap
     from kvstore.daemon.server import serve
+    from kvstore.malloc import keep_large_blocks_in_heap, limit_arenas
     from kvstore.wire.convert import split_host_port
 
     cfg = _daemon_config(args)
@@ -114,6 +115,7 @@ def cmd_serve(args) -> int:
         _check_bindable(*split_host_port(cfg.metrics))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     keep_large_blocks_in_heap()
+    limit_arenas(max(2, os.cpu_count() or 2))
     try:
         asyncio.run(serve(cfg))
     except RuntimeError as exc:
