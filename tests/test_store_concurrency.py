@@ -107,6 +107,7 @@ def test_concurrent_callers_never_mix_bytes_or_break_the_books(tmp_path):
 
 
 @pytest.mark.long
+@pytest.mark.timeout(0)  # runs for KVSTORE_CONCURRENCY_S
 def test_concurrent_callers_for_a_long_while(tmp_path):
     seconds = float(os.environ.get("KVSTORE_CONCURRENCY_S", "600"))
     ops = _run(tmp_path, threads=6, ops=0, seconds=seconds)

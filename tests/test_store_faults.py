@@ -95,6 +95,7 @@ TestStoreMachine.settings = settings(max_examples=100, stateful_step_count=50, d
 
 
 @pytest.mark.long
+@pytest.mark.timeout(0)  # runs for as many steps as asked; hours for a million
 def test_a_long_random_walk_breaks_no_promise():
     steps = int(os.environ.get("KVSTORE_FAULT_STEPS", "1000000"))
     seed = int(os.environ.get("KVSTORE_FAULT_SEED", "1"))

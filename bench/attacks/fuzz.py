@@ -40,10 +40,12 @@ class FuzzReport:
     bulk_frames: int = 0
     bulk_closed: int = 0  # connections the daemon cut off (broken framing, forged handshakes)
     bugs: list[str] = field(default_factory=list)  # INTERNAL/UNKNOWN answers, errors the daemon logged
+    victim_bad: int = 0  # victim chunks read back wrong or not at all after the fuzzing
 
     def as_dict(self) -> dict:
         return {"sent": self.sent, "statuses": dict(self.statuses), "bulk_frames": self.bulk_frames,
-                "bulk_closed": self.bulk_closed, "bugs": self.bugs[:20]}
+                "bulk_closed": self.bulk_closed, "bugs": self.bugs[:20],
+                "victim_bad": self.victim_bad}
 
 
 class _Messages:
@@ -275,4 +277,5 @@ def run(target: Target, messages: int, seed: int = 0) -> FuzzReport:
     fuzz_grpc(target, messages - messages // 10, seed, report)
     fuzz_bulk(target, messages // 10, seed, report)
     report.bugs += [line for line in target.process.log if "internal error" in line or "Traceback" in line]
+    report.victim_bad = target.intact()
     return report
