@@ -155,10 +155,7 @@ def test_pins_count_present_chunks_and_their_lease_expires(chunk_store, ns):
 
 
 @pytest.mark.parametrize("ttl_s", [0.0, -1.0])
-def test_a_pin_without_a_positive_lease_is_a_value_error(chunk_store, ns, request, ttl_s):
-    if chunk_store.__class__.__name__ == "Client":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the Client surfaces the daemon's "
-                                              "INVALID_ARGUMENT as DaemonError, not ValueError"))
+def test_a_pin_without_a_positive_lease_is_a_value_error(chunk_store, ns, ttl_s):
     keys, kvs = chunks(ns, 1)
     chunk_store.put(keys[0], kvs[0])
     with pytest.raises(ValueError):

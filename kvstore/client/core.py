@@ -460,6 +460,8 @@ class ClientCore:
         return (yield from self._call("Contains", self._keys_request(pb.KeysRequest, [key]))).present[0]
 
     def pin(self, keys: Sequence[ChunkKey], ttl_s: float):
+        if not ttl_s > 0:  # as the in-process Store: a pin without a lease is the caller's error
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         return (yield from self._count("Pin", pb.PinRequest, keys, ttl_s=ttl_s))
 
     def unpin(self, keys: Sequence[ChunkKey]):
