@@ -2,7 +2,9 @@
 threads, a few chunks per read call, and scattered into the request's blocks.
 
 Direct loads scatter each group of chunks (all layers at once) as soon as its read
-returns, so reading and scattering overlap across the loader threads. Layer-wise loads keep
+returns, so reading and scattering overlap across the loader threads. Into a CPU cache,
+chunks a store lends (``LendsChunks``: the in-process Store, for raw chunks in host RAM) are
+scattered straight from the store's pages, with no staging copy. Layer-wise loads keep
 the staged chunks until every read is in, then scatter layer by layer on a thread of their
 own, so layer ``i`` lands while the model computes layer ``i - 1``.
 
@@ -27,7 +29,7 @@ from connector.availability import Availability
 from connector.metadata import ChunkLoad, LoadResult, RequestLoad
 from connector.staging import StagingPool
 from connector.transfer import ChunkMover
-from kvstore.api import ChunkStore
+from kvstore.api import ChunkStore, LendsChunks
 
 
 class GroupState(enum.Enum):
@@ -59,6 +61,9 @@ class LoadTask:
         self.store, self.staging, self.mover, self.availability = store, staging, mover, availability
         self.cond = cond  # shared by the worker's tasks: any group's progress wakes its waiters
         self.layerwise = layerwise
+        # Direct loads into a CPU cache borrow chunks from a store that lends them; on a GPU
+        # the pinned staging buffers are the DMA path, and layer-wise loads keep staged chunks.
+        self.lends = isinstance(store, LendsChunks) and not layerwise and not mover.cuda
         self.groups = [_Group(request.chunks[i:i + chunks_per_read])
                        for i in range(0, len(request.chunks), chunks_per_read)]
         self.started = time.perf_counter()
@@ -77,13 +82,17 @@ class LoadTask:
             if group.state is GroupState.ABANDONED:
                 return
             group.state = GroupState.READING
-        bufs = [self.staging.take() for _ in group.chunks]
-        got = self._read(group, bufs)
+        lent, failed = self._scatter_lent(group) if self.lends else (0, False)
+        if lent is None:
+            return
+        rest = [] if failed else group.chunks[lent:]
+        bufs = [self.staging.take() for _ in rest]
+        got = self._read(rest, bufs) if rest else 0
         with self.cond:
             if group.state is GroupState.ABANDONED:
                 self._release(bufs, got == len(bufs))
                 return
-            group.got = got
+            group.got = lent + got
             if self.layerwise:
                 group.bufs = bufs
                 group.state = GroupState.STAGED if got == len(bufs) else GroupState.SHORT
@@ -91,18 +100,50 @@ class LoadTask:
                 return
             group.state = GroupState.SCATTERING
         try:
-            for buf, chunk in zip(bufs[:got], group.chunks):
+            for buf, chunk in zip(bufs[:got], rest):
                 self.mover.scatter(buf, chunk)
         except BaseException as exc:  # a bug, not a store failure: re-raised by finish()
             self.error, group.got = exc, 0
         finally:
             self._release(bufs, got == len(bufs))
             with self.cond:
-                group.state = GroupState.DONE if group.got == len(bufs) else GroupState.SHORT
+                group.state = GroupState.DONE if group.got == len(group.chunks) else GroupState.SHORT
                 self.cond.notify_all()
 
-    def _read(self, group: _Group, bufs: list[torch.Tensor]) -> int:
-        keys = [c.key for c in group.chunks]
+    def _scatter_lent(self, group: _Group) -> tuple[int | None, bool]:
+        """Scatter the group's leading chunks straight from the store's host RAM (one copy,
+        no staging buffer) while the store lends them: (how many, or None if the load was
+        abandoned meanwhile; whether the store failed). The blocks are written only in state
+        SCATTERING, which ``finish`` waits out, so nothing writes them once the load is settled."""
+        n = 0
+        for chunk in group.chunks:
+            try:
+                with self.store.borrow(chunk.key) as src:
+                    if src is None:
+                        break
+                    with self.cond:
+                        if group.state is GroupState.ABANDONED:
+                            return None, False
+                        group.state = GroupState.SCATTERING
+                    try:
+                        self.mover.scatter(src, chunk)
+                    except BaseException as exc:  # a bug: re-raised by finish(), nothing usable
+                        self.error = exc
+                        with self.cond:
+                            group.state = GroupState.SHORT
+                            self.cond.notify_all()
+                        return None, False
+                    with self.cond:
+                        group.state = GroupState.READING
+                        self.cond.notify_all()
+            except Exception as exc:  # the store failed: the rest is a miss, and a back-off
+                self.availability.failed("get", exc)
+                return n, True
+            n += 1
+        return n, False
+
+    def _read(self, chunks: list[ChunkLoad], bufs: list[torch.Tensor]) -> int:
+        keys = [c.key for c in chunks]
         try:
             if len(keys) == 1:
                 return int(self.store.get_into(keys[0], bufs[0]))

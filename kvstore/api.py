@@ -29,6 +29,7 @@ a namespace it has already used), so no caller can use it through this contract 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -82,3 +83,14 @@ class ChunkStore(Protocol):
 
     def close(self) -> None:
         """Release this handle (the in-process Store flushes and stops; a Client disconnects)."""
+
+
+@runtime_checkable
+class LendsChunks(Protocol):
+    """An optional capability (the in-process Store has it): ``borrow(key)`` is a context
+    manager giving a read-only tensor of the chunk's shape over its bytes where they already
+    lie raw, valid inside the ``with`` block, or None (then read with ``get_into``). A caller
+    that copies the chunk somewhere anyway (the connector, into its paged cache) saves a copy."""
+
+    def borrow(self, key: ChunkKey) -> AbstractContextManager[torch.Tensor | None]:
+        ...

@@ -246,7 +246,8 @@ class ReadPath:
     # -- the daemon's zero-copy hook ---------------------------------------------------------------
 
     @contextmanager
-    def pinned_payload(self, first: Tier, pool: SharedPool | None, key: ChunkKey) -> Iterator[list[tuple[int, int]] | None]:
+    def pinned_payload(self, first: Tier, pool: SharedPool | None, key: ChunkKey,
+                       contiguous: bool = False) -> Iterator[list[tuple[int, int]] | None]:
         if pool is None:
             yield None
             return
@@ -269,6 +270,8 @@ class ReadPath:
                 except CorruptBlob as exc:
                     self.corrupt(key.id, first, exc)
                     payload = None
+            if payload is not None and contiguous and len(payload) != 1:
+                payload = None  # split over pages: the caller copies it with get_into instead
             if payload is not None:
                 with self.index.lock:
                     entry = self.index.get(key.id)

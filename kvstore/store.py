@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
@@ -404,6 +405,22 @@ class Store:
         where to copy them from, without a copy of its own. Verified like any read (the header
         always, the payload if the tier verifies payloads) and counted as a hit."""
         return self._reads.pinned_payload(self.first, self.host_pool, key)
+
+    @contextmanager
+    def borrow(self, key: ChunkKey) -> Iterator[torch.Tensor | None]:
+        """The chunk as a tensor over its bytes in host RAM, for the ``with`` block only, when
+        it lies there raw in one piece; else None (use ``get_into``). Verified and counted as
+        a hit like any read. The caller only reads it: the pages are pinned, not copied.
+
+        Why: a connector that scatters a chunk into its paged cache copies the bytes once,
+        not twice (store to staging buffer, staging buffer to blocks)."""
+        self.index.check_open()
+        with self._reads.pinned_payload(self.first, self.host_pool, key, contiguous=True) as runs:
+            if runs is None or runs[0][1] != key.namespace.chunk_bytes:
+                yield None
+                return
+            (view,) = self.host_pool.views(runs)
+            yield torch.frombuffer(view, dtype=key.namespace.torch_dtype).view(key.namespace.chunk_shape)
 
     # -- drop, delete ----------------------------------------------------------------------------
 

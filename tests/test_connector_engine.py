@@ -306,3 +306,36 @@ def test_saves_are_dropped_and_counted_when_the_saver_is_behind(model, store):
     got, (seq,) = run(warm, model.prompts[:1])
     assert got == want and seq.metrics.num_loaded_tokens == model.chunk
     settle(warm, store)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_host_chunks_are_scattered_from_the_stores_pages(model, store, mode, monkeypatch):
+    """Direct loads of raw chunks in host RAM borrow them (one copy into the blocks, no
+    staging buffer, no get call), and the outputs are those of a cold run."""
+    want = baseline(model, model.prompts)
+    cold = with_store(model, store, load_mode=mode)
+    assert run(cold, model.prompts)[0] == want
+    settle(cold, store)
+    lent, reads = [], []
+    borrow = store.borrow
+
+    def counting_borrow(key):
+        class Lend:
+            def __enter__(self):
+                self.inner = borrow(key)
+                src = self.inner.__enter__()
+                lent.append(src is not None)
+                return src
+
+            def __exit__(self, *exc):
+                return self.inner.__exit__(*exc)
+        return Lend()
+
+    monkeypatch.setattr(store, "borrow", counting_borrow)
+    monkeypatch.setattr(store, "get_many_into", lambda *a, **k: reads.append(a) or 0)
+    monkeypatch.setattr(store, "get_into", lambda *a, **k: reads.append(a) or False)
+    warm = with_store(model, store, load_mode=mode)
+    got, seqs = run(warm, model.prompts)
+    assert got == want
+    assert sum(lent) == 5 and all(lent) and not reads
+    settle(warm, store)
