@@ -12,6 +12,7 @@ import pkgutil
 import sys
 
 import bench
+from kvstore.client.errors import DaemonError
 from tiers.base import TierUnavailable
 
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable) as exc:
+    except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable, DaemonError) as exc:
         print(f"kvbench {args.command}: {exc}", file=sys.stderr)
         return 2
 

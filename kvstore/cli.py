@@ -110,9 +110,9 @@ def cmd_serve(args) -> int:
     from kvstore.wire.convert import split_host_port
 
     cfg = _daemon_config(args)
-    _check_bindable(*split_host_port(cfg.listen))
-    if cfg.metrics:
-        _check_bindable(*split_host_port(cfg.metrics))
+    addresses = [split_host_port(a) for a in (cfg.metrics, cfg.listen) if a]  # every typo before any bind
+    for address in addresses:
+        _check_bindable(*address)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     keep_large_blocks_in_heap()
     limit_arenas(max(2, os.cpu_count() or 2))

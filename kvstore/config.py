@@ -41,6 +41,14 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def format_size(nbytes: int) -> str:
+    """Bytes for a person, in binary units: ``"1GiB"``, ``"1.5MiB"``, ``"100TiB"`` (never an exponent)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f}".rstrip("0").rstrip(".") + unit
+    return f"{nbytes}B"
+
+
 def default_data_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "kvstore" / "data")
