@@ -13,8 +13,7 @@ import os
 import socket
 import sys
 
-from kvstore.config import ConfigError, StoreConfig, load_config, parse_size
-from kvstore.fsck import fsck
+from kvstore.config import ConfigError, StoreConfig, format_size, load_config, parse_size
 
 
 class UsageError(Exception):
@@ -37,10 +36,13 @@ def cmd_config(args) -> int:
     else:
         cfg = _load(args)
 
+    from kvstore.policies import DEFAULT_POLICY
+
     def emit(obj, prefix=""):
         scalars = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))}
         for name, value in scalars.items():
-            print(f"# {name} is unset" if value is None else f"{name} = {_toml(value)}")
+            resolved = f"  # = {DEFAULT_POLICY}" if name == "eviction_policy" and value == "default" else ""
+            print(f"# {name} is unset" if value is None else f"{name} = {_toml(value)}{resolved}")
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
@@ -61,6 +63,8 @@ def _toml(value) -> str:
 
 def cmd_fsck(args) -> int:
     """Verify every blob in the disk tier's directory; exit 1 if anything is bad."""
+    from kvstore.fsck import fsck  # torch: loaded only by the commands that read blobs
+
     cfg = _load(args)
     report = fsck(cfg.disk.path, repair=args.repair)
     print(f"{cfg.disk.path}: {report.blobs} blobs, {report.bytes} bytes, "
@@ -146,21 +150,21 @@ def _client(args):
 
 
 def cmd_stats(args) -> int:
-    """Print tiers, usage and hit rates of a running daemon."""
+    """Print tiers, usage and hit rates of a running daemon, sizes in binary units."""
     with _client(args) as client:
         s = client.stats()
     total = s.hits + s.misses
-    print(f"chunks {s.chunks}  puts {s.puts}  hits {s.hits}  misses {s.misses}  "
-          f"hit rate {s.hits / total if total else 0:.1%}  pinned {s.pinned}")
-    print(f"write-behind: {s.write_behind_queue} queued, {s.write_behind_pending_bytes} bytes pending, "
+    print(f"daemon {args.addr}: {s.chunks} chunks, {s.puts} puts, {s.hits} hits, {s.misses} misses "
+          f"(hit rate {s.hits / total if total else 0:.1%}), {s.pinned} pinned")
+    print(f"write-behind: {s.write_behind_queue} queued, {format_size(s.write_behind_pending_bytes)} pending, "
           f"{s.write_behind_dropped} dropped")
-    print(f"{'tier':8} {'used':>14} {'capacity':>14} {'use':>6} {'chunks':>8} {'hits':>8} {'misses':>8} "
+    print(f"{'tier':8} {'used':>9} {'capacity':>9} {'use':>6} {'chunks':>8} {'hits':>8} {'misses':>8} "
           f"{'hit rate':>8} {'evictions':>9} {'corrupt':>7} {'errors':>6}")
     for t in s.tiers.values():
         seen = t.hits + t.misses
-        print(f"{t.name:8} {t.used_bytes:>14} {t.capacity_bytes:>14} {t.used_bytes / max(1, t.capacity_bytes):>6.1%} "
-              f"{t.chunks:>8} {t.hits:>8} {t.misses:>8} {t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} "
-              f"{t.corruptions:>7} {t.errors:>6}")
+        print(f"{t.name:8} {format_size(t.used_bytes):>9} {format_size(t.capacity_bytes):>9} "
+              f"{t.used_bytes / max(1, t.capacity_bytes):>6.1%} {t.chunks:>8} {t.hits:>8} {t.misses:>8} "
+              f"{t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} {t.corruptions:>7} {t.errors:>6}")
     return 0
 
 
@@ -181,8 +185,30 @@ def _add_remote(p) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), for ``--version``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kvstore")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse like ``parser.parse_args``, except that arguments a subcommand does not know are
+    reported with that subcommand's usage, not the top level's."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("config", help="print the effective configuration")
     p.add_argument("--config", help="TOML configuration file")
@@ -218,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
     except (ConfigError, UsageError, OSError, ValueError) as exc:

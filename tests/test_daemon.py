@@ -158,7 +158,8 @@ def test_stats_metrics_and_cli(daemon, capsys):
     token = ["--auth-token-file", daemon.token_file]
     assert main(["stats", "--addr", daemon.addr, *token]) == 0
     out = capsys.readouterr().out
-    assert "hit rate" in out and re.search(r"^host\s+\d+\s+67108864", out, re.M)
+    assert f"daemon {daemon.addr}:" in out and "hit rate" in out
+    assert re.search(r"^host\s+\d+(\.\d)?[KMG]?i?B\s+64MiB", out, re.M)
     assert main(["ping", "--addr", daemon.addr, *token]) == 0
     assert "SERVING" in capsys.readouterr().out
 
