@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable, DaemonError) as exc:
         print(f"kvbench {args.command}: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # transformers, for the comparisons: a test extra
+        print(f"kvbench {args.command}: {exc}; it comes with the test install: bash scripts/setup.sh test",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
