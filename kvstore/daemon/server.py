@@ -155,7 +155,7 @@ class Daemon:
     def _serve_metrics(self) -> str:
         """Start the Prometheus endpoint if configured; returns where it listens, or "off"."""
         if not self.config.metrics:
-            return "off"
+            return "off (--metrics 127.0.0.1:9400 serves Prometheus text at /metrics)"
         host, port = split_host_port(self.config.metrics)
         try:
             return f"{host}:{self.metrics.serve(host, port)}"
