@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 from kvstore.config import ConfigError, StoreConfig, format_size, load_config, parse_size
 
@@ -150,22 +151,48 @@ def _client(args):
 
 
 def cmd_stats(args) -> int:
-    """Print tiers, usage and hit rates of a running daemon, sizes in binary units."""
+    """Print tiers, usage and hit rates of a running daemon, sizes in binary units; with
+    ``--watch S``, again every S seconds with each tier's read and write rates (a terminal
+    ``top``: the screen is redrawn when stdout is a terminal)."""
+    if args.watch is not None and not args.watch > 0:
+        raise UsageError(f"--watch takes a positive number of seconds, got {args.watch}")
+    if args.count is not None and args.count < 1:
+        raise UsageError(f"--count must be at least 1, got {args.count}")
+    redraw = args.watch is not None and sys.stdout.isatty()
     with _client(args) as client:
-        s = client.stats()
+        previous, samples = None, 0
+        while True:
+            s, now = client.stats(), time.monotonic()
+            if redraw:
+                print("\x1b[H\x1b[2J", end="")
+            _print_stats(args.addr, s, previous and (previous[0], now - previous[1]))
+            samples += 1
+            if args.watch is None or samples == args.count:
+                return 0
+            sys.stdout.flush()
+            previous = (s, now)
+            time.sleep(args.watch)
+
+
+def _print_stats(addr: str, s, since=None) -> None:
+    """One screen of stats; ``since`` = (earlier stats, seconds ago) adds per-tier rates."""
     total = s.hits + s.misses
-    print(f"daemon {args.addr}: {s.chunks} chunks, {s.puts} puts, {s.hits} hits, {s.misses} misses "
+    print(f"daemon {addr}: {s.chunks} chunks, {s.puts} puts, {s.hits} hits, {s.misses} misses "
           f"(hit rate {s.hits / total if total else 0:.1%}), {s.pinned} pinned")
     print(f"write-behind: {s.write_behind_queue} queued, {format_size(s.write_behind_pending_bytes)} pending, "
           f"{s.write_behind_dropped} dropped")
     print(f"{'tier':8} {'used':>9} {'capacity':>9} {'use':>6} {'chunks':>8} {'hits':>8} {'misses':>8} "
-          f"{'hit rate':>8} {'evictions':>9} {'corrupt':>7} {'errors':>6}")
+          f"{'hit rate':>8} {'evictions':>9} {'corrupt':>7} {'errors':>6}" + (f" {'read/s':>10} {'write/s':>10}" if since else ""))
     for t in s.tiers.values():
         seen = t.hits + t.misses
-        print(f"{t.name:8} {format_size(t.used_bytes):>9} {format_size(t.capacity_bytes):>9} "
-              f"{t.used_bytes / max(1, t.capacity_bytes):>6.1%} {t.chunks:>8} {t.hits:>8} {t.misses:>8} "
-              f"{t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} {t.corruptions:>7} {t.errors:>6}")
-    return 0
+        line = (f"{t.name:8} {format_size(t.used_bytes):>9} {format_size(t.capacity_bytes):>9} "
+                f"{t.used_bytes / max(1, t.capacity_bytes):>6.1%} {t.chunks:>8} {t.hits:>8} {t.misses:>8} "
+                f"{t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} {t.corruptions:>7} {t.errors:>6}")
+        if since:
+            before, seconds = since[0].tiers.get(t.name, t), max(since[1], 1e-9)
+            line += (f" {format_size(int((t.bytes_read - before.bytes_read) / seconds)) + '/s':>10}"
+                     f" {format_size(int((t.bytes_written - before.bytes_written) / seconds)) + '/s':>10}")
+        print(line)
 
 
 def cmd_ping(args) -> int:
@@ -236,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("stats", help="print a running daemon's tiers, usage and hit rates")
     _add_remote(p)
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="print again every SECONDS, with read/write rates per tier")
+    p.add_argument("--count", type=int, help="with --watch: stop after this many samples (default: until Ctrl-C)")
     p.set_defaults(func=cmd_stats)
     p = sub.add_parser("ping", help="check that a daemon is serving")
     _add_remote(p)

@@ -160,6 +160,9 @@ def test_stats_metrics_and_cli(daemon, capsys):
     out = capsys.readouterr().out
     assert f"daemon {daemon.addr}:" in out and "hit rate" in out
     assert re.search(r"^host\s+\d+(\.\d)?[KMG]?i?B\s+64MiB", out, re.M)
+    assert main(["stats", "--addr", daemon.addr, *token, "--watch", "0.05", "--count", "2"]) == 0
+    out = capsys.readouterr().out  # a live view: the second sample has rates since the first
+    assert out.count(f"daemon {daemon.addr}:") == 2 and re.search(r"^host .* \S+B/s\s+\S+B/s$", out, re.M)
     assert main(["ping", "--addr", daemon.addr, *token]) == 0
     assert "SERVING" in capsys.readouterr().out
 
