@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -154,6 +155,9 @@ def test_stats_metrics_and_cli(daemon, capsys):
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
     assert re.search(r'kvstore_tenant_misses_total\{tenant="default"\} [1-9]', text)
     assert "test-model" not in text  # no label takes a value a client sent
+    dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    charted = set(re.findall(r"kvstore_[a-z_]+", dashboard))
+    assert charted and all(name in text for name in charted), charted - {n for n in charted if n in text}
 
     token = ["--auth-token-file", daemon.token_file]
     assert main(["stats", "--addr", daemon.addr, *token]) == 0
