@@ -80,9 +80,15 @@ def test_serve_and_config_refuse_unknown_registry_names(tmp_path, key, value, fr
 
 
 def test_serve_on_an_uncreatable_data_dir_leaves_no_shared_memory(tmp_path, uncreatable):
-    """The host pool's /dev/shm file exists by the time the disk tier fails: it must go."""
-    err = run_cli("kvstore", "serve", "--listen", "127.0.0.1:0", "--host-bytes", "64MiB",
-                  "--data-dir", uncreatable, cwd=tmp_path)
+    """The host pool's /dev/shm file exists by the time the disk tier fails: it must go. An
+    orphan of a daemon killed earlier is removed on the way, without a second line."""
+    orphan = Path(SHM) / f"{PREFIXES[0]}test-{os.getpid()}"
+    orphan.write_bytes(b"")
+    try:
+        err = run_cli("kvstore", "serve", "--listen", "127.0.0.1:0", "--host-bytes", "64MiB",
+                      "--data-dir", uncreatable, cwd=tmp_path)
+    finally:
+        orphan.unlink(missing_ok=True)
     assert uncreatable in err
 
 

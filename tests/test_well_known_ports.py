@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ("127.0.0.1", 50051)
-TESTS = ["tests/test_daemon_cli.py", "tests/test_kvstore_cli.py", "tests/test_cli_errors.py"]
+# the daemon's CLI tests, and the serve cases of the CLI error tests (kvbench's take no port)
+TESTS = ["tests/test_daemon_cli.py", "tests/test_kvstore_cli.py", "tests/test_cli_errors.py", "-k", "not kvbench"]
 
 
 def test_daemon_cli_tests_pass_while_the_default_port_is_taken():

@@ -97,8 +97,8 @@ class Daemon:
         credentials = _credentials(cfg, host)
         tls = self._tls()
         loop = asyncio.get_running_loop()
-        if cfg.shm.enabled and (n := remove_orphans(cfg.shm.dir)):
-            log.info("removed %d shared-memory file(s) of daemons that are gone", n)
+        # before the host pool takes its room; said once started (a failed start says one line)
+        orphans = remove_orphans(cfg.shm.dir) if cfg.shm.enabled else 0
         usage = ReplicaUsage([HOST, DISK])
         try:
             self.store = await loop.run_in_executor(self._executor, functools.partial(
@@ -144,6 +144,8 @@ class Daemon:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.arena is not None:
             self._expiry = loop.create_task(self._expire_leases())
+        if orphans:
+            log.info("removed %d shared-memory file(s) of daemons that are gone", orphans)
         tiers = ", ".join(f"{t.name} {format_size(t.capacity_bytes)}" for t in self.store.tiers)
         log.info("kvstore daemon listening on %s (tiers: %s; shm %s; bulk %s; metrics %s; auth %s; tls %s)",
                  self.address, tiers,
