@@ -1,14 +1,19 @@
 """Every mistake a newcomer makes with the real ``kvstore`` and ``kvbench`` commands (run as
-subprocesses): exit code 2, one line on stderr, no traceback, nothing left in /dev/shm."""
+subprocesses): exit code 2, one line on stderr, no traceback, nothing left in /dev/shm.
+
+Each ``serve`` gets a shared-memory directory of its own under /dev/shm (``[shm] dir``), so
+the check sees its files only: daemons of other test runs beside us come and go in /dev/shm.
+"""
 
 from __future__ import annotations
 
-import fcntl
 import gzip
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,6 @@ import pytest
 from kvstore.daemon.shmfiles import PREFIXES
 
 ROOT = Path(__file__).resolve().parents[1]
-SHM = "/dev/shm"
 
 
 def _free_port() -> int:
@@ -25,36 +29,30 @@ def _free_port() -> int:
         return s.getsockname()[1]  # nothing listens here once the socket is closed
 
 
-def _orphans(before: set[str]) -> list[str]:
-    """Our /dev/shm files created since ``before`` that no live process holds (left behind)."""
-    left = []
-    for name in set(os.listdir(SHM)) - before:
-        if not name.startswith(PREFIXES):
-            continue
-        try:
-            fd = os.open(os.path.join(SHM, name), os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            left.append(name)  # nobody holds it: an orphan
-        except OSError:
-            pass  # another live daemon's file
-        finally:
-            os.close(fd)
-    return left
+@pytest.fixture
+def shm():
+    """A directory on /dev/shm for one test's daemons; it must be empty after each failed start."""
+    path = Path(tempfile.mkdtemp(prefix="kvstore-cli-errors-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
-def run_cli(tool: str, *argv: str, cwd: Path) -> str:
+def daemon_toml(tmp_path: Path, shm: Path, extra: str = "") -> str:
+    path = tmp_path / "daemon.toml"
+    path.write_text(f'listen = "127.0.0.1:0"\n[shm]\ndir = "{shm}"\n{extra}')
+    return str(path)
+
+
+def run_cli(tool: str, *argv: str, cwd: Path, shm: Path | None = None) -> str:
     """Run ``tool`` (kvstore or kvbench), check it failed as a user error should, return stderr."""
     module = {"kvstore": "kvstore", "kvbench": "bench"}[tool]
-    before = set(os.listdir(SHM))
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"{tool} "), proc.stderr
-    assert _orphans(before) == []
+    if shm is not None:
+        assert sorted(os.listdir(shm)) == []  # its slot arena and host pool are gone
     return proc.stderr
 
 
@@ -69,42 +67,37 @@ def uncreatable(tmp_path) -> str:
     ("eviction_policy", "nope", "unknown policy 'nope'"),
     ("codec", "nope", "unknown codec 'nope'"),
 ])
-def test_serve_and_config_refuse_unknown_registry_names(tmp_path, key, value, fragment):
-    daemon_toml = tmp_path / "daemon.toml"
-    daemon_toml.write_text(f'listen = "127.0.0.1:0"\n[store]\n{key} = "{value}"\n')
+def test_serve_and_config_refuse_unknown_registry_names(tmp_path, shm, key, value, fragment):
+    config = daemon_toml(tmp_path, shm, f'[store]\n{key} = "{value}"\n')
     store_toml = tmp_path / "store.toml"
     store_toml.write_text(f'{key} = "{value}"\n')
-    assert fragment in run_cli("kvstore", "serve", "--config", str(daemon_toml), cwd=tmp_path)
-    assert fragment in run_cli("kvstore", "config", "--daemon", "--config", str(daemon_toml), cwd=tmp_path)
+    assert fragment in run_cli("kvstore", "serve", "--config", config, cwd=tmp_path, shm=shm)
+    assert fragment in run_cli("kvstore", "config", "--daemon", "--config", config, cwd=tmp_path)
     assert fragment in run_cli("kvstore", "config", "--config", str(store_toml), cwd=tmp_path)
 
 
-def test_serve_on_an_uncreatable_data_dir_leaves_no_shared_memory(tmp_path, uncreatable):
+def test_serve_on_an_uncreatable_data_dir_leaves_no_shared_memory(tmp_path, shm, uncreatable):
     """The host pool's /dev/shm file exists by the time the disk tier fails: it must go. An
     orphan of a daemon killed earlier is removed on the way, without a second line."""
-    orphan = Path(SHM) / f"{PREFIXES[0]}test-{os.getpid()}"
-    orphan.write_bytes(b"")
-    try:
-        err = run_cli("kvstore", "serve", "--listen", "127.0.0.1:0", "--host-bytes", "64MiB",
-                      "--data-dir", uncreatable, cwd=tmp_path)
-    finally:
-        orphan.unlink(missing_ok=True)
+    (shm / f"{PREFIXES[0]}of-a-killed-daemon").write_bytes(b"")
+    err = run_cli("kvstore", "serve", "--config", daemon_toml(tmp_path, shm), "--host-bytes", "64MiB",
+                  "--data-dir", uncreatable, cwd=tmp_path, shm=shm)
     assert uncreatable in err
 
 
-def test_serve_refuses_more_host_ram_than_the_machine_has_at_once(tmp_path):
-    err = run_cli("kvstore", "serve", "--listen", "127.0.0.1:0", "--host-bytes", "100TiB",
-                  "--data-dir", str(tmp_path / "data"), cwd=tmp_path)
+def test_serve_refuses_more_host_ram_than_the_machine_has_at_once(tmp_path, shm):
+    err = run_cli("kvstore", "serve", "--config", daemon_toml(tmp_path, shm), "--host-bytes", "100TiB",
+                  "--data-dir", str(tmp_path / "data"), cwd=tmp_path, shm=shm)
     assert "100TiB" in err and "physical memory" in err and "e+" not in err
 
 
-def test_serve_checks_the_metrics_address_first(tmp_path):
+def test_serve_checks_the_metrics_address_first(tmp_path, shm):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         metrics = f"127.0.0.1:{taken.getsockname()[1]}"
-        err = run_cli("kvstore", "serve", "--listen", "127.0.0.1:0", "--metrics", metrics,
-                      "--host-bytes", "8MiB", "--data-dir", str(tmp_path / "data"), cwd=tmp_path)
+        err = run_cli("kvstore", "serve", "--config", daemon_toml(tmp_path, shm), "--metrics", metrics,
+                      "--host-bytes", "8MiB", "--data-dir", str(tmp_path / "data"), cwd=tmp_path, shm=shm)
     assert metrics in err
 
 
