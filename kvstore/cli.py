@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
 import sys
 import time
 
-from kvstore.config import ConfigError, StoreConfig, format_size, load_config, parse_size
+from kvstore.config import ConfigError, StoreConfig, format_size, load_config, parse_size, to_toml
 
 
 class UsageError(Exception):
@@ -29,37 +28,21 @@ def _load(args) -> StoreConfig:
 
 
 def cmd_config(args) -> int:
-    """Print the effective configuration (defaults merged with the file)."""
+    """Print a configuration as TOML: the store's (defaults merged with ``--config``), or with
+    ``--daemon`` the running daemon's at ``--addr`` (or, with ``--config``, what
+    ``kvstore serve --config FILE`` would run with)."""
+    if args.daemon and not args.config:
+        with _client(args) as client:
+            print(client.config(), end="")
+        return 0
     if args.daemon:
         from kvstore.daemon.config import DaemonConfig
 
-        cfg = load_config(args.config, DaemonConfig) if args.config else DaemonConfig()
+        cfg = load_config(args.config, DaemonConfig)
     else:
         cfg = _load(args)
-
-    from kvstore.policies import DEFAULT_POLICY
-
-    def emit(obj, prefix=""):
-        scalars = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))}
-        for name, value in scalars.items():
-            resolved = f"  # = {DEFAULT_POLICY}" if name == "eviction_policy" and value == "default" else ""
-            print(f"# {name} is unset" if value is None else f"{name} = {_toml(value)}{resolved}")
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                print(f"\n[{prefix}{f.name}]")
-                emit(value, f"{prefix}{f.name}.")
-
-    emit(cfg)
+    print(to_toml(cfg), end="")
     return 0
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return str(value)
 
 
 def cmd_fsck(args) -> int:
@@ -239,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("config", help="print the effective configuration")
     p.add_argument("--config", help="TOML configuration file")
-    p.add_argument("--daemon", action="store_true", help="the daemon's configuration (kvstore serve --config)")
+    p.add_argument("--daemon", action="store_true",
+                   help="the running daemon's configuration (at --addr), or with --config what `kvstore serve --config` runs with")
+    _add_remote(p)
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("fsck", help="verify every blob in the disk tier")
     p.add_argument("--config", help="TOML configuration file")

@@ -280,6 +280,42 @@ def _check_type(value, hint, path):
     raise ConfigError(f"{path}: expected {names}, got {value!r}")
 
 
+def to_toml(config) -> str:
+    """A config dataclass tree as TOML that ``load_config`` reads back; unset fields are
+    comments, and ``eviction_policy = "default"`` says which policy that is."""
+    from kvstore.policies import DEFAULT_POLICY
+
+    lines: list[str] = []
+
+    def emit(obj, prefix: str) -> None:
+        nested = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f.name, value))
+            elif value is None:
+                lines.append(f"# {f.name} is unset")
+            else:
+                resolved = f"  # = {DEFAULT_POLICY}" if f.name == "eviction_policy" and value == "default" else ""
+                lines.append(f"{f.name} = {_toml_value(value)}{resolved}")
+        for name, value in nested:
+            lines.extend(["", f"[{prefix}{name}]"])
+            emit(value, f"{prefix}{name}.")
+
+    emit(config, "")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
+
+
 def config_from_dict(data: dict, cls=StoreConfig):
     """Build a config dataclass tree from plain data (e.g. parsed TOML)."""
     return _build(cls, data, "")

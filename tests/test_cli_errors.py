@@ -105,6 +105,12 @@ def test_kvbench_tiers_on_an_uncreatable_dir(tmp_path, uncreatable):
     assert uncreatable in run_cli("kvbench", "tiers", "--dir", uncreatable, cwd=tmp_path)
 
 
+@pytest.mark.parametrize("command", [["ping"], ["stats"], ["config", "--daemon"]])
+def test_asking_a_daemon_that_is_not_there(tmp_path, command):
+    assert "UNAVAILABLE" in run_cli("kvstore", *command, "--addr", f"127.0.0.1:{_free_port()}", "--timeout", "2",
+                                    cwd=tmp_path)
+
+
 def test_kvbench_daemon_without_a_daemon_fails_at_once(tmp_path):
     assert "UNAVAILABLE" in run_cli("kvbench", "daemon", "--addr", f"127.0.0.1:{_free_port()}", cwd=tmp_path)
 

@@ -20,8 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from bench.cli import main as kvbench
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli import main
+from kvstore.config import load_config
 from kvstore.client import AsyncClient, Client, DaemonError
 from kvstore.wire.frames import HELLO
+from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
@@ -169,6 +171,19 @@ def test_stats_metrics_and_cli(daemon, capsys):
     assert out.count(f"daemon {daemon.addr}:") == 2 and re.search(r"^host .* \S+B/s\s+\S+B/s$", out, re.M)
     assert main(["ping", "--addr", daemon.addr, *token]) == 0
     assert "SERVING" in capsys.readouterr().out
+
+
+def test_config_daemon_prints_the_running_daemons_configuration(daemon, capsys, tmp_path):
+    """File and flags merged, as it runs: what `kvstore config --daemon` shows, loadable again."""
+    assert main(["config", "--daemon", "--addr", daemon.addr, "--auth-token-file", daemon.token_file]) == 0
+    shown = tmp_path / "running.toml"
+    shown.write_text(capsys.readouterr().out)
+    running = load_config(shown, DaemonConfig)
+    assert running.listen == "127.0.0.1:0" and running.auth_token_file == daemon.token_file  # flags
+    assert running.store.host.capacity_bytes == 64 << 20 and running.metrics == "127.0.0.1:0"
+    assert 'eviction_policy = "default"  # = shadow-vote' in shown.read_text()
+    assert main(["config", "--daemon", "--addr", daemon.addr]) == 2  # no token: one line, exit 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
 def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):

@@ -498,6 +498,10 @@ class ClientCore:
     def stats(self):
         return stats_from_proto((yield from self.stats_reply()))
 
+    def config(self):
+        """The daemon's effective configuration as TOML (``load_config`` reads it)."""
+        return (yield from self._call("Config", pb.ConfigRequest())).toml
+
     def ping(self):
         """The daemon's health status name and the round-trip time in seconds."""
         start = time.perf_counter()
