@@ -12,6 +12,8 @@ import pkgutil
 import sys
 
 import bench
+from kvstore.cli import parse_args, version
+from kvstore.client.errors import DaemonError
 from tiers.base import TierUnavailable
 
 
@@ -31,6 +33,7 @@ def _subcommand_modules():
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmarks for the KV-cache store.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in _subcommand_modules():
         module.add_parser(sub)
@@ -38,11 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args) or 0
-    except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable) as exc:
+    except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable, DaemonError) as exc:
         print(f"kvbench {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # transformers, for the comparisons: a test extra
+        print(f"kvbench {args.command}: {exc}; it comes with the test install: bash scripts/setup.sh test",
+              file=sys.stderr)
         return 2
 
 

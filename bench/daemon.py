@@ -324,6 +324,15 @@ def _aggregate(addr: str, transport: str, args, creds: list[Credential]) -> dict
             "per_process_gbps": [r["bytes"] / r["elapsed"] / GB for r in results]}
 
 
+def _check_reachable(args) -> None:
+    """Refuse at once, in one line, a ``--addr`` where no daemon answers (before the baselines
+    spend seconds)."""
+    with Client(args.addr, transport="grpc", token=args.token, token_file=args.auth_token_file, timeout_s=5) as client:
+        status, _ = client.ping()
+    if status != "SERVING":
+        raise UsageError(f"the daemon at {args.addr} is {status}")
+
+
 def run(args) -> int:
     if args.clients <= 0 or args.seconds <= 0 or args.keys <= 0 or args.batch <= 0 or args.processes < 0:
         raise UsageError("--clients, --seconds, --keys and --batch must be positive")
@@ -335,6 +344,8 @@ def run(args) -> int:
     daemon = None
     tmp = None
     addr = args.addr
+    if addr is not None:
+        _check_reachable(args)
     creds = [Credential(token_file=args.auth_token_file)] * max(args.clients, args.processes)
     if addr is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvbench-daemon-")

@@ -152,7 +152,8 @@ def _measure(args, root: str, caps: list[int]) -> dict:
 
 
 def _print(r: dict) -> None:
-    print(f"{r['chunks']} chunks of {r['chunk_bytes'] / 2**20:.2f} MiB; caps: {r['emulated_caps_bytes_per_s'] or 'none'}")
+    caps = ", ".join(f"{tier} {cap / 1e6:g} MB/s" for tier, cap in r["emulated_caps_bytes_per_s"].items())
+    print(f"{r['chunks']} chunks of {r['chunk_bytes'] / 2**20:.2f} MiB; emulated read caps: {caps or 'none'}")
     for name, g in r["single_gbps"].items():
         print(f"  {name:<6} alone     {g:7.3f} GB/s   share in aggregate {r['share_of_chunks'][name]:.0%}")
     print(f"  all tiers (free-tier) {r['aggregate_gbps']:7.3f} GB/s   sum of single {r['sum_single_gbps']:.3f}   ratio {r['ratio']:.2f}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from bench.cli import UsageError
+from bench.progress import Progress
 from bench.traces import load_trace
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig
 from kvstore.keys import ChunkKey, Namespace
@@ -79,7 +79,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
             "p90_s": float(np.percentile(a, 90)), "p99_s": float(np.percentile(a, 99))}
 
 
-def replay_one(requests, policy: str, args, ns: Namespace, root: Path) -> dict:
+def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress: Progress) -> dict:
     chunk = torch.randn(ns.chunk_shape).half()
     blob = chunk.numel() * chunk.element_size() + 4096
     distinct = len({b for r in requests for b in r})
@@ -110,8 +110,7 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path) -> dict:
                 served[name] = served.get(name, 0) + after[name].hits - before[name]
             accesses += len(keys)
             ttft.append(load_s + (len(keys) - hit) * ns.chunk_tokens / args.prefill_tok_s)
-            if done % 200 == 0:
-                print(f"  {policy}: {done}/{len(requests)} requests", file=sys.stderr)
+            progress.step(what=policy)
         store.flush()
         stats = store.stats().tiers
     return {
@@ -137,9 +136,10 @@ def run(args) -> int:
     ns = Namespace("kvbench-replay", args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvbench-replay-"))
     results = {}
+    progress = Progress(len(names) * len(requests), "requests replayed")
     try:
         for policy in names:
-            results[policy] = replay_one(requests, policy, args, ns, root)
+            results[policy] = replay_one(requests, policy, args, ns, root, progress)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

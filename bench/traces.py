@@ -4,8 +4,13 @@ A trace is a list of requests; a request is the ordered list of its blocks' pref
 ids (equal id = equal prefix). Formats, detected from the first non-blank character:
 
 - Mooncake JSON Lines (``{"hash_ids": [...], ...}`` per line; other fields ignored);
-- our text format: one request per line, block ids separated by spaces; ``#`` starts a
-  comment line.
+- our text format: one request per line, integer block ids separated by spaces; ``#``
+  starts a comment line.
+
+Anything else is refused with the reason (a README is not a trace). The Azure LLM
+inference CSVs are refused too: they hold arrival times and token counts but no block
+hashes, so they say nothing about reuse (``kvbench engine --trace`` uses them for arrivals
+and lengths).
 
 Either may be gzip-compressed (detected from the magic bytes, not the name).
 ``synthetic:...`` names a generated trace (see ``bench.synthetic``).
@@ -45,10 +50,17 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
+
+
 def _parse_line(line: str, lineno: int, path: Path) -> list[Hashable] | None:
     line = line.strip()
     if not line or line.startswith("#"):
         return None
+    if line.startswith(AZURE_HEADER):
+        raise ValueError(f"{path}: an Azure LLM inference trace (arrival times and token counts, no block "
+                         "hashes): it says nothing about reuse, so no cache can be replayed on it; "
+                         "`kvbench engine --trace` uses it for arrivals and lengths")
     if line.startswith("{"):
         try:
             ids = json.loads(line)["hash_ids"]
@@ -57,7 +69,12 @@ def _parse_line(line: str, lineno: int, path: Path) -> list[Hashable] | None:
         if not isinstance(ids, list):
             raise ValueError(f"{path}:{lineno}: hash_ids is not a list")
         return ids
-    return [int(tok) if tok.lstrip("-").isdigit() else tok for tok in line.split()]
+    try:
+        return [int(tok) for tok in line.split()]
+    except ValueError:
+        shown = line if len(line) <= 40 else line[:37] + "..."
+        raise ValueError(f"{path}:{lineno}: not a trace: expected Mooncake JSON Lines or integer block ids "
+                         f"separated by spaces, got {shown!r}") from None
 
 
 def load_trace(spec: str) -> Trace:

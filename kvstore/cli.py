@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
 import sys
+import time
 
-from kvstore.config import ConfigError, StoreConfig, load_config, parse_size
-from kvstore.fsck import fsck
+from kvstore.config import ConfigError, StoreConfig, format_size, load_config, parse_size, to_toml
 
 
 class UsageError(Exception):
@@ -29,38 +28,27 @@ def _load(args) -> StoreConfig:
 
 
 def cmd_config(args) -> int:
-    """Print the effective configuration (defaults merged with the file)."""
+    """Print a configuration as TOML: the store's (defaults merged with ``--config``), or with
+    ``--daemon`` the running daemon's at ``--addr`` (or, with ``--config``, what
+    ``kvstore serve --config FILE`` would run with)."""
+    if args.daemon and not args.config:
+        with _client(args) as client:
+            print(client.config(), end="")
+        return 0
     if args.daemon:
         from kvstore.daemon.config import DaemonConfig
 
-        cfg = load_config(args.config, DaemonConfig) if args.config else DaemonConfig()
+        cfg = load_config(args.config, DaemonConfig)
     else:
         cfg = _load(args)
-
-    def emit(obj, prefix=""):
-        scalars = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))}
-        for name, value in scalars.items():
-            print(f"# {name} is unset" if value is None else f"{name} = {_toml(value)}")
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                print(f"\n[{prefix}{f.name}]")
-                emit(value, f"{prefix}{f.name}.")
-
-    emit(cfg)
+    print(to_toml(cfg), end="")
     return 0
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return str(value)
 
 
 def cmd_fsck(args) -> int:
     """Verify every blob in the disk tier's directory; exit 1 if anything is bad."""
+    from kvstore.fsck import fsck  # torch: loaded only by the commands that read blobs
+
     cfg = _load(args)
     report = fsck(cfg.disk.path, repair=args.repair)
     print(f"{cfg.disk.path}: {report.blobs} blobs, {report.bytes} bytes, "
@@ -110,9 +98,9 @@ def cmd_serve(args) -> int:
     from kvstore.wire.convert import split_host_port
 
     cfg = _daemon_config(args)
-    _check_bindable(*split_host_port(cfg.listen))
-    if cfg.metrics:
-        _check_bindable(*split_host_port(cfg.metrics))
+    addresses = [split_host_port(a) for a in (cfg.metrics, cfg.listen) if a]  # every typo before any bind
+    for address in addresses:
+        _check_bindable(*address)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     keep_large_blocks_in_heap()
     limit_arenas(max(2, os.cpu_count() or 2))
@@ -146,22 +134,48 @@ def _client(args):
 
 
 def cmd_stats(args) -> int:
-    """Print tiers, usage and hit rates of a running daemon."""
+    """Print tiers, usage and hit rates of a running daemon, sizes in binary units; with
+    ``--watch S``, again every S seconds with each tier's read and write rates (a terminal
+    ``top``: the screen is redrawn when stdout is a terminal)."""
+    if args.watch is not None and not args.watch > 0:
+        raise UsageError(f"--watch takes a positive number of seconds, got {args.watch}")
+    if args.count is not None and args.count < 1:
+        raise UsageError(f"--count must be at least 1, got {args.count}")
+    redraw = args.watch is not None and sys.stdout.isatty()
     with _client(args) as client:
-        s = client.stats()
+        previous, samples = None, 0
+        while True:
+            s, now = client.stats(), time.monotonic()
+            if redraw:
+                print("\x1b[H\x1b[2J", end="")
+            _print_stats(args.addr, s, previous and (previous[0], now - previous[1]))
+            samples += 1
+            if args.watch is None or samples == args.count:
+                return 0
+            sys.stdout.flush()
+            previous = (s, now)
+            time.sleep(args.watch)
+
+
+def _print_stats(addr: str, s, since=None) -> None:
+    """One screen of stats; ``since`` = (earlier stats, seconds ago) adds per-tier rates."""
     total = s.hits + s.misses
-    print(f"chunks {s.chunks}  puts {s.puts}  hits {s.hits}  misses {s.misses}  "
-          f"hit rate {s.hits / total if total else 0:.1%}  pinned {s.pinned}")
-    print(f"write-behind: {s.write_behind_queue} queued, {s.write_behind_pending_bytes} bytes pending, "
+    print(f"daemon {addr}: {s.chunks} chunks, {s.puts} puts, {s.hits} hits, {s.misses} misses "
+          f"(hit rate {s.hits / total if total else 0:.1%}), {s.pinned} pinned")
+    print(f"write-behind: {s.write_behind_queue} queued, {format_size(s.write_behind_pending_bytes)} pending, "
           f"{s.write_behind_dropped} dropped")
-    print(f"{'tier':8} {'used':>14} {'capacity':>14} {'use':>6} {'chunks':>8} {'hits':>8} {'misses':>8} "
-          f"{'hit rate':>8} {'evictions':>9} {'corrupt':>7} {'errors':>6}")
+    print(f"{'tier':8} {'used':>9} {'capacity':>9} {'use':>6} {'chunks':>8} {'hits':>8} {'misses':>8} "
+          f"{'hit rate':>8} {'evictions':>9} {'corrupt':>7} {'errors':>6}" + (f" {'read/s':>10} {'write/s':>10}" if since else ""))
     for t in s.tiers.values():
         seen = t.hits + t.misses
-        print(f"{t.name:8} {t.used_bytes:>14} {t.capacity_bytes:>14} {t.used_bytes / max(1, t.capacity_bytes):>6.1%} "
-              f"{t.chunks:>8} {t.hits:>8} {t.misses:>8} {t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} "
-              f"{t.corruptions:>7} {t.errors:>6}")
-    return 0
+        line = (f"{t.name:8} {format_size(t.used_bytes):>9} {format_size(t.capacity_bytes):>9} "
+                f"{t.used_bytes / max(1, t.capacity_bytes):>6.1%} {t.chunks:>8} {t.hits:>8} {t.misses:>8} "
+                f"{t.hits / seen if seen else 0:>8.1%} {t.evictions:>9} {t.corruptions:>7} {t.errors:>6}")
+        if since:
+            before, seconds = since[0].tiers.get(t.name, t), max(since[1], 1e-9)
+            line += (f" {format_size(int((t.bytes_read - before.bytes_read) / seconds)) + '/s':>10}"
+                     f" {format_size(int((t.bytes_written - before.bytes_written) / seconds)) + '/s':>10}")
+        print(line)
 
 
 def cmd_ping(args) -> int:
@@ -181,12 +195,36 @@ def _add_remote(p) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), for ``--version``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kvstore")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse like ``parser.parse_args``, except that arguments a subcommand does not know are
+    reported with that subcommand's usage, not the top level's."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("config", help="print the effective configuration")
     p.add_argument("--config", help="TOML configuration file")
-    p.add_argument("--daemon", action="store_true", help="the daemon's configuration (kvstore serve --config)")
+    p.add_argument("--daemon", action="store_true",
+                   help="the running daemon's configuration (at --addr), or with --config what `kvstore serve --config` runs with")
+    _add_remote(p)
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("fsck", help="verify every blob in the disk tier")
     p.add_argument("--config", help="TOML configuration file")
@@ -210,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("stats", help="print a running daemon's tiers, usage and hit rates")
     _add_remote(p)
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="print again every SECONDS, with read/write rates per tier")
+    p.add_argument("--count", type=int, help="with --watch: stop after this many samples (default: until Ctrl-C)")
     p.set_defaults(func=cmd_stats)
     p = sub.add_parser("ping", help="check that a daemon is serving")
     _add_remote(p)
@@ -218,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
     except (ConfigError, UsageError, OSError, ValueError) as exc:

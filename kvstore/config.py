@@ -41,6 +41,14 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def format_size(nbytes: int) -> str:
+    """Bytes for a person, in binary units: ``"1GiB"``, ``"1.5MiB"``, ``"100TiB"`` (never an exponent)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f}".rstrip("0").rstrip(".") + unit
+    return f"{nbytes}B"
+
+
 def default_data_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "kvstore" / "data")
@@ -270,6 +278,42 @@ def _check_type(value, hint, path):
             return value
     names = " or ".join(str(t) if typing.get_origin(t) else getattr(t, "__name__", str(t)) for t in allowed)
     raise ConfigError(f"{path}: expected {names}, got {value!r}")
+
+
+def to_toml(config) -> str:
+    """A config dataclass tree as TOML that ``load_config`` reads back; unset fields are
+    comments, and ``eviction_policy = "default"`` says which policy that is."""
+    from kvstore.policies import DEFAULT_POLICY
+
+    lines: list[str] = []
+
+    def emit(obj, prefix: str) -> None:
+        nested = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f.name, value))
+            elif value is None:
+                lines.append(f"# {f.name} is unset")
+            else:
+                resolved = f"  # = {DEFAULT_POLICY}" if f.name == "eviction_policy" and value == "default" else ""
+                lines.append(f"{f.name} = {_toml_value(value)}{resolved}")
+        for name, value in nested:
+            lines.extend(["", f"[{prefix}{name}]"])
+            emit(value, f"{prefix}{name}.")
+
+    emit(config, "")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
 
 
 def config_from_dict(data: dict, cls=StoreConfig):

@@ -9,12 +9,13 @@ the store starts without them and picks them up when Redis returns.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, format_size
 from tiers.base import Tier, TierError, TierUnavailable
 from tiers.host import HostTier
 from tiers.nvme import DiskTier
@@ -35,8 +36,18 @@ def _capped(tier: Tier, bytes_per_s: int) -> Tier:
     return ThrottledTier(tier, bytes_per_s) if bytes_per_s else tier
 
 
+def check_host_capacity(capacity_bytes: int) -> None:
+    """Refuse at once a host pool larger than physical memory: it cannot be prefaulted, and
+    building its page table alone takes seconds before the allocation fails."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if capacity_bytes > physical:
+        raise TierUnavailable(f"host: capacity {format_size(capacity_bytes)} is more than this machine's "
+                              f"physical memory ({format_size(physical)})")
+
+
 def build_tiers(config: StoreConfig) -> list[TierSetup]:
     h = config.host
+    check_host_capacity(h.capacity_bytes)
     setups = [TierSetup(HostTier(h.capacity_bytes, h.page_bytes, h.prefault, h.shm_path), h.fetch_workers, h.verify_payload)]
     g = config.gpu
     if g.enabled:

@@ -4,5 +4,5 @@
 # Extra arguments go to `kvstore serve` (e.g. --host-bytes 8GiB --metrics 127.0.0.1:9400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh run
 exec .venv/bin/kvstore serve "$@"

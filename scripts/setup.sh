@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the project with its test extras. Idempotent: a second run is quick.
+# Creates .venv and installs the project. Idempotent: a second run only checks a stamp.
+#   setup.sh run    the runtime only: the project and its redis extra (what `kvstore serve` needs)
+#   setup.sh test   the runtime plus the test extras (transformers, hypothesis, triton, ...)
 # torch is pinned to the CPU build first so that no resolver pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-test}
+case "$mode" in
+  run) extras="redis" ;;
+  test) extras="test,redis" ;;
+  *) echo "usage: scripts/setup.sh [run|test]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
+hash=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
+stamp=.venv/.installed-$mode-$hash
+# a test install holds everything a run install does
+if [ -f "$stamp" ] || { [ "$mode" = run ] && [ -f ".venv/.installed-test-$hash" ]; }; then
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv" >&2
   "$PY" -m venv .venv
 fi
-stamp=.venv/.installed-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
-if [ ! -f "$stamp" ]; then
-  .venv/bin/pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,redis]" 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/python -c "import torch, kvstore, tiers" 
-  rm -f .venv/.installed-*
-  touch "$stamp"
-fi
+pip() {  # pip's own progress lines, without its noise about script locations
+  { .venv/bin/pip install --disable-pip-version-check --progress-bar off "$@" 2>&1; } \
+    | { grep -v -e '^WARNING: Location' -e '^Requirement already satisfied' || true; } >&2
+}
+echo "setup: installing torch==${TORCH_VERSION:-2.13.0} (CPU build)" >&2
+pip "torch==${TORCH_VERSION:-2.13.0}"
+echo "setup: installing kvstore with extras [$extras]" >&2
+pip -e ".[$extras]"
+.venv/bin/python -c "import torch, kvstore, tiers"
+rm -f .venv/.installed-*
+touch "$stamp"
+echo "setup: done ($mode)" >&2

@@ -4,5 +4,5 @@
 # stated reason when the binary is missing (.ci/run installs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
 exec .venv/bin/python -m pytest "$@"

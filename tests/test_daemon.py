@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,8 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from bench.cli import main as kvbench
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli import main
+from kvstore.config import load_config
 from kvstore.client import AsyncClient, Client, DaemonError
 from kvstore.wire.frames import HELLO
+from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
@@ -154,13 +157,33 @@ def test_stats_metrics_and_cli(daemon, capsys):
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
     assert re.search(r'kvstore_tenant_misses_total\{tenant="default"\} [1-9]', text)
     assert "test-model" not in text  # no label takes a value a client sent
+    dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    charted = set(re.findall(r"kvstore_[a-z_]+", dashboard))
+    assert charted and all(name in text for name in charted), charted - {n for n in charted if n in text}
 
     token = ["--auth-token-file", daemon.token_file]
     assert main(["stats", "--addr", daemon.addr, *token]) == 0
     out = capsys.readouterr().out
-    assert "hit rate" in out and re.search(r"^host\s+\d+\s+67108864", out, re.M)
+    assert f"daemon {daemon.addr}:" in out and "hit rate" in out
+    assert re.search(r"^host\s+\d+(\.\d)?[KMG]?i?B\s+64MiB", out, re.M)
+    assert main(["stats", "--addr", daemon.addr, *token, "--watch", "0.05", "--count", "2"]) == 0
+    out = capsys.readouterr().out  # a live view: the second sample has rates since the first
+    assert out.count(f"daemon {daemon.addr}:") == 2 and re.search(r"^host .* \S+B/s\s+\S+B/s$", out, re.M)
     assert main(["ping", "--addr", daemon.addr, *token]) == 0
     assert "SERVING" in capsys.readouterr().out
+
+
+def test_config_daemon_prints_the_running_daemons_configuration(daemon, capsys, tmp_path):
+    """File and flags merged, as it runs: what `kvstore config --daemon` shows, loadable again."""
+    assert main(["config", "--daemon", "--addr", daemon.addr, "--auth-token-file", daemon.token_file]) == 0
+    shown = tmp_path / "running.toml"
+    shown.write_text(capsys.readouterr().out)
+    running = load_config(shown, DaemonConfig)
+    assert running.listen == "127.0.0.1:0" and running.auth_token_file == daemon.token_file  # flags
+    assert running.store.host.capacity_bytes == 64 << 20 and running.metrics == "127.0.0.1:0"
+    assert 'eviction_policy = "default"  # = shadow-vote' in shown.read_text()
+    assert main(["config", "--daemon", "--addr", daemon.addr]) == 2  # no token: one line, exit 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
 def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):

@@ -1,11 +1,13 @@
 """``kvstore serve``/``stats``/``ping`` user errors: one line on stderr, exit code 2."""
 
+import asyncio
 import socket
 
 import pytest
 
 from kvstore.cli import main
 from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.server import Daemon, StartupError
 from kvstore.config import load_config
 
 
@@ -67,3 +69,26 @@ def test_serve_on_a_taken_port_is_a_user_error(tmp_path, capsys):
                      "--data-dir", str(tmp_path / "data"), "--no-shm", "--no-bulk"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err
+
+
+def test_a_taken_metrics_address_fails_the_start_before_the_grpc_port_is_bound(tmp_path):
+    """Even past the CLI's early check (the address taken in between), in one line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        cfg = DaemonConfig(listen="127.0.0.1:0", metrics=f"127.0.0.1:{taken.getsockname()[1]}")
+        cfg.store.host.capacity_bytes = 8 << 20
+        cfg.store.disk.path = str(tmp_path / "data")
+        cfg.shm.dir = str(tmp_path)
+
+        async def start() -> Daemon:
+            daemon = Daemon(cfg)
+            try:
+                with pytest.raises(StartupError, match="cannot serve metrics"):
+                    await daemon.start()
+            finally:
+                await daemon.stop()
+            return daemon
+
+        assert asyncio.run(start()).address == ""  # no gRPC port was bound
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]  # its shared-memory files are gone

@@ -1,3 +1,8 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from kvstore.cli import main
@@ -17,6 +22,24 @@ def test_config_prints_loadable_toml(tmp_path, capsys):
     out.write_text(capsys.readouterr().out)
     cfg = load_config(out)
     assert cfg.host.capacity_bytes == 2 << 20 and cfg.host.shm_path is None
+    assert 'eviction_policy = "default"  # = shadow-vote' in out.read_text()  # what "default" means
+
+
+def test_the_cli_and_the_client_start_without_torch():
+    """kvstore --help, ping and stats start in a fraction of a second: torch alone takes ~1 s."""
+    code = "import sys, kvstore.cli, kvstore.client; sys.exit('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+def test_version_and_a_subcommands_own_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("kvstore 0.")
+    with pytest.raises(SystemExit) as exc:
+        main(["ping", "--bogus"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("usage: kvstore ping") and "--bogus" in err
 
 
 def test_fsck_finds_and_repairs_corruption(tmp_path, capsys):

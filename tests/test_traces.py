@@ -39,6 +39,12 @@ def test_bad_traces_are_value_errors(tmp_path):
         load_trace(str(tmp_path / "empty.txt"))
     with pytest.raises(FileNotFoundError):
         load_trace(str(tmp_path / "missing.txt"))
+    (tmp_path / "prose.md").write_text("# kvstore\n\n1 2 3\nLLM engines recompute the prefill\n")
+    with pytest.raises(ValueError, match="prose.md:4: not a trace"):
+        load_trace(str(tmp_path / "prose.md"))
+    (tmp_path / "azure.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,374,44\n")
+    with pytest.raises(ValueError, match="no block hashes"):
+        load_trace(str(tmp_path / "azure.csv"))
 
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")

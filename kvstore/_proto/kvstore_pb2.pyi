@@ -154,6 +154,16 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConfigReply(_message.Message):
+    __slots__ = ("toml",)
+    TOML_FIELD_NUMBER: _ClassVar[int]
+    toml: str
+    def __init__(self, toml: _Optional[str] = ...) -> None: ...
+
 class TierStats(_message.Message):
     __slots__ = ("name", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors", "read_gbps", "recodes", "lossy_hits")
     NAME_FIELD_NUMBER: _ClassVar[int]

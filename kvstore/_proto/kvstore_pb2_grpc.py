@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Config = channel.unary_unary(
+                '/kvstore.v1.KVStore/Config',
+                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
+                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigReply.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/kvstore.v1.KVStore/Lease',
                 request_serializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
@@ -163,6 +168,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Config(self, request, context):
+        """The daemon's effective configuration (file, then flags) as TOML: paths and limits, no
+        secrets (tokens and keys live in the files it names).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Shared-memory slots for a same-host client; they return to the daemon when the lease
         expires unless renewed (any use of a slot renews its lease too), or when it is released,
@@ -238,6 +251,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot___proto_dot_kvstore__pb2.StatsReply.SerializeToString,
+            ),
+            'Config': grpc.unary_unary_rpc_method_handler(
+                    servicer.Config,
+                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.FromString,
+                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigReply.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -503,6 +521,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Config(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Config',
+            kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
+            kvstore_dot___proto_dot_kvstore__pb2.ConfigReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -152,6 +152,7 @@ class AsyncClient:
     delete = _awaitable(ClientCore.delete)
     stats = _awaitable(ClientCore.stats)
     stats_reply = _awaitable(ClientCore.stats_reply)
+    config = _awaitable(ClientCore.config)
     ping = _awaitable(ClientCore.ping)
     path = _awaitable(ClientCore.path)
 

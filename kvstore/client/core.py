@@ -19,6 +19,10 @@ waits for a slot: with all of them busy it takes the socket path. Retries: only 
 and a broken bulk connection, with exponential backoff (every operation is idempotent); a
 lease or bulk session the daemon no longer knows is replaced once, at once.
 
+torch (and the blob and codec modules, which need it) is imported in the methods that take
+or make tensors, not with this module: ``kvstore ping`` and ``stats`` start in a fraction of
+a second, and a client that moves only blobs never loads it.
+
 State shared by threads (the lease, idle sessions) changes only under ``_lock``, never held
 across an effect, so the same core serves a thread-safe ``Client`` and an ``AsyncClient``.
 """
@@ -29,27 +33,26 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.blob import encode_header, verify_blob
 from kvstore.client.bulk import BulkSession
 from kvstore.client.effects import CancelGet, Copy, NextReply, OpenGet, Rpc, Sleep
 from kvstore.client.errors import RAISE, RENEW, DaemonError, decide, slots_reusable
 from kvstore.client.options import ClientOptions
 from kvstore.client.placing import StreamSink, check_size, copy_out, copy_parts
 from kvstore.client.shm import ShmLease
-from kvstore.codecs import get_codec
-from kvstore.codecs.raw import tensor_bytes
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.malloc import keep_large_blocks_in_heap
 from kvstore.wire.auth import bearer, read_token_file
 from kvstore.wire.convert import ns_to_proto, split_host_port, stats_from_proto
 from kvstore.wire.frames import DONE, END, GET, PUT, RELEASE
+
+if TYPE_CHECKING:
+    import torch
 
 PIN_MARGIN = 0.9  # of BulkAttachReply.pin_ttl_s: a Get read later than this is discarded
 LEASE_AGAIN_S = 1.0  # after the daemon had no free slots for a lease
@@ -252,6 +255,9 @@ class ClientCore:
     def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None, durable: bool = False,
             codec: str | None = None):
         """Store one chunk (encoded here, verified by the daemon)."""
+        from kvstore.blob import encode_header
+        from kvstore.codecs import get_codec
+
         self._check(key.namespace, kv, "chunk")
         chosen = get_codec(codec or "raw")
         kv = kv.detach().to("cpu").contiguous()
@@ -324,6 +330,8 @@ class ClientCore:
 
     def get_into(self, key: ChunkKey, out: torch.Tensor):
         """Load a chunk into ``out`` (contiguous CPU tensor of the chunk's shape); False on a miss."""
+        from kvstore.codecs.raw import tensor_bytes
+
         self._check(key.namespace, out, "out")
         return (yield from self._retrying(lambda: self._get([key], pb.TENSOR, [tensor_bytes(out)]))) == 1
 
@@ -332,12 +340,16 @@ class ClientCore:
         ns = self._one_ns(keys)
         if ns is None:
             return []
+        import torch
+
         outs = [torch.empty(ns.chunk_shape, dtype=getattr(torch, ns.dtype)) for _ in keys]
         return outs[: (yield from self.get_many_into(keys, outs))]
 
     def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]):
         """Load the leading present chunks into ``outs`` (reused buffers); returns how many.
         When it returns (or raises), nothing writes into ``outs`` any more."""
+        from kvstore.codecs.raw import tensor_bytes
+
         if len(outs) != len(keys):
             raise ValueError(f"{len(outs)} buffers for {len(keys)} keys")
         for k, o in zip(keys, outs):
@@ -351,6 +363,8 @@ class ClientCore:
         blobs: list = [None]
         if (yield from self._retrying(lambda: self._get([key], pb.BLOB, blobs))) == 0:
             return None
+        from kvstore.blob import verify_blob
+
         blob = bytes(blobs[0])
         verify_blob(blob, key, check_payload=False)  # the daemon checked the payload
         return blob
@@ -485,6 +499,10 @@ class ClientCore:
 
     def stats(self):
         return stats_from_proto((yield from self.stats_reply()))
+
+    def config(self):
+        """The daemon's effective configuration as TOML (``load_config`` reads it)."""
+        return (yield from self._call("Config", pb.ConfigRequest())).toml
 
     def ping(self):
         """The daemon's health status name and the round-trip time in seconds."""

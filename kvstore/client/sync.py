@@ -134,6 +134,7 @@ class Client:
     delete = _blocking(ClientCore.delete)
     stats = _blocking(ClientCore.stats)
     stats_reply = _blocking(ClientCore.stats_reply)
+    config = _blocking(ClientCore.config)
     ping = _blocking(ClientCore.ping)
 
     @property

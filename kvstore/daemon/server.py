@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, format_size
 from kvstore.daemon.auth import TokenAuth
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer
@@ -43,6 +43,7 @@ from kvstore.daemon.shmfiles import POOL, SharedFile, remove_orphans
 from kvstore.daemon.slots import SlotArena
 from kvstore.quota import ReplicaUsage
 from kvstore.store import Store
+from kvstore.tier_setup import check_host_capacity
 from kvstore.wire.convert import split_host_port
 from tiers.base import TierUnavailable
 
@@ -75,13 +76,6 @@ def _credentials(cfg: DaemonConfig, host: str) -> Credentials:
     return Credentials.none()
 
 
-def _human(nbytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.4g}{unit}"
-    return f"{nbytes}B"
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -103,8 +97,8 @@ class Daemon:
         credentials = _credentials(cfg, host)
         tls = self._tls()
         loop = asyncio.get_running_loop()
-        if cfg.shm.enabled and (n := remove_orphans(cfg.shm.dir)):
-            log.info("removed %d shared-memory file(s) of daemons that are gone", n)
+        # before the host pool takes its room; said once started (a failed start says one line)
+        orphans = remove_orphans(cfg.shm.dir) if cfg.shm.enabled else 0
         usage = ReplicaUsage([HOST, DISK])
         try:
             self.store = await loop.run_in_executor(self._executor, functools.partial(
@@ -135,6 +129,7 @@ class Daemon:
         self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
                                       self.pool, credentials, quotas)
         register(self.service, self._server)
+        metrics_at = self._serve_metrics()  # before the gRPC port: a start that fails binds nothing
         if self.bulk is not None:
             self.bulk.start(self.service.bulk_request)
         self._health = health.aio.HealthServicer()
@@ -147,19 +142,27 @@ class Daemon:
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        metrics_at = "off"
-        if cfg.metrics:
-            mhost, mport = split_host_port(cfg.metrics)
-            metrics_at = f"{mhost}:{self.metrics.serve(mhost, mport)}"
         if self.arena is not None:
             self._expiry = loop.create_task(self._expire_leases())
-        tiers = ", ".join(f"{t.name} {_human(t.capacity_bytes)}" for t in self.store.tiers)
+        if orphans:
+            log.info("removed %d shared-memory file(s) of daemons that are gone", orphans)
+        tiers = ", ".join(f"{t.name} {format_size(t.capacity_bytes)}" for t in self.store.tiers)
         log.info("kvstore daemon listening on %s (tiers: %s; shm %s; bulk %s; metrics %s; auth %s; tls %s)",
                  self.address, tiers,
-                 f"{self.arena.slots}x{_human(self.arena.slot_bytes)}"
+                 f"{self.arena.slots}x{format_size(self.arena.slot_bytes)}"
                  f"{' + host pool' if self.service.pool_path else ''}" if self.arena else "off",
                  f"port {self.bulk.port}" if self.bulk else "off", metrics_at, credentials.mode,
                  ("on, client certificates required" if cfg.tls_client_ca else "on") if tls else "off")
+
+    def _serve_metrics(self) -> str:
+        """Start the Prometheus endpoint if configured; returns where it listens, or "off"."""
+        if not self.config.metrics:
+            return "off (--metrics 127.0.0.1:9400 serves Prometheus text at /metrics)"
+        host, port = split_host_port(self.config.metrics)
+        try:
+            return f"{host}:{self.metrics.serve(host, port)}"
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc.strerror or exc}") from None
 
     def _tls(self) -> grpc.ServerCredentials | None:
         cfg = self.config
@@ -181,12 +184,13 @@ class Daemon:
         The file is created (and locked) here, so it is known to be ours and live."""
         cfg = self.config
         host = cfg.store.host
+        check_host_capacity(host.capacity_bytes)
         if not (cfg.shm.enabled and cfg.shm.share_host_pool) or host.shm_path is not None:
             return cfg.store
         free = os.statvfs(cfg.shm.dir)
         if free.f_bavail * free.f_frsize < host.capacity_bytes * 1.05 + (64 << 20):
             log.warning("%s has too little room for the %s host pool: clients copy out of slots instead",
-                        cfg.shm.dir, _human(host.capacity_bytes))
+                        cfg.shm.dir, format_size(host.capacity_bytes))
             return cfg.store
         self._pool_file = SharedFile(cfg.shm.dir, POOL)
         return dataclasses.replace(cfg.store, host=dataclasses.replace(host, shm_path=self._pool_file.path))

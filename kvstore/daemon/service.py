@@ -23,6 +23,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, decode_header, verify_blob
 from kvstore.codecs import codec_by_id
+from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
@@ -416,6 +417,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return stats_to_proto(stats, address=self.address,
                               shm_slots_free=self.arena.free_slots if self.arena else 0,
                               bulk_sessions=self.bulk.sessions if self.bulk else 0)
+
+    async def Config(self, request, caller: Tenant):
+        return pb.ConfigReply(toml=to_toml(self.config))
 
     # -- shared memory and bulk sessions ----------------------------------------------------
 
