@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kernels.parallel_copy import copy_pairs
 from tiers.base import Buffer, as_buffers
 from tiers.pages import PagedTier, segments
 
@@ -84,8 +85,8 @@ class HostTier(PagedTier):
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         views = [_byte_view(p) for p in parts]
         value = self.table.allocate(sum(v.size for v in views))
-        for start, i, offset, n in segments(value.runs, [v.size for v in views]):
-            self._pool[start : start + n] = views[i][offset : offset + n]
+        copy_pairs([(self._pool[start : start + n], views[i][offset : offset + n])
+                    for start, i, offset, n in segments(value.runs, [v.size for v in views])])
         self.table.publish(key, value)
 
     @contextmanager
@@ -117,8 +118,8 @@ class HostTier(PagedTier):
         with self.table.reading(key, capacity=sum(o.size for o in outs)) as value:
             if value is None:
                 return None
-            for start, i, offset, n in segments(value.runs, [o.size for o in outs]):
-                np.copyto(outs[i][offset : offset + n], self._pool[start : start + n])
+            copy_pairs([(outs[i][offset : offset + n], self._pool[start : start + n])
+                        for start, i, offset, n in segments(value.runs, [o.size for o in outs])])
             return value.length
 
     def close(self) -> None:

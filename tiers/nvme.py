@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kernels.parallel_copy import copy_pairs
 from tiers.base import Buffer, Tier, TierFull, TierUnavailable, as_buffers
 from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, round_up, skip, unlink_quietly
 
@@ -266,11 +267,12 @@ class DiskTier(Tier):
             os.close(fd)
         got = min(got, sum(len(o) for o in outs))
         src = np.frombuffer(staging, dtype=np.uint8, count=got)
-        done = 0
+        pairs, done = [], 0
         for o in outs:
             take = min(len(o), got - done)
-            np.copyto(np.frombuffer(o, dtype=np.uint8, count=take), src[done : done + take])
+            pairs.append((np.frombuffer(o, dtype=np.uint8, count=take), src[done : done + take]))
             done += take
+        copy_pairs(pairs)
         return got
 
     def read_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
