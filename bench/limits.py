@@ -1,0 +1,268 @@
+"""The machine's limits every ``kvbench`` figure is compared against, each the best of the
+configurations tried, with the configuration that gave it.
+
+- memcpy: the same (destination, source) buffers a benchmark moves, copied one thread of
+  ``np.copyto``, a persistent pool of k threads of ``memmove`` over slices (k = 2 .. cores),
+  and torch's threaded ``copy_``.
+- disk: the same files read whole, buffered and O_DIRECT, 1, 2, 4 and 8 reads in flight, each
+  run with the page cache dropped (fdatasync + POSIX_FADV_DONTNEED) and checked dropped
+  (``mincore`` over a mapping of each file); a file still cached fails the measurement.
+- socket: loopback TCP, 1 to 4 streams at once.
+
+A figure of ours more than ``NOISE`` above its limit means the limit is wrong (``over_limit``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kernels.parallel_copy import split
+
+GB = 1e9
+NOISE = 0.05
+INFLIGHT = (1, 2, 4, 8)
+STREAMS = (1, 2, 3, 4)
+
+
+@dataclass
+class Limit:
+    gbps: float
+    config: str  # the configuration that gave it
+    tried: dict[str, float] = field(default_factory=dict)  # every configuration's GB/s
+
+    def as_dict(self) -> dict:
+        return {"gbps": self.gbps, "config": self.config, "tried": self.tried}
+
+
+def best_of(tried: dict[str, float]) -> Limit:
+    """The best configuration's figure as the limit."""
+    if not tried:
+        raise ValueError("no configuration was measured")
+    config = max(tried, key=tried.get)
+    return Limit(tried[config], config, dict(tried))
+
+
+def over_limit(figures: dict[str, float], limit: Limit) -> list[str]:
+    """The named figures above the limit by more than noise: each proves the limit too low."""
+    return [f"{name} {gbps:.2f} GB/s exceeds the {limit.config} limit {limit.gbps:.2f} GB/s by more than "
+            f"{NOISE:.0%}: that limit is not the machine's" for name, gbps in figures.items()
+            if gbps > limit.gbps * (1 + NOISE)]
+
+
+def _timed(fn: Callable[[], None], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# -- memcpy -------------------------------------------------------------------------------------
+
+def _memmove(dst: np.ndarray, src: np.ndarray) -> None:
+    ctypes.memmove(dst.ctypes.data, src.ctypes.data, src.size)  # ctypes releases the GIL
+
+
+def memcpy_limit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], repeat: int = 3) -> Limit:
+    """Best GB/s copying every ``src`` into its ``dst`` (uint8 arrays), in order, per config."""
+    pairs = list(pairs)
+    total = sum(src.size for _, src in pairs)
+    cores = os.cpu_count() or 1
+    tried: dict[str, float] = {}
+
+    def single() -> None:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+
+    tried["np.copyto, 1 thread"] = total / _timed(single, repeat) / GB
+    for k in range(2, max(2, cores) + 1):
+        with ThreadPoolExecutor(k - 1) as pool:
+            per_pair = [split([(dst, src)], k) for dst, src in pairs]
+
+            def threaded() -> None:
+                for groups in per_pair:
+                    futures = [pool.submit(lambda g=g: [_memmove(d, s) for d, s in g]) for g in groups[1:]]
+                    for d, s in groups[0]:
+                        _memmove(d, s)
+                    for f in futures:
+                        f.result()
+
+            threaded()  # the pool's threads start outside the timing
+            tried[f"memmove over slices, {k} threads"] = total / _timed(threaded, repeat) / GB
+    tensors = [(torch.from_numpy(dst), torch.from_numpy(src)) for dst, src in pairs]
+
+    def torch_copy() -> None:
+        for dst, src in tensors:
+            dst.copy_(src)
+
+    tried[f"torch copy_, {torch.get_num_threads()} threads"] = total / _timed(torch_copy, repeat) / GB
+    return best_of(tried)
+
+
+# -- disk ---------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def cached_bytes(path: str) -> int:
+    """Bytes of ``path`` resident in the page cache now (``mincore`` over a mapping of it)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            resident = sum(b & 1 for b in vec)
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return min(size, resident * mmap.PAGESIZE)
+
+
+def drop_cache(paths: Sequence[str]) -> None:
+    """Write back and drop the files' cached pages, then check they are gone."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    still = [p for p in paths if cached_bytes(p)]
+    if still:
+        raise RuntimeError(f"{len(still)} of {len(paths)} files stay in the page cache after fadvise "
+                           f"(e.g. {still[0]}: a tmpfs?): a cold read cannot be measured there")
+
+
+def _read_all(paths: Sequence[str], inflight: int, direct: bool) -> None:
+    sizes = [os.path.getsize(p) for p in paths]
+    need = -(-max(sizes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    buffers = [mmap.mmap(-1, need) for _ in range(inflight)]  # page-aligned, as O_DIRECT needs
+    for b in buffers:
+        b.write(b"\0" * need)  # touched before the timing starts
+    free = list(range(inflight))
+    lock = threading.Lock()
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+
+    def read(path: str) -> None:
+        with lock:
+            slot = free.pop()
+        try:
+            view = memoryview(buffers[slot])
+            fd = os.open(path, flags)
+            try:
+                while os.readv(fd, [view]) == len(view):
+                    pass
+            finally:
+                os.close(fd)
+        finally:
+            with lock:
+                free.append(slot)
+
+    with ThreadPoolExecutor(inflight) as pool:
+        list(pool.map(read, paths))
+
+
+def _direct_supported(path: str) -> bool:
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+def disk_read_limit(paths: Sequence[str], repeat: int = 1, inflight: Sequence[int] = INFLIGHT) -> Limit:
+    """Best GB/s reading the files whole, cold, per (buffered | O_DIRECT) x reads in flight."""
+    paths = list(paths)
+    total = sum(os.path.getsize(p) for p in paths)
+    modes = [("buffered", False)] + ([("O_DIRECT", True)] if _direct_supported(paths[0]) else [])
+    tried: dict[str, float] = {}
+    for name, direct in modes:
+        for n in inflight:
+            best = float("inf")
+            for _ in range(repeat):
+                drop_cache(paths)
+                t = time.perf_counter()
+                _read_all(paths, n, direct)
+                best = min(best, time.perf_counter() - t)
+            tried[f"{name}, {n} in flight"] = total / best / GB
+    return best_of(tried)
+
+
+# -- socket -------------------------------------------------------------------------------------
+
+def socket_gbps(chunk_bytes: int, seconds: float, streams: int) -> float:
+    """Raw loopback TCP: ``streams`` connections each moving chunk after chunk, recv_into a reused buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = time.perf_counter() + seconds
+    received = [0] * streams
+
+    def sender(conn: socket.socket) -> None:
+        data = memoryview(np.ones(chunk_bytes, dtype=np.uint8))
+        try:
+            while time.perf_counter() < stop:
+                conn.sendall(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def receiver(i: int) -> None:
+        s = socket.create_connection(("127.0.0.1", port))
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        buf = memoryview(np.zeros(chunk_bytes, dtype=np.uint8))
+        while True:
+            n = s.recv_into(buf)
+            if n == 0:
+                break
+            received[i] += n
+        s.close()
+
+    receivers = [threading.Thread(target=receiver, args=(i,)) for i in range(streams)]
+    senders = []
+    start = time.perf_counter()
+    for r in receivers:
+        r.start()
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        senders.append(threading.Thread(target=sender, args=(conn,)))
+        senders[-1].start()
+    for t in senders + receivers:
+        t.join()
+    listener.close()
+    return sum(received) / (time.perf_counter() - start) / GB
+
+
+def socket_limit(chunk_bytes: int, seconds: float, streams: Sequence[int] = STREAMS) -> Limit:
+    """Best GB/s of loopback TCP over 1 to 4 streams, ``seconds`` each."""
+    return best_of({f"{n} stream{'s' * (n > 1)}": socket_gbps(chunk_bytes, seconds, n) for n in streams})
