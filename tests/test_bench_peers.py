@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from bench import peers
 from bench.cli import main
 
