@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from kernels.parallel_copy import split
 
@@ -102,6 +101,8 @@ def memcpy_limit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], repeat: int = 3
 
             threaded()  # the pool's threads start outside the timing
             tried[f"memmove over slices, {k} threads"] = total / _timed(threaded, repeat) / GB
+    import torch  # here: the CLI imports subcommand modules without torch
+
     tensors = [(torch.from_numpy(dst), torch.from_numpy(src)) for dst, src in pairs]
 
     def torch_copy() -> None:
