@@ -96,7 +96,7 @@ class Ours:
 class LMCachePeer:
     name = f"LMCache {LMCACHE_VERSION}"
 
-    def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str) -> None:
+    def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str, rounds: int) -> None:
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.event_manager import EventManager
@@ -107,8 +107,10 @@ class LMCachePeer:
         gib = 2 * chunks * (chunk_bytes + (1 << 20)) / 2**30
         self.path = os.path.join(root, "lmcache") + "/"
         os.makedirs(self.path, exist_ok=True)
+        # its disk backend does not give back the room of removed chunks to a later put of the
+        # same keys: each round puts new keys, into room for every round
         config = LMCacheEngineConfig.from_defaults(chunk_size=ns.chunk_tokens, local_cpu=True, max_local_cpu_size=gib,
-                                                   local_disk=self.path, max_local_disk_size=gib)
+                                                   local_disk=self.path, max_local_disk_size=gib * rounds)
         self.shape = (ns.num_layers, 2, ns.chunk_tokens, ns.num_kv_heads, ns.head_dim)
         meta = LMCacheMetadata(model_name="kvbench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                                kv_dtype=ns.torch_dtype, kv_shape=self.shape)
@@ -116,7 +118,9 @@ class LMCachePeer:
         self.dtype = ns.torch_dtype
         self.sm = StorageManager(config, meta, EventManager())
         self.disk = self.sm.storage_backends["LocalDiskBackend"]
-        self.keys = [CacheEngineKey("kvbench", 1, 0, i, ns.torch_dtype) for i in range(chunks)]
+        self._key = lambda i: CacheEngineKey("kvbench", 1, 0, i, ns.torch_dtype)
+        self.chunks, self.round = chunks, 0
+        self.keys = []
 
     def put(self, chunks) -> None:
         for k, c in zip(self.keys, chunks):
@@ -127,10 +131,10 @@ class LMCachePeer:
             self.sm.batched_put([k], [obj])
 
     def settle(self) -> None:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 120
         while not all(self.disk.contains(k) and not self.disk.exists_in_put_tasks(k) for k in self.keys):
             if time.monotonic() > deadline:
-                raise RuntimeError("LMCache's disk writes did not finish within 300 s")
+                raise RuntimeError("LMCache's disk writes did not finish within 120 s")
             time.sleep(0.005)
 
     def get(self, outs) -> None:
@@ -146,7 +150,10 @@ class LMCachePeer:
         return [os.path.join(self.path, f) for f in os.listdir(self.path)]
 
     def reset(self) -> None:
-        self.sm.batched_remove(self.keys)
+        if self.keys:
+            self.sm.batched_remove(self.keys)
+        self.keys = [self._key(self.round * self.chunks + i) for i in range(self.chunks)]
+        self.round += 1
 
     def close(self) -> None:
         self.sm.close()
@@ -198,7 +205,7 @@ def run(args) -> int:
     try:
         systems.append(Ours(ns, args.chunks, chunk_bytes, root))
         if peer_cls is not None:
-            systems.append(peer_cls(ns, args.chunks, chunk_bytes, root))
+            systems.append(peer_cls(ns, args.chunks, chunk_bytes, root, args.rounds))
         pairs = [(np.frombuffer(tensor_bytes(outs[i % len(outs)]), dtype=np.uint8),
                   np.frombuffer(tensor_bytes(c), dtype=np.uint8)) for i, c in enumerate(chunks)]
         memcpy_before = memcpy_limit(pairs)
