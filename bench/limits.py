@@ -15,8 +15,6 @@ A figure of ours more than ``NOISE`` above its limit means the limit is wrong (`
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import mmap
 import os
 import socket
 import threading
@@ -28,10 +26,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kernels.parallel_copy import split
+from tiers.read_probe import INFLIGHT, cached_bytes, drop_cache, read_all
 
 GB = 1e9
 NOISE = 0.05
-INFLIGHT = (1, 2, 4, 8)
 STREAMS = (1, 2, 3, 4)
 
 
@@ -113,82 +111,7 @@ def memcpy_limit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], repeat: int = 3
     return best_of(tried)
 
 
-# -- disk ---------------------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def cached_bytes(path: str) -> int:
-    """Bytes of ``path`` resident in the page cache now (``mincore`` over a mapping of it)."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-        try:
-            pages = -(-size // mmap.PAGESIZE)
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-            resident = sum(b & 1 for b in vec)
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return min(size, resident * mmap.PAGESIZE)
-
-
-def drop_cache(paths: Sequence[str]) -> None:
-    """Write back and drop the files' cached pages, then check they are gone."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    still = [p for p in paths if cached_bytes(p)]
-    if still:
-        raise RuntimeError(f"{len(still)} of {len(paths)} files stay in the page cache after fadvise "
-                           f"(e.g. {still[0]}: a tmpfs?): a cold read cannot be measured there")
-
-
-def _read_all(paths: Sequence[str], inflight: int, direct: bool) -> None:
-    sizes = [os.path.getsize(p) for p in paths]
-    need = -(-max(sizes) // mmap.PAGESIZE) * mmap.PAGESIZE
-    buffers = [mmap.mmap(-1, need) for _ in range(inflight)]  # page-aligned, as O_DIRECT needs
-    for b in buffers:
-        b.write(b"\0" * need)  # touched before the timing starts
-    free = list(range(inflight))
-    lock = threading.Lock()
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-
-    def read(path: str) -> None:
-        with lock:
-            slot = free.pop()
-        try:
-            view = memoryview(buffers[slot])
-            fd = os.open(path, flags)
-            try:
-                while os.readv(fd, [view]) == len(view):
-                    pass
-            finally:
-                os.close(fd)
-        finally:
-            with lock:
-                free.append(slot)
-
-    with ThreadPoolExecutor(inflight) as pool:
-        list(pool.map(read, paths))
-
+# -- disk (the page-cache tools are tiers/read_probe.py's, which sizes the disk tier's reads) ----
 
 def _direct_supported(path: str) -> bool:
     if not hasattr(os, "O_DIRECT"):
@@ -212,7 +135,7 @@ def disk_read_limit(paths: Sequence[str], repeat: int = 1, inflight: Sequence[in
             for _ in range(repeat):
                 drop_cache(paths)
                 t = time.perf_counter()
-                _read_all(paths, n, direct)
+                read_all(paths, n, direct)
                 best = min(best, time.perf_counter() - t)
             tried[f"{name}, {n} in flight"] = total / best / GB
     return best_of(tried)

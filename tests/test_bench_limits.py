@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from bench import limits
+from tiers import read_probe
 from bench.limits import Limit, best_of, cached_bytes, disk_read_limit, drop_cache, memcpy_limit, over_limit, socket_limit
 
 
@@ -71,21 +72,21 @@ def test_cached_bytes_sees_a_cached_file_and_its_drop(files):
 
 
 def test_drop_cache_fails_when_pages_stay(files, monkeypatch):
-    monkeypatch.setattr(limits, "cached_bytes", lambda p: 4096)
+    monkeypatch.setattr(read_probe, "cached_bytes", lambda p: 4096)
     with pytest.raises(RuntimeError, match="page cache"):
         drop_cache(files)
 
 
 def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(files, monkeypatch):
     seen = []
-    real = limits._read_all
+    real = limits.read_all
 
     def read_all(paths, n, direct):
         assert all(cached_bytes(p) == 0 for p in paths)  # every run starts cold
         seen.append((n, direct))
         real(paths, n, direct)
 
-    monkeypatch.setattr(limits, "_read_all", read_all)
+    monkeypatch.setattr(limits, "read_all", read_all)
     limit = disk_read_limit(files)
     _is_best(limit)
     assert {n for n, _ in seen} == set(limits.INFLIGHT)
