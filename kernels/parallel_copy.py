@@ -4,7 +4,9 @@ One thread of ``memmove`` does not reach the memory bandwidth of a machine with 
 cores; ``np.copyto`` releases the GIL, so slices of one copy run on all cores at once. The
 pool is created on first use and lives as long as the process (a pool per call would cost
 more than the copy). Copies below ``PARALLEL_MIN_BYTES`` stay in the caller's thread, where
-handing slices to workers costs more than it saves.
+handing slices to workers costs more than it saves, and so does a copy that starts while
+another one holds the pool: the cores are busy copying already, and its slices would wait
+behind the other copy's.
 
 A copy returns only when every slice is written: nothing touches either buffer afterwards.
 """
@@ -22,6 +24,7 @@ PARALLEL_MIN_BYTES = 4 << 20
 SLICE_ALIGN = 4096
 
 _lock = threading.Lock()
+_busy = threading.Lock()  # held by the copy that has the pool
 _pool: ThreadPoolExecutor | None = None
 _workers = max(1, os.cpu_count() or 1)
 
@@ -78,11 +81,14 @@ def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[li
 def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """Copy every ``src`` into its ``dst`` (uint8 arrays of equal sizes), on all cores when big."""
     total = sum(src.size for _, src in pairs)
-    if total < PARALLEL_MIN_BYTES or _workers == 1:
-        for dst, src in pairs:
-            np.copyto(dst, src)
+    if total >= PARALLEL_MIN_BYTES and _workers > 1 and _busy.acquire(blocking=False):
+        try:
+            _run(split(pairs, _workers))
+        finally:
+            _busy.release()
         return
-    _run(split(pairs, _workers))
+    for dst, src in pairs:
+        np.copyto(dst, src)
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:

@@ -50,3 +50,16 @@ def test_a_failed_slice_raises_after_every_slice_is_done(monkeypatch):
     with pytest.raises(ValueError):
         copy_pairs(pairs + [bad])
     assert np.array_equal(pairs[0][0], pairs[0][1])
+
+
+def test_a_copy_that_starts_while_another_holds_the_pool_runs_alone(monkeypatch):
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "_workers", 2)
+    seen = []
+    monkeypatch.setattr(parallel_copy, "_run", lambda groups: seen.append(len(groups)))
+    pairs = _pairs([SLICE_ALIGN * 4])
+    with parallel_copy._busy:  # another copy has the pool
+        copy_pairs(pairs)
+    assert seen == [] and np.array_equal(pairs[0][0], pairs[0][1])
+    copy_pairs(_pairs([SLICE_ALIGN * 4]))
+    assert seen == [2]
