@@ -27,19 +27,19 @@ def test_best_inflight_is_the_fastest_setting_and_every_run_starts_cold(tmp_path
         pytest.skip("this file system keeps pages cached")
     real = read_probe.read_all
 
-    def read_all(ps, n, direct):
+    def read_all(ps, n, direct, read_bytes=None):
         assert all(read_probe.cached_bytes(p) == 0 for p in ps)
-        real(ps, n, direct)
+        real(ps, n, direct, read_bytes)
 
     monkeypatch.setattr(read_probe, "read_all", read_all)
-    n, seconds = best_inflight(paths, direct=False)
+    n, seconds = best_inflight(paths, direct=False, read_bytes=16 << 10)
     assert set(seconds) == set(read_probe.INFLIGHT)
     assert seconds[n] == min(seconds.values())
 
 
 def test_measured_once_per_device_then_read_back_from_the_data_directory(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(read_probe, "_probe", lambda root, direct, suffix: calls.append(root) or 2)
+    monkeypatch.setattr(read_probe, "_probe", lambda root, direct, suffix, read_bytes: calls.append(root) or 2)
     assert read_parallelism(str(tmp_path)) == 2
     assert read_parallelism(str(tmp_path)) == 2
     assert len(calls) == 1
@@ -61,7 +61,7 @@ def test_the_disk_tier_gets_the_measured_fetch_workers_unless_configured(tmp_pat
     from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
     from kvstore.tier_setup import build_tiers
 
-    monkeypatch.setattr(read_probe, "_probe", lambda root, direct, suffix: 3)
+    monkeypatch.setattr(read_probe, "_probe", lambda root, direct, suffix, read_bytes: 3)
     for configured, expected in ((0, 3), (5, 5)):
         cfg = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, prefault=False),
                           disk=DiskTierConfig(path=str(tmp_path / f"d{configured}"), capacity_bytes=1 << 20,

@@ -82,8 +82,10 @@ def drop_cache(paths: Sequence[str]) -> None:
                           f"(e.g. {still[0]}: a tmpfs?): a cold read cannot be measured there")
 
 
-def read_all(paths: Sequence[str], inflight: int, direct: bool) -> None:
-    """Read each file whole into page-aligned, pre-touched buffers, ``inflight`` at once."""
+def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int | None = None) -> None:
+    """Read each file into page-aligned, pre-touched buffers, ``inflight`` files at once: in one
+    read call per file, or in calls of ``read_bytes`` (as the disk tier reads when it hashes
+    what lands, which keeps the kernel's readahead ahead of the copies)."""
     need = -(-max(os.path.getsize(p) for p in paths) // mmap.PAGESIZE) * mmap.PAGESIZE
     buffers = [mmap.mmap(-1, need) for _ in range(inflight)]
     for b in buffers:
@@ -97,10 +99,15 @@ def read_all(paths: Sequence[str], inflight: int, direct: bool) -> None:
             slot = free.pop()
         try:
             view = memoryview(buffers[slot])
+            step = read_bytes or len(view)
             fd = os.open(path, flags)
             try:
-                while os.readv(fd, [view]) == len(view):
-                    pass
+                offset = 0
+                while True:
+                    got = os.preadv(fd, [view[offset % len(view) : offset % len(view) + step]], offset)
+                    if got == 0:
+                        break
+                    offset += got
             finally:
                 os.close(fd)
         finally:
@@ -111,20 +118,22 @@ def read_all(paths: Sequence[str], inflight: int, direct: bool) -> None:
         list(pool.map(read, paths))
 
 
-def best_inflight(paths: Sequence[str], direct: bool, inflight: Sequence[int] = INFLIGHT) -> tuple[int, dict[int, float]]:
+def best_inflight(paths: Sequence[str], direct: bool, inflight: Sequence[int] = INFLIGHT,
+                  read_bytes: int | None = None) -> tuple[int, dict[int, float]]:
     """The reads in flight that read ``paths`` cold the fastest, and seconds per setting."""
     seconds = {}
     for n in inflight:
         drop_cache(paths)
         t = time.perf_counter()
-        read_all(paths, n, direct)
+        read_all(paths, n, direct, read_bytes)
         seconds[n] = time.perf_counter() - t
     return min(seconds, key=seconds.get), seconds
 
 
-def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp") -> int:
-    """Best cold reads in flight for the device holding ``root``: measured once per device and
-    process, and kept in ``root`` for later starts. ``FALLBACK`` where it cannot be measured."""
+def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp", read_bytes: int | None = None) -> int:
+    """Best cold reads in flight for the device holding ``root``, each file read in calls of
+    ``read_bytes`` (whole if None), as the tier reads: measured once per device and process,
+    and kept in ``root`` for later starts. ``FALLBACK`` where it cannot be measured."""
     key = (os.stat(root).st_dev, direct)
     saved = os.path.join(root, RESULT_NAME)
     with _lock:
@@ -136,7 +145,7 @@ def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp")
                 return _measured[key]
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        _measured[key] = n = _probe(root, direct, temp_suffix)
+        _measured[key] = n = _probe(root, direct, temp_suffix, read_bytes)
         try:
             data = {}
             try:
@@ -152,7 +161,7 @@ def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp")
         return n
 
 
-def _probe(root: str, direct: bool, temp_suffix: str) -> int:
+def _probe(root: str, direct: bool, temp_suffix: str, read_bytes: int | None) -> int:
     # temporary names: a crash mid-probe leaves files the tier removes at its next start
     paths = [os.path.join(root, f"read-probe-{os.getpid()}-{i}{temp_suffix}") for i in range(PROBE_FILES)]
     try:
@@ -160,7 +169,7 @@ def _probe(root: str, direct: bool, temp_suffix: str) -> int:
         for p in paths:
             with open(p, "wb") as f:
                 f.write(block)
-        n, seconds = best_inflight(paths, direct)
+        n, seconds = best_inflight(paths, direct, read_bytes=read_bytes)
         log.info("%s: %d cold reads in flight read fastest (%s)", root, n,
                  ", ".join(f"{k}: {PROBE_FILES * PROBE_FILE_BYTES / s / 1e9:.2f} GB/s" for k, s in seconds.items()))
         return n
