@@ -30,10 +30,8 @@ without the store.
 
 from __future__ import annotations
 
-import ctypes
 import gzip
 import json
-import mmap
 import multiprocessing
 import os
 import random
@@ -82,87 +80,22 @@ def progress(message: str) -> None:
 # -- the machine's limits for the same bytes -------------------------------------------------
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
-    """torch's (threaded) copy of ``nbytes`` into a buffer already faulted in, best of
-    ``repeats``, each from its own source so that no copy reads what the cache still holds
-    (a load reads bytes the store wrote long before)."""
-    import torch
+    """The best memcpy of ``nbytes`` into a buffer already faulted in (bench/limits.py: one
+    thread, threads over slices, torch's copy), each copy from its own source so that none
+    reads what the cache still holds (a load reads bytes the store wrote long before)."""
+    import numpy as np
 
-    sources = [torch.ones(nbytes // 4) for _ in range(repeats)]
-    dst = torch.zeros_like(sources[0])
-    best = float("inf")
-    for src in sources:
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    return nbytes / best / GB
+    from bench.limits import memcpy_limit
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def resident_pages(paths: list[Path]) -> int:
-    """Pages of the files in the page cache now (mincore over a read-only shared mapping)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for path in paths:
-        size = path.stat().st_size
-        if not size:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap {path}")
-            try:
-                vec = ctypes.create_string_buffer((size + page - 1) // page)
-                if _libc.mincore(addr, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore {path}")
-                total += sum(b & 1 for b in vec.raw)
-            finally:
-                _libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
-def cold_files(paths: list[Path]) -> None:
-    """Drop the files' cached pages (fdatasync + POSIX_FADV_DONTNEED) and check none is left."""
-    from bench.tiers import _drop_cache
-
-    _drop_cache(paths)
-    left = resident_pages(paths)
-    if left:
-        raise RuntimeError(f"{left} pages of the chunk files are still cached after dropping them")
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    return memcpy_limit([(dst, np.ones(nbytes, dtype=np.uint8)) for _ in range(repeats)], repeat=1).gbps
 
 
 def raw_read_gbps(paths: list[Path]) -> float:
-    """The better of a buffered and an O_DIRECT sequential read of the files, each cold."""
-    size = max(p.stat().st_size for p in paths)
-    aligned = mmap.mmap(-1, (size + 4095) // 4096 * 4096)  # page-aligned, as O_DIRECT needs
-    view = memoryview(aligned)
-    nbytes = sum(p.stat().st_size for p in paths)
-    best = float("inf")
-    for flags in (0, os.O_DIRECT):
-        cold_files(paths)
-        started = time.perf_counter()
-        try:
-            for path in paths:
-                fd = os.open(path, os.O_RDONLY | flags)
-                try:
-                    while os.readv(fd, [view]) == len(view):
-                        pass
-                finally:
-                    os.close(fd)
-        except OSError:
-            continue  # this file system refuses O_DIRECT: the buffered read stands
-        best = min(best, time.perf_counter() - started)
-    view.release()
-    aligned.close()
-    return nbytes / best / GB
+    """The best cold read of the files: buffered or O_DIRECT, 1 to 8 in flight (bench/limits.py)."""
+    from bench.limits import disk_read_limit
+
+    return disk_read_limit([str(p) for p in paths]).gbps
 
 
 # -- TTFT ------------------------------------------------------------------------------------
@@ -319,12 +252,14 @@ def _disk_child(setup: Setup, prompts: dict, files: dict, host_bytes: int, queue
             for length, prompt in prompts.items():
                 keys = chunk_keys(prompt, llm.connector.namespace)
 
+                from bench.limits import drop_cache
+
                 def cold() -> None:
                     """The virtual disk may cache below the guest's page cache: read the files
                     once first, so the load and the raw read after it start alike."""
                     raw_read_gbps(files[length])
                     store.drop(keys, "host")
-                    cold_files(files[length])
+                    drop_cache([str(p) for p in files[length]])
 
                 def raw_read(run) -> dict:
                     return {"raw_read_gbps": raw_read_gbps(files[length])}

@@ -2,9 +2,11 @@
 in one run.
 
 - remote: the client's remote path (the bulk TCP side channel when the daemon offers it,
-  else gRPC bytes); limit: a raw loopback TCP socket moving the same bytes in the same run.
-- shm: the same-host shared-memory slots; limit: a plain memcpy of the same bytes (from as
-  many distinct chunks as the clients cycle over, into one reused destination).
+  else gRPC bytes); limit: raw loopback TCP moving the same chunks in the same run, the best
+  of 1 to 4 streams (bench/limits.py).
+- shm: the same-host shared-memory slots; limit: the best memcpy of the same bytes (from as
+  many distinct chunks as the clients cycle over, into as many reused destinations as a
+  batched get fills): one thread, threads over slices, or torch's copy.
 
 Chunks are ``--chunk-bytes`` (fp16, one layer, one KV head, 256 tokens); each client cycles
 over its own ``--keys`` chunks. Put is one chunk per call, always a new key (a put of a
@@ -27,7 +29,6 @@ import hashlib
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from bench.cli import UsageError
+from bench.limits import STREAMS, Limit, memcpy_limit, over_limit, socket_limit
 from kvstore.client import Client
 from kvstore.config import parse_size
 from kvstore.malloc import keep_large_blocks_in_heap
@@ -207,61 +209,13 @@ def _path(addr: str, transport: str, args, ns: Namespace, daemon_pid: int | None
             c.close()
 
 
-def _socket_gbps(chunk_bytes: int, seconds: float, streams: int) -> float:
-    """Raw loopback TCP: ``streams`` connections each moving chunk after chunk, recv_into a reused buffer."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    stop = time.perf_counter() + seconds
-    received = [0] * streams
-
-    def sender(conn: socket.socket) -> None:
-        data = memoryview(np.ones(chunk_bytes, dtype=np.uint8))
-        try:
-            while time.perf_counter() < stop:
-                conn.sendall(data)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def receiver(i: int) -> None:
-        s = socket.create_connection(("127.0.0.1", port))
-        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-        buf = memoryview(np.zeros(chunk_bytes, dtype=np.uint8))
-        while True:
-            n = s.recv_into(buf)
-            if n == 0:
-                break
-            received[i] += n
-        s.close()
-
-    receivers = [threading.Thread(target=receiver, args=(i,)) for i in range(streams)]
-    senders = []
-    start = time.perf_counter()
-    for r in receivers:
-        r.start()
-        conn, _ = listener.accept()
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        senders.append(threading.Thread(target=sender, args=(conn,)))
-        senders[-1].start()
-    for t in senders + receivers:
-        t.join()
-    listener.close()
-    return sum(received) / (time.perf_counter() - start) / GB
-
-
-def _memcpy_gbps(chunk_bytes: int, seconds: float, sources: int, destinations: int) -> float:
-    """memcpy of the same bytes the daemon moves: chunk after chunk out of ``sources`` distinct
-    chunks (as many as a client cycles over, so as cold in cache) into ``destinations`` reused
-    buffers (as many as a batched get fills)."""
+def _memcpy_pairs(chunk_bytes: int, sources: int, destinations: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The bytes the daemon moves as (dst, src) pairs: chunk after chunk out of ``sources``
+    distinct chunks (as many as a client cycles over, so as cold in cache) into
+    ``destinations`` reused buffers (as many as a batched get fills)."""
     src = [np.full(chunk_bytes, i, dtype=np.uint8) for i in range(sources)]
     dst = [np.zeros(chunk_bytes, dtype=np.uint8) for _ in range(destinations)]
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        np.copyto(dst[n % destinations], src[n % sources])
-        n += 1
-    return n * chunk_bytes / (time.perf_counter() - start) / GB
+    return [(dst[n % destinations], s) for n, s in enumerate(src)]
 
 
 def _worker(args, ns: Namespace) -> int:
@@ -360,14 +314,18 @@ def run(args) -> int:
         daemon = DaemonProcess(["--config", config])
         addr = daemon.addr
 
-    def baselines() -> tuple[float, float, float, float]:
-        """(socket GB/s, its CPU s/GB, memcpy GB/s, its CPU s/GB), measured now."""
+    pairs = _memcpy_pairs(chunk_bytes, args.clients * args.keys, min(args.batch, args.keys))
+    per_stream_s = args.seconds / 2 / len(STREAMS)
+
+    def baselines() -> tuple[Limit, float, Limit, float]:
+        """(socket limit, CPU s/GB over its configs, memcpy limit, CPU s/GB over its configs), measured now."""
         cpu0 = _cpu_seconds(None)
-        sock = _socket_gbps(chunk_bytes, args.seconds / 2, args.clients)
+        sock = socket_limit(chunk_bytes, per_stream_s)
         cpu1 = _cpu_seconds(None)
-        copy = _memcpy_gbps(chunk_bytes, args.seconds / 2, args.clients * args.keys, min(args.batch, args.keys))
+        copy = memcpy_limit(pairs)
         cpu2 = _cpu_seconds(None)
-        moved_sock, moved_copy = sock * args.seconds / 2, copy * args.seconds / 2
+        moved_sock = sum(sock.tried.values()) * per_stream_s
+        moved_copy = len(copy.tried) * 3 * len(pairs) * chunk_bytes / GB  # memcpy_limit's 3 repeats per config
         return sock, (cpu1 - cpu0) / moved_sock, copy, (cpu2 - cpu1) / moved_copy
 
     try:
@@ -389,10 +347,12 @@ def run(args) -> int:
             tmp.cleanup()
     # the machine may be busier at one moment than another: compare against the better of the
     # baselines measured before and after the daemon paths (the conservative choice)
-    results["socket_gbps"] = max(before[0], after[0])
-    results["memcpy_gbps"] = max(before[2], after[2])
-    results["socket_gbps_before_after"] = [before[0], after[0]]
-    results["memcpy_gbps_before_after"] = [before[2], after[2]]
+    sock = max(before[0], after[0], key=lambda limit: limit.gbps)
+    copy = max(before[2], after[2], key=lambda limit: limit.gbps)
+    results["socket_gbps"], results["socket_limit"] = sock.gbps, sock.as_dict()
+    results["memcpy_gbps"], results["memcpy_limit"] = copy.gbps, copy.as_dict()
+    results["socket_gbps_before_after"] = [before[0].gbps, after[0].gbps]
+    results["memcpy_gbps_before_after"] = [before[2].gbps, after[2].gbps]
     results["socket_cpu_s_per_gb"] = min(before[1], after[1])
     results["memcpy_cpu_s_per_gb"] = min(before[3], after[3])
     results["ratios"] = {
@@ -413,13 +373,17 @@ def run(args) -> int:
         print(f"{name:6} CPU s/GB (client + daemon): put {r['put_client_cpu_s_per_gb']:.2f} + "
               f"{r['put_daemon_cpu_s_per_gb']:.2f}, get x{r['get_batch']} {r['get_client_cpu_s_per_gb']:.2f} + "
               f"{r['get_daemon_cpu_s_per_gb']:.2f}")
-    print(f"limits: raw loopback socket {results['socket_gbps']:.2f} GB/s ({results['socket_cpu_s_per_gb']:.2f} CPU s/GB), "
-          f"memcpy {results['memcpy_gbps']:.2f} GB/s ({results['memcpy_cpu_s_per_gb']:.2f} CPU s/GB); "
-          f"better of before/after")
+    print(f"limits: raw loopback socket {results['socket_gbps']:.2f} GB/s ({sock.config}; "
+          f"{results['socket_cpu_s_per_gb']:.2f} CPU s/GB), memcpy {results['memcpy_gbps']:.2f} GB/s ({copy.config}; "
+          f"{results['memcpy_cpu_s_per_gb']:.2f} CPU s/GB); best configuration, better of before/after")
     for name, agg in results.get("aggregate", {}).items():
         agg["vs_one_client"] = agg["get_gbps"] / results[name]["get_gbps"]
         print(f"{name:6} {agg['processes']} processes at once: get {agg['get_gbps']:.2f} GB/s in all = "
               f"{agg['vs_one_client']:.2f}x one client's")
+    results["over_limit"] = (over_limit({f"{n} {op}": results[n][f"{op}_gbps"] for n in ("remote",) for op in ("put", "get")}, sock)
+                             + over_limit({f"shm {op}": results["shm"][f"{op}_gbps"] for op in ("put", "get")}, copy))
+    for w in results["over_limit"]:
+        print(f"warning: {w}", file=sys.stderr)
     q = results["ratios"]
     print(f"remote get {q['remote_get_vs_socket']:.2f}x socket, shm get {q['shm_get_vs_memcpy']:.2f}x memcpy")
     if args.json:

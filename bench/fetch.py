@@ -8,6 +8,8 @@ the tiers' combined bandwidth the fetcher turns into read bandwidth (1.0 = all o
 mechanism where, as on this machine, the real tiers share one device. An emulated tier is
 one serialised device, so it gets two fetch workers (one reading while one waits), and its
 files are read from the page cache so that the cap, not the shared disk, sets its speed.
+Without caps the limit is the best cold raw read of every file tier's files together
+(bench/limits.py), since one device holds them all here.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 import torch
 
 from bench.cli import UsageError
+from bench.limits import disk_read_limit, over_limit
 from kvstore.config import (
     DiskTierConfig,
     HostTierConfig,
@@ -139,7 +143,12 @@ def _measure(args, root: str, caps: list[int]) -> dict:
         aggregate = total / _timed_read(store, keys, replica_tiers, args.repeat, not caps) / GB
         after = store.stats().tiers
         share = {n: (after[n].hits - before[n]) / (args.repeat * len(keys)) for n in replica_tiers}
+        files = [str(t.path_of(k.id)) for t in store.tiers[1:] if hasattr(t, "path_of") for k in keys]
+        # one device holds every file tier here: its best cold read bounds them all together
+        limit = disk_read_limit(files) if files and not caps else None
     return {
+        "limit": limit.as_dict() if limit else None,
+        "over_limit": over_limit({"aggregate": aggregate, **single}, limit) if limit else [],
         "chunk_bytes": chunk.numel() * chunk.element_size(),
         "chunks": len(keys),
         "emulated_caps_bytes_per_s": dict(zip(replica_tiers, caps)),
@@ -157,3 +166,8 @@ def _print(r: dict) -> None:
     for name, g in r["single_gbps"].items():
         print(f"  {name:<6} alone     {g:7.3f} GB/s   share in aggregate {r['share_of_chunks'][name]:.0%}")
     print(f"  all tiers (free-tier) {r['aggregate_gbps']:7.3f} GB/s   sum of single {r['sum_single_gbps']:.3f}   ratio {r['ratio']:.2f}")
+    if r["limit"]:
+        print(f"  limit: cold raw read of every tier's files {r['limit']['gbps']:.3f} GB/s ({r['limit']['config']}); "
+              f"aggregate/limit {r['aggregate_gbps'] / r['limit']['gbps']:.2f}")
+    for w in r["over_limit"]:
+        print(f"warning: {w}", file=sys.stderr)

@@ -4,14 +4,17 @@ For chunks shaped like a real model's (default SmolLM2-135M: 30 layers, 3 KV hea
 head_dim 64, 256 tokens, fp16):
 
 - host: put = blob into the page pool; get = blob out of the pool into a caller-provided,
-  reused destination buffer (header buffer + tensor bytes). Limit: memcpy of the same bytes
-  between the same kind of buffers.
+  reused destination buffer (header buffer + tensor bytes). Limit: the best memcpy of the same
+  pool pages into the same destination, and of the same payload into the same pages for the
+  put (bench/limits.py: one thread, threads over slices, torch's copy).
 - nvme: put = write every chunk file, then sync the file system (so the figure is the
   disk's, not the page cache's); get = cold reads (each file's cached pages dropped with
   fdatasync + POSIX_FADV_DONTNEED first) into caller buffers with the tier's parallel reader.
-  Limit: a plain sequential read of the same files, equally cold.
-- store: the Store facade end to end (verify header, checksum where configured, decode) for
-  a host hit and a cold disk hit, to show what the layers above the tiers cost; and the cost
+  Limit: the best cold read of the same files, buffered or O_DIRECT, 1 to 8 in flight.
+- store: the Store facade end to end (a put returns once the chunk is in host RAM, its disk
+  copy written behind; verify header, checksum where configured, decode) for
+  a host hit and a cold disk hit, against the same limits, to show what the layers above the
+  tiers cost; and the cost
   of durability: a durable put returns once its disk copy is written and fsync'ed (file and
   directory), against a put that returns once the chunk is in host RAM.
 """
@@ -21,13 +24,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
+from contextlib import ExitStack
 
 import numpy as np
 import torch
 
 from bench.cli import UsageError
+from bench.limits import Limit, disk_read_limit, drop_cache, memcpy_limit, over_limit
 from kvstore.blob import HEADER_BYTES, encode_header
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
@@ -89,18 +95,37 @@ def run(args) -> int:
             shutil.rmtree(root, ignore_errors=True)
     for r in results.values():
         r["get_vs_limit"] = r["get_gbps"] / r["limit_gbps"]
+    host, disk = results["host"], results["nvme"]
+    host["put_vs_limit"] = host["put_gbps"] / host["put_limit"]["gbps"]
+    store["put_vs_memcpy"] = store["put_gbps"] / host["put_limit"]["gbps"]
+    store["host_get_vs_memcpy"] = store["host_get_gbps"] / host["limit_gbps"]
+    store["cold_disk_get_vs_raw_read"] = store["cold_disk_get_gbps"] / disk["limit_gbps"]
+    warnings = (over_limit({"host get": host["get_gbps"], "store get from host": store["host_get_gbps"]}, _limit(host["get_limit"]))
+                + over_limit({"host put": host["put_gbps"], "store put": store["put_gbps"]}, _limit(host["put_limit"]))
+                + over_limit({"nvme get": disk["get_gbps"], "store cold get": store["cold_disk_get_gbps"]}, _limit(disk["get_limit"])))
     report = {
         "chunk_bytes": payload_bytes,
         "chunks": args.chunks,
         "bytes_per_measurement": total,
         "tiers": results,
         "store": store,
+        "over_limit": warnings,
     }
     _print_table(report)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _limit(d: dict) -> Limit:
+    return Limit(d["gbps"], d["config"], d["tried"])
+
+
+def _limit_fields(limit: Limit, name: str) -> dict:
+    return {"limit_gbps": limit.gbps, "limit": name, "limit_config": limit.config, "get_limit": limit.as_dict()}
 
 
 def _bench_host(keys, headers, payload, args) -> dict:
@@ -109,9 +134,6 @@ def _bench_host(keys, headers, payload, args) -> dict:
     dst = _prefaulted(payload_bytes)
     hdr = bytearray(HEADER_BYTES)
     total = len(keys) * payload_bytes
-    # The memcpy limit reads as many distinct bytes as the gets do, so neither runs from cache.
-    sources = _prefaulted(total).reshape(len(keys), payload_bytes)
-    sources[:] = np.frombuffer(payload, dtype=np.uint8)
 
     def put() -> float:
         t = time.perf_counter()
@@ -125,28 +147,38 @@ def _bench_host(keys, headers, payload, args) -> dict:
             tier.read_into(k.id, [hdr, dst])
         return time.perf_counter() - t
 
-    def memcpy() -> float:
-        t = time.perf_counter()
-        for src in sources:
-            np.copyto(dst, src)
-        return time.perf_counter() - t
-
     put_s = _best(put, args.repeat)
     get_s = _best(get, args.repeat)
     assert bytes(dst[:64]) == bytes(payload[:64])
-    limit_s = _best(memcpy, args.repeat)
+    src = np.frombuffer(payload, dtype=np.uint8)
+    with ExitStack() as pins:  # the limits copy the very pool pages the gets read and the puts wrote
+        pages = [_payload_pages(pins.enter_context(tier.pinned(k.id))) for k in keys]
+        get_limit = memcpy_limit([pair for p in pages for pair in _pairs(dst, p)], args.repeat)
+        put_limit = memcpy_limit([pair for p in pages for pair in _pairs(src, p, reverse=True)], args.repeat)
     tier.close()
-    return {"put_gbps": total / put_s / GB, "get_gbps": total / get_s / GB, "limit_gbps": total / limit_s / GB, "limit": "memcpy"}
+    return {"put_gbps": total / put_s / GB, "get_gbps": total / get_s / GB, **_limit_fields(get_limit, "memcpy"),
+            "put_limit": put_limit.as_dict()}
 
 
-def _drop_cache(paths) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def _payload_pages(views) -> list[np.ndarray]:
+    """A pinned blob's pool views as byte arrays, without its header."""
+    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
+    skip, out = HEADER_BYTES, []
+    for a in arrays:
+        out.append(a[min(skip, a.size):])
+        skip = max(0, skip - a.size)
+    return [a for a in out if a.size]
+
+
+def _pairs(flat: np.ndarray, pages: list[np.ndarray], reverse: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(dst, src) pairs between ``flat`` and the pages, in order: out of the pages into ``flat``
+    (a get), or out of ``flat`` into the pages (``reverse``: a put)."""
+    pairs, off = [], 0
+    for page in pages:
+        piece = flat[off : off + page.size]
+        pairs.append((page, piece) if reverse else (piece, page))
+        off += page.size
+    return pairs
 
 
 def _bench_nvme(keys, headers, payload, args, path) -> dict:
@@ -169,7 +201,7 @@ def _bench_nvme(keys, headers, payload, args, path) -> dict:
         return time.perf_counter() - t
 
     def get() -> float:
-        _drop_cache(files)
+        drop_cache(files)
         t = time.perf_counter()
         sizes = tier.read_many_into([k.id for k in keys], outs)
         elapsed = time.perf_counter() - t
@@ -177,25 +209,14 @@ def _bench_nvme(keys, headers, payload, args, path) -> dict:
             raise RuntimeError("disk tier read back the wrong sizes")
         return elapsed
 
-    def raw_read() -> float:
-        _drop_cache(files)
-        buf = _prefaulted(payload_bytes + HEADER_BYTES)
-        t = time.perf_counter()
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while fh.readinto(buf):
-                    pass
-        return time.perf_counter() - t
-
     put_s = _best(put, args.repeat)
     get_s = _best(get, args.repeat)
-    limit_s = _best(raw_read, args.repeat)
+    limit = disk_read_limit(files, repeat=args.repeat)
     tier.close()
     return {
         "put_gbps": total / put_s / GB,
         "get_gbps": total / get_s / GB,
-        "limit_gbps": total / limit_s / GB,
-        "limit": "raw_read",
+        **_limit_fields(limit, "raw_read"),
         "o_direct": args.o_direct,
         "read_threads": args.read_threads,
     }
@@ -218,8 +239,9 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
         t = time.perf_counter()
         for k in keys:
             store.put(k, chunk)
+        put_s = time.perf_counter() - t  # each put returns once its chunk is in host RAM
         store.flush()
-        put_s = time.perf_counter() - t
+        flushed_s = time.perf_counter() - t
         in_host = [k for k in keys if store.first.contains(k.id)]
         cold = [k for k in keys if not store.first.contains(k.id)]
 
@@ -230,7 +252,7 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
             return time.perf_counter() - t
 
         host_s = _best(host_get, args.repeat)
-        _drop_cache(str(store.tier("nvme").path_of(k.id)) for k in cold)
+        drop_cache([str(store.tier("nvme").path_of(k.id)) for k in cold])
         outs = [torch.zeros_like(chunk) for _ in cold]  # reused staging buffers, as a connector has
         t = time.perf_counter()
         got = list(store.stream(cold, outs=outs))
@@ -245,6 +267,7 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
         durable_s = time.perf_counter() - t
     return {
         "put_gbps": len(keys) * payload_bytes / put_s / GB,
+        "put_and_flush_gbps": len(keys) * payload_bytes / flushed_s / GB,
         "host_get_gbps": len(in_host) * payload_bytes / host_s / GB,
         "cold_disk_get_gbps": len(cold) * payload_bytes / disk_s / GB,
         "durable_put_gbps": len(durable) * payload_bytes / durable_s / GB,
@@ -255,11 +278,17 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
 def _print_table(report: dict) -> None:
     mb = report["chunk_bytes"] / 2**20
     print(f"chunk {mb:.2f} MiB x {report['chunks']} chunks")
-    print(f"{'tier':<6} {'put GB/s':>9} {'get GB/s':>9} {'limit GB/s':>11} {'limit':>9} {'get/limit':>10}")
+    print(f"{'tier':<6} {'put GB/s':>9} {'get GB/s':>9} {'limit GB/s':>11} {'limit':>9} {'get/limit':>10}  limit's configuration")
     for name, r in report["tiers"].items():
-        print(f"{name:<6} {r['put_gbps']:9.2f} {r['get_gbps']:9.2f} {r['limit_gbps']:11.2f} {r['limit']:>9} {r['get_vs_limit']:10.2f}")
+        print(f"{name:<6} {r['put_gbps']:9.2f} {r['get_gbps']:9.2f} {r['limit_gbps']:11.2f} {r['limit']:>9} "
+              f"{r['get_vs_limit']:10.2f}  {r['limit_config']}")
+    put_limit = report["tiers"]["host"]["put_limit"]
+    print(f"host put limit: memcpy into the pool {put_limit['gbps']:.2f} GB/s ({put_limit['config']}); "
+          f"put/limit {report['tiers']['host']['put_vs_limit']:.2f}")
     s = report["store"]
-    print(f"store  put {s['put_gbps']:.2f} GB/s (host + write-behind to disk), get from host "
-          f"{s['host_get_gbps']:.2f} GB/s, cold get from disk {s['cold_disk_get_gbps']:.2f} GB/s")
+    print(f"store  put {s['put_gbps']:.2f} GB/s ({s['put_vs_memcpy']:.2f}x memcpy; into host RAM, while the disk copies are "
+          f"written behind; {s['put_and_flush_gbps']:.2f} GB/s until they are all written), "
+          f"get from host {s['host_get_gbps']:.2f} GB/s ({s['host_get_vs_memcpy']:.2f}x), cold get from disk "
+          f"{s['cold_disk_get_gbps']:.2f} GB/s ({s['cold_disk_get_vs_raw_read']:.2f}x raw read)")
     print(f"store  durable put {s['durable_put_gbps']:.2f} GB/s ({s['durable_put_ms']:.1f} ms a chunk: "
           f"written and fsync'ed on disk before it returns)")

@@ -99,9 +99,40 @@ def payload_checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def payload_digest():
+    """A running payload checksum: ``update`` it with the payload's bytes in order, slice by
+    slice; its ``intdigest()`` equals ``payload_checksum`` of the whole."""
+    return xxhash.xxh3_64()
+
+
 def encode_header(key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, payload) -> bytes:
     """The 128-byte header for ``payload``; the blob is header + payload."""
     return _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)
+
+
+class UnsealedBlob:
+    """A blob whose header is packed only once its payload's checksum is known, so that the
+    tier that copies the payload in computes the checksum on the bytes as it copies them (one
+    pass over the payload, not two): see ``Tier.write_sealed``."""
+
+    def __init__(self, key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, payload) -> None:
+        self.key, self.codec_id, self.dtype, self.shape = key, codec_id, dtype, tuple(shape)
+        self.payload = payload
+        self.size = HEADER_BYTES + memoryview(payload).nbytes
+        self.digest = payload_digest()
+        self.header: BlobHeader | None = None  # known once sealed
+
+    def restart(self):
+        """A fresh digest for one write attempt (a failed one may have seen some bytes)."""
+        self.digest = payload_digest()
+        return self.digest
+
+    def seal(self) -> bytes:
+        """The header, for the checksum ``digest`` has seen (every payload byte, in order)."""
+        packed = _pack_header(self.key.namespace.fingerprint, self.key.prefix_hash, self.codec_id, self.dtype,
+                              self.shape, self.payload, checksum=self.digest.intdigest())
+        self.header = decode_header(packed)
+        return packed
 
 
 def reencoded_header(header: BlobHeader, codec_id: int, payload) -> bytes:
@@ -109,7 +140,8 @@ def reencoded_header(header: BlobHeader, codec_id: int, payload) -> bytes:
     return _pack_header(header.namespace_fp, header.prefix_hash, codec_id, header.dtype, header.shape, payload)
 
 
-def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: torch.dtype, shape, payload) -> bytes:
+def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: torch.dtype, shape, payload,
+                 checksum: int | None = None) -> bytes:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES.values())}")
     shape = tuple(int(d) for d in shape)
@@ -118,7 +150,8 @@ def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: 
     dims = shape + (0,) * (MAX_DIMS - len(shape))
     fixed = _FIXED.pack(
         MAGIC, VERSION, HEADER_BYTES, codec_id, DTYPE_CODES[dtype], len(shape), 0,
-        namespace_fp, prefix_hash, *dims, len(payload), payload_checksum(payload),
+        namespace_fp, prefix_hash, *dims, memoryview(payload).nbytes,
+        payload_checksum(payload) if checksum is None else checksum,
     )
     return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
 

@@ -80,7 +80,9 @@ class DiskTierConfig:
     o_direct: bool = False
     read_threads: int = 4
     verify_payload: bool = True
-    fetch_workers: int = 4
+    # Cold reads in flight; 0 = as many as the device serves best, measured once per device
+    # by reading probe files cold (tiers/read_probe.py) and kept in the data directory.
+    fetch_workers: int = 0
     # Emulate a slower device: cap the tier's bandwidth (bytes/s, e.g. "200MB/s"); 0 = no cap.
     read_bytes_per_s: int = 0
 
@@ -224,6 +226,8 @@ class StoreConfig:
                             ("max_pin_ttl_s", self.max_pin_ttl_s), ("fetch_stall_s", self.fetch_stall_s)):
             if not value > 0:
                 raise ConfigError(f"{path}: must be positive, got {value}")
+        if self.disk.fetch_workers < 0:
+            raise ConfigError(f"disk.fetch_workers: must be 0 (measured) or positive, got {self.disk.fetch_workers}")
         if self.write_behind.workers < 1 or self.prefetch_max_inflight < 1:
             raise ConfigError("write_behind.workers and prefetch_max_inflight must be at least 1")
 

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import xxhash
 
-from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_checksum
+from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_digest
 from kvstore.codecs import codec_by_id
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.fetch import FetchJob
@@ -130,9 +130,14 @@ class ReadPath:
         header_buf = bytearray(HEADER_BYTES)
         direct = out is not None and codec_id == 0 and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
+        verify = self._verify[tier.name]
+        digest = payload_digest() if verify else None
         started = time.perf_counter()
         try:
-            got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
+            if verify:  # the checksum is computed on the bytes as they land, not in a second pass
+                got = tier.read_into_hashing(key_id, [memoryview(header_buf), payload_buf], HEADER_BYTES, digest)
+            else:
+                got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
         except ValueError:
             got = None  # replaced by a larger value meanwhile (another daemon)
         elapsed = time.perf_counter() - started
@@ -145,7 +150,7 @@ class ReadPath:
         header = checked_header(tier, key, header_buf, size)
         if codec_id is not None and header.codec_id != codec_id:
             raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
-        if self._verify[tier.name] and payload_checksum(payload_buf) != header.payload_checksum:
+        if verify and digest.intdigest() != header.payload_checksum:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
         if out is not None and not direct:
             try:

@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from kvstore.blob import HEADER_BYTES, decode_header, encode_header
+from kvstore.blob import HEADER_BYTES, UnsealedBlob, decode_header, encode_header
 from kvstore.codecs import get_codec
 from kvstore.config import StoreConfig
 from kvstore.discovery import discover
@@ -139,8 +139,15 @@ class Store:
         chosen = get_codec(codec) if codec else self.codec
         kv = kv.detach().to("cpu").contiguous()
         payload = chosen.encode(kv)
-        header = encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload)
-        self.put_blob(key.id, [header, payload], parent=parent.id if parent else None, durable=durable)
+        with self.index.lock:
+            fresh = self.index.get(key.id) is None
+        if not fresh:  # a re-put is recognised by its header, checksum included: pack it first
+            header = encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload)
+            self.put_blob(key.id, [header, payload], parent=parent.id if parent else None, durable=durable)
+            return
+        # a new chunk: the first tier checksums the payload as it copies it in (one pass)
+        self._put(key.id, UnsealedBlob(key, chosen.codec_id, kv.dtype, kv.shape, payload), None,
+                  parent.id if parent else None, durable)
 
     def put_blob(self, key_id: bytes, parts: Sequence, *, parent: bytes | None = None, durable: bool = False) -> None:
         """Store an already encoded, already verified blob (header + payload, possibly in pieces).
@@ -148,8 +155,12 @@ class Store:
         Putting the blob a chunk already holds is an access and writes nothing (retries are
         idempotent); another blob of the same chunk (another codec) replaces it: reads then
         return the new one, and older copies on lower tiers are replaced behind."""
-        size = sum(memoryview(p).nbytes for p in parts)
-        header = _leading_header(parts)
+        self._put(key_id, parts, _leading_header(parts), parent, durable)
+
+    def _put(self, key_id: bytes, parts, header, parent: bytes | None, durable: bool) -> None:
+        """``parts`` is a blob in pieces and ``header`` its header, or an ``UnsealedBlob``
+        (``header`` None: it is known once the first tier has the blob)."""
+        size = parts.size if header is None else sum(memoryview(p).nbytes for p in parts)
         ticket = Ticket() if durable else None
         while not self._put_once(key_id, parts, size, header, parent, ticket):
             pass  # the chunk changed while its copies' room was reserved: look again
@@ -160,7 +171,9 @@ class Store:
         with self.index.lock:
             self.index.check_open()
             entry = self.index.get(key_id)
-            same = entry is not None and entry.header == header
+            # an unsealed blob (header None) is a new one: put meanwhile by another caller, the
+            # chunk gets a new version of the same bytes
+            same = entry is not None and header is not None and entry.header == header
             host = entry.current(self.first.name) if same else None
             present = host is not None and host.size == size
             if present and ticket is None:
@@ -181,7 +194,7 @@ class Store:
             return True
         try:
             self._write_first(key_id, parts, size, True, None,
-                              lambda: self._commit_put(key_id, header, size, parent, reservation, ticket))
+                              lambda: self._commit_put(key_id, header or parts.header, size, parent, reservation, ticket))
         except BaseException:
             self._write_behind.release(reservation)
             raise
@@ -221,7 +234,10 @@ class Store:
                     if precheck is not None and not precheck():
                         return False
                 try:
-                    tier.write(key_id, parts)
+                    if isinstance(parts, UnsealedBlob):
+                        tier.write_sealed(key_id, HEADER_BYTES, parts.payload, parts.restart(), parts.seal)
+                    else:
+                        tier.write(key_id, parts)
                 except TierFull:
                     if not wait:
                         return False
@@ -234,7 +250,7 @@ class Store:
 
     @staticmethod
     def _profile_key(parts):
-        header = _leading_header(parts)
+        header = parts if isinstance(parts, UnsealedBlob) else _leading_header(parts)
         return header.dtype, header.shape
 
     def _promote(self, key_id: bytes, version: int, parts: list, size: int, codec_id: int) -> None:

@@ -18,7 +18,9 @@ from typing import Sequence
 from kvstore.config import StoreConfig, format_size
 from tiers.base import Tier, TierError, TierUnavailable
 from tiers.host import HostTier
-from tiers.nvme import DiskTier
+from tiers.files import TMP_SUFFIX
+from tiers.nvme import HASH_SLICE_BYTES, DiskTier
+from tiers.read_probe import read_parallelism
 from tiers.reconnecting import ReconnectingTier
 from tiers.throttle import ThrottledTier
 
@@ -60,7 +62,10 @@ def build_tiers(config: StoreConfig) -> list[TierSetup]:
     d = config.disk
     if d.enabled:
         disk = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads)
-        setups.append(TierSetup(_capped(disk, d.read_bytes_per_s), d.fetch_workers, d.verify_payload))
+        # 0: as many as the device serves best, measured (tiers/read_probe.py)
+        workers = d.fetch_workers or read_parallelism(str(disk.root), disk.o_direct, TMP_SUFFIX,
+                                                      None if disk.o_direct else HASH_SLICE_BYTES)
+        setups.append(TierSetup(_capped(disk, d.read_bytes_per_s), workers, d.verify_payload))
     p = config.pfs
     if p.enabled:
         if not p.path:

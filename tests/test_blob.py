@@ -94,3 +94,21 @@ def test_encode_rejects_bad_input():
         encode_header(KEY, 0, torch.float16, (), b"")
     with pytest.raises(ValueError):
         encode_header(KEY, 0, torch.float16, (1,) * 9, b"ab")
+
+
+def test_an_unsealed_blob_seals_to_the_header_encode_header_packs():
+    """The fused put path (checksum computed while the payload is copied) writes the very
+    header the two-pass path would, so the blob format is unchanged."""
+    from kvstore.blob import UnsealedBlob
+
+    ns = Namespace("m", 2, 1, 8, "float16", 16)
+    (key,) = chunk_keys(list(range(16)), ns)
+    payload = torch.randn(ns.chunk_shape).half().numpy().tobytes()
+    blob = UnsealedBlob(key, 0, torch.float16, ns.chunk_shape, payload)
+    blob.restart().update(payload[:100])  # a failed attempt saw some bytes; a retry starts afresh
+    digest = blob.restart()
+    for i in range(0, len(payload), 1000):
+        digest.update(payload[i : i + 1000])
+    assert blob.seal() == encode_header(key, 0, torch.float16, ns.chunk_shape, payload)
+    assert blob.header == decode_header(blob.seal())
+    verify_blob(blob.seal() + payload, key)

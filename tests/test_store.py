@@ -568,3 +568,26 @@ def test_a_closed_store_refuses_every_call(tmp_path):
                  lambda: store.put(keys[0], values[0])):
         with pytest.raises(Exception, match="closed"):
             call()
+
+
+def test_a_new_chunk_is_written_once_and_its_blob_verifies_on_every_tier(tmp_path):
+    """A put of a new chunk seals its header from the checksum the host tier computed while
+    copying the payload in; the blob is the same as the two-pass one, and a re-put of the
+    same chunk is still recognised (no new version)."""
+    from kvstore.blob import encode_header, verify_blob
+    from kvstore.codecs.raw import tensor_bytes
+
+    (key,), (kv,) = chunks(1)
+    with Store(config(tmp_path)) as store:
+        store.put(key, kv)
+        store.flush()
+        version = store.index.get(key.id).version
+        expected = encode_header(key, 0, kv.dtype, kv.shape, tensor_bytes(kv))
+        for name in ("host", "nvme"):
+            blob = store.tier(name).read(key.id)
+            verify_blob(blob, key)
+            assert bytes(blob[:128]) == expected
+        store.put(key, kv)
+        assert store.index.get(key.id).version == version
+        out = torch.empty_like(kv)
+        assert store.get_into(key, out) and torch.equal(out, kv)

@@ -128,3 +128,24 @@ def test_bad_construction():
         HostTier(PAGE - 1, page_bytes=PAGE)
     with pytest.raises(ValueError):
         HostTier(0)
+
+
+def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last():
+    """Pages of 4 KiB and slices of 256 KiB: the head and payload straddle page runs, and the
+    digest the head is sealed with is that of the whole payload."""
+    import xxhash
+
+    tier = HostTier(4 << 20, page_bytes=4096)
+    tier.write(b"other", [b"x" * 5000])  # so the value's pages are not one run from page 0
+    payload = np.random.default_rng(3).integers(0, 256, (1 << 20) + 77, dtype=np.uint8)
+    digest = xxhash.xxh3_64()
+
+    def seal():
+        return digest.intdigest().to_bytes(8, "little") * 16
+
+    tier.write_sealed(b"k", 128, payload, digest, seal)
+    value = tier.read(b"k")
+    assert value[128:] == payload.tobytes()
+    assert value[:128] == xxhash.xxh3_64_intdigest(payload.tobytes()).to_bytes(8, "little") * 16
+    with pytest.raises(ValueError, match="seal"):
+        tier.write_sealed(b"j", 64, payload, xxhash.xxh3_64(), seal)

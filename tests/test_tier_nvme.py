@@ -202,3 +202,23 @@ def test_21_a_delete_racing_a_rewrite_of_the_same_key_never_unlinks_the_new_file
     deleter.join()
     writer.join()
     assert tier.contains(key(1)) and tier.read(key(1)) == blob(6000, 2)
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_read_into_hashing_digests_exactly_the_bytes_past_the_head(tmp_path, o_direct):
+    """Buffered reads hash slice by slice as they land (slices smaller than the value here),
+    O_DIRECT ones after: either way the digest is of every byte past the head, in order."""
+    import xxhash
+
+    from tiers import nvme
+
+    tier = DiskTier(tmp_path / "d", 16 << 20, o_direct=o_direct)
+    value = os.urandom(3 * nvme.HASH_SLICE_BYTES + 1000)
+    tier.write(b"k", [value])
+    head, body = bytearray(128), bytearray(len(value) - 128)
+    digest = xxhash.xxh3_64()
+    assert tier.read_into_hashing(b"k", [head, body], 128, digest) == len(value)
+    assert bytes(head) + bytes(body) == value
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(value[128:])
+    assert tier.read_into_hashing(b"absent", [head, body], 128, xxhash.xxh3_64()) is None
+    tier.close()

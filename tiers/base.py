@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Iterator, Protocol, Sequence
+from typing import BinaryIO, Callable, Iterator, Protocol, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
@@ -64,6 +64,15 @@ class Tier(ABC):
         Atomic: a reader sees either the old value, nothing, or the whole new value.
         """
 
+    def write_sealed(self, key: bytes, head_bytes: int, payload: Buffer, digest, seal: Callable[[], bytes]) -> None:
+        """``write(key, [seal(), payload])``, where the ``head_bytes`` ``seal()`` returns depend on
+        ``digest`` (``update``d with every payload byte, in order) and is called once the
+        payload is in. A tier that copies the payload in updates ``digest`` on each slice it
+        has just written, while it is in cache, so the bytes are read once; this default
+        reads them twice."""
+        digest.update(payload)
+        self.write(key, [seal(), payload])
+
     def read(self, key: bytes) -> Buffer | None:
         """The value's bytes (possibly a zero-copy view), or None if absent. This default
         reads into a new buffer of the recorded size; a file shorter than that reads short."""
@@ -81,6 +90,21 @@ class Tier(ABC):
 
         Raises ValueError if ``out`` is too small.
         """
+
+    def read_into_hashing(self, key: bytes, out: Buffer | Sequence[Buffer], head_bytes: int, digest) -> int | None:
+        """``read_into``, with ``digest`` updated with every byte read past the first
+        ``head_bytes``, in order. A tier that reads in slices hashes each as it lands, while
+        it is in cache; this default reads, then hashes what it read."""
+        got = self.read_into(key, out)
+        if got is not None:
+            offset = 0
+            for o in as_buffers(out):
+                view = memoryview(o).cast("B")
+                lo, hi = max(head_bytes - offset, 0), min(got - offset, len(view))
+                if lo < hi:
+                    digest.update(view[lo:hi])
+                offset += len(view)
+        return got
 
     def peek(self, key: bytes, nbytes: int) -> bytes | None:
         """The value's first ``nbytes`` bytes (fewer if it is shorter), or None if absent: the

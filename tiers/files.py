@@ -58,6 +58,35 @@ def read_fully(fd: int, outs: list[memoryview]) -> int:
         total += got
 
 
+def read_fully_hashing(fd: int, outs: list[memoryview], head_bytes: int, digest, slice_bytes: int) -> int:
+    """``read_fully``, in slices of ``slice_bytes``: ``digest`` is updated with each slice past
+    the first ``head_bytes`` right after it lands, while it is still in cache."""
+    total = 0
+    while True:
+        pending = skip(outs, total)
+        if not pending:
+            return total
+        window = take(pending, slice_bytes if total >= head_bytes else head_bytes - total)
+        got = os.preadv(fd, window, total)
+        if got == 0:
+            return total
+        if total >= head_bytes:
+            for view in take(window, got):
+                digest.update(view)
+        total += got
+
+
+def take(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The views' first ``nbytes`` bytes, as views."""
+    out = []
+    for v in views:
+        if nbytes <= 0:
+            break
+        out.append(v[:nbytes])
+        nbytes -= len(out[-1])
+    return out
+
+
 class DirectoryInUse(OSError):
     """Another live process holds this data directory."""
 

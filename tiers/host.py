@@ -15,9 +15,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kernels.parallel_copy import copy_pairs
 from tiers.base import Buffer, as_buffers
 from tiers.pages import PagedTier, segments
 
+SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when ``write_sealed`` hashes it
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
 
 
@@ -84,8 +86,30 @@ class HostTier(PagedTier):
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         views = [_byte_view(p) for p in parts]
         value = self.table.allocate(sum(v.size for v in views))
-        for start, i, offset, n in segments(value.runs, [v.size for v in views]):
-            self._pool[start : start + n] = views[i][offset : offset + n]
+        copy_pairs([(self._pool[start : start + n], views[i][offset : offset + n])
+                    for start, i, offset, n in segments(value.runs, [v.size for v in views])])
+        self.table.publish(key, value)
+
+    def write_sealed(self, key: bytes, head_bytes: int, payload: Buffer, digest, seal) -> None:
+        """The payload copied in cache-sized slices, each hashed right after it lands (one pass
+        over the payload's bytes, and the digest is of what the pool holds), then the head
+        ``seal()`` packs from that digest."""
+        src = _byte_view(payload)
+        value = self.table.allocate(head_bytes + src.size)
+        heads = []
+        for start, i, offset, n in segments(value.runs, [head_bytes, src.size]):
+            if i == 0:
+                heads.append((start, offset, n))
+                continue
+            for o in range(0, n, SEAL_SLICE_BYTES):
+                dst = self._pool[start + o : start + min(n, o + SEAL_SLICE_BYTES)]
+                np.copyto(dst, src[offset + o : offset + o + dst.size])
+                digest.update(dst)
+        head = np.frombuffer(seal(), dtype=np.uint8)
+        if head.size != head_bytes:
+            raise ValueError(f"{self.name}: seal() gave {head.size} bytes, {head_bytes} expected")
+        for start, offset, n in heads:
+            self._pool[start : start + n] = head[offset : offset + n]
         self.table.publish(key, value)
 
     @contextmanager
@@ -117,8 +141,8 @@ class HostTier(PagedTier):
         with self.table.reading(key, capacity=sum(o.size for o in outs)) as value:
             if value is None:
                 return None
-            for start, i, offset, n in segments(value.runs, [o.size for o in outs]):
-                np.copyto(outs[i][offset : offset + n], self._pool[start : start + n])
+            copy_pairs([(outs[i][offset : offset + n], self._pool[start : start + n])
+                        for start, i, offset, n in segments(value.runs, [o.size for o in outs])])
             return value.length
 
     def close(self) -> None:

@@ -24,9 +24,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kernels.parallel_copy import copy_pairs
 from tiers.base import Buffer, Tier, TierFull, TierUnavailable, as_buffers
-from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, round_up, skip, unlink_quietly
+from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, read_fully_hashing, round_up, skip, unlink_quietly
 
+HASH_SLICE_BYTES = 256 << 10  # a slice just read is still in L2 when it is hashed
 _UNAVAILABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOTDIR}
 
 
@@ -215,6 +217,16 @@ class DiskTier(Tier):
         A file shorter or longer than recorded reads what is there: the blob checks above
         this tier catch the difference.
         """
+        return self._read(key, out, None)
+
+    def read_into_hashing(self, key: bytes, out, head_bytes: int, digest) -> int | None:
+        """Buffered reads go in slices, each hashed as it lands; an O_DIRECT read lands in a
+        staging buffer first and is hashed after."""
+        if self.o_direct:
+            return super().read_into_hashing(key, out, head_bytes, digest)
+        return self._read(key, out, (head_bytes, digest))
+
+    def _read(self, key: bytes, out, hashing: tuple | None) -> int | None:
         outs = [memoryview(o).cast("B") for o in as_buffers(out)]
         size = self._sizes.get(key)
         if size is None:
@@ -236,6 +248,8 @@ class DiskTier(Tier):
         if fd is None:
             return None
         try:
+            if hashing is not None:
+                return read_fully_hashing(fd, outs, *hashing, HASH_SLICE_BYTES)
             return read_fully(fd, outs)
         except OSError as exc:
             raise self._error(exc) from exc
@@ -266,11 +280,12 @@ class DiskTier(Tier):
             os.close(fd)
         got = min(got, sum(len(o) for o in outs))
         src = np.frombuffer(staging, dtype=np.uint8, count=got)
-        done = 0
+        pairs, done = [], 0
         for o in outs:
             take = min(len(o), got - done)
-            np.copyto(np.frombuffer(o, dtype=np.uint8, count=take), src[done : done + take])
+            pairs.append((np.frombuffer(o, dtype=np.uint8, count=take), src[done : done + take]))
             done += take
+        copy_pairs(pairs)
         return got
 
     def read_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:

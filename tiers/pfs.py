@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tiers.base import TierUnavailable, as_buffers
+from tiers.base import Tier, TierUnavailable, as_buffers
 from tiers.files import SUFFIX, TMP_SUFFIX, read_fully, round_up, unlink_quietly
 from tiers.nvme import DiskTier
 
@@ -124,6 +124,9 @@ class PfsTier(DiskTier):
 
     def contains(self, key: bytes) -> bool:
         return self.size_of(key) is not None
+
+    # its read_into differs from the local disk's (the file's own length, recorded): hash after it
+    read_into_hashing = Tier.read_into_hashing
 
     def read_into(self, key: bytes, out) -> int | None:
         """Read the file into ``out`` (one buffer or a list, filled in order).

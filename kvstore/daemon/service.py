@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import torch
 
+from kernels.parallel_copy import copy, copy_pairs
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, decode_header, verify_blob
@@ -45,14 +46,15 @@ from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
 
 
 def _copy(dst, src) -> None:
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    copy(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def _copy_views(dst: memoryview, views: list[memoryview]) -> None:
-    off = 0
+    pairs, off = [], 0
     for v in views:
-        _copy(dst[off : off + v.nbytes], v)
+        pairs.append((np.frombuffer(dst[off : off + v.nbytes], dtype=np.uint8), np.frombuffer(v, dtype=np.uint8)))
         off += v.nbytes
+    copy_pairs(pairs)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):

@@ -1,0 +1,96 @@
+"""Big host-memory copies split in slices over a small persistent pool of threads.
+
+One thread of ``memmove`` does not reach the memory bandwidth of a machine with several
+cores; ``np.copyto`` releases the GIL, so slices of one copy run on all cores at once. The
+pool is created on first use and lives as long as the process (a pool per call would cost
+more than the copy). Copies below ``PARALLEL_MIN_BYTES`` stay in the caller's thread, where
+handing slices to workers costs more than it saves, and so does a copy that starts while
+another one holds the pool: the cores are busy copying already, and its slices would wait
+behind the other copy's.
+
+A copy returns only when every slice is written: nothing touches either buffer afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+PARALLEL_MIN_BYTES = 4 << 20
+SLICE_ALIGN = 4096
+
+_lock = threading.Lock()
+_busy = threading.Lock()  # held by the copy that has the pool
+_pool: ThreadPoolExecutor | None = None
+_workers = max(1, os.cpu_count() or 1)
+
+
+def workers() -> int:
+    """Threads a copy is split over (the caller's included)."""
+    return _workers
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_workers - 1, thread_name_prefix="parallel-copy")
+        return _pool
+
+
+def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
+    def copy_group(group):
+        for dst, src in group:
+            np.copyto(dst, src)
+
+    if len(groups) == 1:
+        copy_group(groups[0])
+        return
+    futures = [_executor().submit(copy_group, g) for g in groups[1:]]
+    try:
+        copy_group(groups[0])
+    finally:
+        for f in futures:
+            f.result()  # wait for every slice, even when one failed, before the buffers go back
+
+
+def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """(dst, src) byte-array pairs regrouped into ``parts`` groups of about equal bytes, cut
+    at ``SLICE_ALIGN`` boundaries; the groups together copy exactly the same bytes."""
+    total = sum(src.size for _, src in pairs)
+    share = max(SLICE_ALIGN, -(-total // parts // SLICE_ALIGN) * SLICE_ALIGN)
+    groups: list[list] = [[]]
+    room = share
+    for dst, src in pairs:
+        done = 0
+        while done < src.size:
+            if room == 0:
+                groups.append([])
+                room = share
+            take = min(room, src.size - done)
+            groups[-1].append((dst[done : done + take], src[done : done + take]))
+            done += take
+            room -= take
+    return groups
+
+
+def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Copy every ``src`` into its ``dst`` (uint8 arrays of equal sizes), on all cores when big."""
+    total = sum(src.size for _, src in pairs)
+    if total >= PARALLEL_MIN_BYTES and _workers > 1 and _busy.acquire(blocking=False):
+        try:
+            _run(split(pairs, _workers))
+        finally:
+            _busy.release()
+        return
+    for dst, src in pairs:
+        np.copyto(dst, src)
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)`` for two uint8 arrays of one size, on all cores when big."""
+    copy_pairs([(dst, src)])

@@ -1,0 +1,99 @@
+"""bench/limits.py: each limit is the best of the configurations it tried, named; the
+cold-read check really sees a cached file."""
+
+import os
+
+import numpy as np
+import pytest
+
+from bench import limits
+from tiers import read_probe
+from bench.limits import Limit, best_of, cached_bytes, disk_read_limit, drop_cache, memcpy_limit, over_limit, socket_limit
+
+
+def _is_best(limit: Limit) -> None:
+    assert limit.gbps == max(limit.tried.values())
+    assert limit.tried[limit.config] == limit.gbps
+    assert all(v > 0 for v in limit.tried.values())
+
+
+def test_best_of_names_the_configuration_that_gave_the_maximum():
+    limit = best_of({"a": 1.0, "b": 3.0, "c": 2.0})
+    assert (limit.gbps, limit.config) == (3.0, "b")
+    with pytest.raises(ValueError):
+        best_of({})
+
+
+def test_over_limit_flags_only_figures_beyond_noise():
+    limit = Limit(10.0, "x")
+    assert over_limit({"ok": 10.4, "low": 3.0}, limit) == []
+    assert len(over_limit({"bad": 10.6}, limit)) == 1
+
+
+def test_memcpy_limit_is_the_best_of_numpy_threads_and_torch():
+    pairs = [(np.zeros(1 << 20, np.uint8), np.full(1 << 20, i, np.uint8)) for i in range(3)]
+    limit = memcpy_limit(pairs, repeat=1)
+    _is_best(limit)
+    names = " | ".join(limit.tried)
+    assert "np.copyto, 1 thread" in names and "torch copy_" in names and "memmove over slices, 2 threads" in names
+    assert all(np.array_equal(d, s) for d, s in pairs)  # every configuration really copied
+
+
+def test_memcpy_limit_reports_whichever_config_is_fastest(monkeypatch):
+    """The selection follows the measurements, not a fixed favourite."""
+    times = iter([3.0, 1.0] + [2.0] * 20)  # the second config measured is the fastest
+    monkeypatch.setattr(limits, "_timed", lambda fn, repeat: next(times))
+    limit = memcpy_limit([(np.zeros(4096, np.uint8), np.ones(4096, np.uint8))], repeat=1)
+    assert limit.config == list(limit.tried)[1]
+    _is_best(limit)
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(256 << 10))
+        paths.append(str(p))
+    try:
+        drop_cache(paths)
+    except RuntimeError as exc:
+        pytest.skip(f"this file system keeps pages cached: {exc}")
+    return paths
+
+
+def test_cached_bytes_sees_a_cached_file_and_its_drop(files):
+    path = files[0]
+    with open(path, "rb") as f:
+        f.read()
+    assert cached_bytes(path) == os.path.getsize(path)
+    drop_cache([path])
+    assert cached_bytes(path) == 0
+
+
+def test_drop_cache_fails_when_pages_stay(files, monkeypatch):
+    monkeypatch.setattr(read_probe, "cached_bytes", lambda p: 4096)
+    with pytest.raises(RuntimeError, match="page cache"):
+        drop_cache(files)
+
+
+def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(files, monkeypatch):
+    seen = []
+    real = limits.read_all
+
+    def read_all(paths, n, direct, read_bytes=None):
+        assert all(cached_bytes(p) == 0 for p in paths)  # every run starts cold
+        seen.append((n, direct))
+        real(paths, n, direct, read_bytes)
+
+    monkeypatch.setattr(limits, "read_all", read_all)
+    limit = disk_read_limit(files)
+    _is_best(limit)
+    assert {n for n, _ in seen} == set(limits.INFLIGHT)
+    assert "buffered, 8 in flight" in limit.tried and "buffered in 256 KiB reads, 1 in flight" in limit.tried
+
+
+def test_socket_limit_is_the_best_of_its_streams():
+    limit = socket_limit(64 << 10, 0.05, streams=(1, 2))
+    _is_best(limit)
+    assert set(limit.tried) == {"1 stream", "2 streams"}
