@@ -113,6 +113,15 @@ class FaultyTier(Tier):
             last[len(last) // 2] ^= 0x10
         return got
 
+    def read_into_hashing(self, key: bytes, out, head_bytes: int, digest) -> int | None:
+        """The inner tier's own read-and-hash (its fused path), unless a flipped read is due:
+        then the flip happens in ``read_into``, before the bytes are hashed, as a medium
+        returning wrong bytes would."""
+        if self.flip_reads > 0:
+            return super().read_into_hashing(key, out, head_bytes, digest)
+        self._enter("read", key)
+        return self.inner.read_into_hashing(key, out, head_bytes, digest)
+
     def delete(self, key: bytes) -> bool:
         self._enter("delete", key)
         return self.inner.delete(key)
