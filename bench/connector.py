@@ -45,7 +45,9 @@ from pathlib import Path
 
 GB = 1e9
 SOURCES = ("host", "disk", "shm", "remote")
-DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl.gz")
+# The whole trace where the checkout sits beside ../shared/traces, else the excerpt it ships.
+_FULL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl.gz"
+DEFAULT_TRACE = _FULL_TRACE if _FULL_TRACE.exists() else Path(__file__).parent / "data" / "mooncake_conversation_head2000.jsonl.gz"
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace hashes its prompts in blocks of this many tokens
 TARGETS = {"hit_vs_cold_at_2k": 0.25, "host_load_vs_memcpy": 0.5, "disk_load_vs_raw_read": 0.7,
            "multi_turn_mean_ttft_ratio": 0.5}
