@@ -21,7 +21,7 @@ OPT = "opt"
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("policies", help="trace-driven eviction policy comparison")
-    p.add_argument("--trace", required=True, help="trace file (Mooncake JSONL or text, maybe gzipped) or synthetic[:k=v,...]")
+    p.add_argument("--trace", required=True, help="trace file (Mooncake JSONL or text, maybe gzipped), synthetic[:k=v,...] or workload:NAME[:k=v,...]")
     p.add_argument("--capacities", default="1,2,5,10,20", help="capacities, percent of distinct blocks")
     p.add_argument("--policies", default=None, help=f"comma-separated; default: every policy and {OPT}")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
