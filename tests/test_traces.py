@@ -93,6 +93,15 @@ def test_policies_command_json(tmp_path, capsys):
     assert "shadow-vote" in capsys.readouterr().out
 
 
+def test_policies_command_experts_and_their_bound(capsys):
+    from kvstore.policies.shadow_vote import EXPERT_POLICIES
+
+    assert main(["policies", "--trace", "workload:chat:requests=300", "--capacities", "5", "--policies", "experts,default"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"expert:{name} " in out for name in EXPERT_POLICIES)
+    assert "shadow-vote minus best expert" in out
+
+
 @pytest.mark.parametrize(
     "argv",
     [
