@@ -15,6 +15,9 @@ after the first miss is recomputed, not loaded), bytes read and written, and mod
 per request = measured load time + missed tokens / ``--prefill-tok-s`` (the prefill cost
 model; calibrate it with ``kvbench engine`` or a real engine's prefill throughput).
 Capacities are percentages of the replayed requests' distinct blocks, as in ``kvbench policies``.
+Where the trace labels its requests (``workload:...`` mixes label each with its tenant's
+kind), TTFT and the prefix hit ratio are reported per class too: a policy's hits are worth
+what they save in prefill, and its gains on one kind of request may be losses on another.
 
 A policy name ending in ``+compress`` (e.g. ``default+compress``) runs that policy with joint
 compression and eviction (kvstore/placement.py): a victim may stay in its tier re-encoded by a
@@ -46,7 +49,8 @@ from kvstore.store import Store
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("replay", help="replay a trace through the real Store and its tiers")
-    p.add_argument("--trace", required=True, help="trace file (Mooncake JSONL or text) or synthetic[:k=v,...]")
+    p.add_argument("--trace", required=True,
+                   help="trace file (Mooncake JSONL or text), synthetic[:k=v,...] or workload:NAME[:k=v,...]")
     p.add_argument("--policies", default="lru,arc,default,default+compress",
                    help="eviction policies to compare; NAME+compress adds joint compression")
     p.add_argument("--requests", type=int, default=1000, help="replay the first N requests")
@@ -79,7 +83,9 @@ def _percentiles(values: list[float]) -> dict[str, float]:
             "p90_s": float(np.percentile(a, 90)), "p99_s": float(np.percentile(a, 99))}
 
 
-def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress: Progress) -> dict:
+def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress: Progress,
+               classes: list[str] | None = None) -> dict:
+    """One policy's replay; ``classes`` labels each request for the per-class figures."""
     chunk = torch.randn(ns.chunk_shape).half()
     blob = chunk.numel() * chunk.element_size() + 4096
     distinct = len({b for r in requests for b in r})
@@ -94,6 +100,7 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress:
     longest = max(len(r) for r in requests)
     outs = [torch.empty_like(chunk) for _ in range(longest)]
     ttft, served, accesses = [], {}, 0
+    by_class: dict[str, dict[str, list]] = {}  # class -> {"ttft": [...], "blocks": [hit, accessed]}
     with Store(cfg) as store:
         for done, request in enumerate(requests, 1):
             keys = [_key(ns, b) for b in request]
@@ -110,6 +117,11 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress:
                 served[name] = served.get(name, 0) + after[name].hits - before[name]
             accesses += len(keys)
             ttft.append(load_s + (len(keys) - hit) * ns.chunk_tokens / args.prefill_tok_s)
+            if classes is not None:
+                mine = by_class.setdefault(classes[done - 1], {"ttft": [], "blocks": [0, 0]})
+                mine["ttft"].append(ttft[-1])
+                mine["blocks"][0] += hit
+                mine["blocks"][1] += len(keys)
             progress.step(what=policy)
         store.flush()
         stats = store.stats().tiers
@@ -121,6 +133,8 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress:
         "lossy_hit_pct": 100 * sum(s.lossy_hits for s in stats.values()) / accesses,
         "recodes": {n: s.recodes for n, s in stats.items()},
         "ttft": _percentiles(ttft),
+        "by_class": {c: {"requests": len(v["ttft"]), "prefix_hit_pct": 100 * v["blocks"][0] / v["blocks"][1],
+                         "ttft": _percentiles(v["ttft"])} for c, v in sorted(by_class.items())},
     }
 
 
@@ -139,7 +153,8 @@ def run(args) -> int:
     progress = Progress(len(names) * len(requests), "requests replayed")
     try:
         for policy in names:
-            results[policy] = replay_one(requests, policy, args, ns, root, progress)
+            results[policy] = replay_one(requests, policy, args, ns, root, progress,
+                                         None if trace.classes is None else trace.classes[: args.requests])
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -162,3 +177,18 @@ def _print(report: dict) -> None:
         read, written = sum(r["bytes_read"].values()) / 1e6, sum(r["bytes_written"].values()) / 1e6
         print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('nvme', 0):9.2f} {r['lossy_hit_pct']:7.2f} {read:8.1f} "
               f"{written:10.1f} {t['mean_s']:10.4f} {t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")
+    classes = sorted({c for r in report["policies"].values() for c in r["by_class"]})
+    if classes:
+        print(f"per request class: prefix hit % / TTFT mean / p50 / p90 (s)")
+        print(f"{'policy':<18} " + " ".join(f"{c + ' (' + str(_requests(report, c)) + ')':>30}" for c in classes))
+        for name, r in report["policies"].items():
+            cells = []
+            for c in classes:
+                v = r["by_class"].get(c)
+                cells.append(f"{'-':>30}" if v is None else
+                             f"{v['prefix_hit_pct']:6.2f} {v['ttft']['mean_s']:7.4f} {v['ttft']['p50_s']:7.4f} {v['ttft']['p90_s']:7.4f}")
+            print(f"{name:<18} " + " ".join(cells))
+
+
+def _requests(report: dict, cls: str) -> int:
+    return next(r["by_class"][cls]["requests"] for r in report["policies"].values() if cls in r["by_class"])

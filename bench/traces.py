@@ -13,7 +13,8 @@ hashes, so they say nothing about reuse (``kvbench engine --trace`` uses them fo
 and lengths).
 
 Either may be gzip-compressed (detected from the magic bytes, not the name).
-``synthetic:...`` names a generated trace (see ``bench.synthetic``).
+``synthetic:...`` names a generated trace (see ``bench.synthetic``), ``workload:...`` a
+multi-tenant mix (``bench.workloads``), whose requests carry their tenant's kind.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Hashable
 class Trace:
     name: str
     requests: list[list[Hashable]]
+    classes: list[str] | None = None  # a label per request (its tenant's kind), where the trace has one
     distinct: int = field(init=False)
     accesses: int = field(init=False)
 
@@ -39,7 +41,7 @@ class Trace:
 
     def head(self, n: int) -> "Trace":
         """The first ``n`` requests, for tests and quick looks."""
-        return Trace(f"{self.name}[:{n}]", self.requests[:n])
+        return Trace(f"{self.name}[:{n}]", self.requests[:n], None if self.classes is None else self.classes[:n])
 
 
 def _open_text(path: Path) -> io.TextIOBase:
@@ -78,7 +80,11 @@ def _parse_line(line: str, lineno: int, path: Path) -> list[Hashable] | None:
 
 
 def load_trace(spec: str) -> Trace:
-    """Load ``spec``: a trace file path, or ``synthetic:key=value,...``."""
+    """Load ``spec``: a trace file path, ``synthetic:key=value,...`` or ``workload:NAME...``."""
+    if spec.startswith("workload:"):
+        from bench.workloads import generate_from_spec
+
+        return generate_from_spec(spec)
     if spec.startswith("synthetic"):
         from bench.synthetic import generate_from_spec
 

@@ -21,6 +21,28 @@ def test_replay_counts_prefix_hits_through_the_real_store(tmp_path):
         assert r["bytes_written"]["host"] > 0
 
 
+def test_replay_reports_ttft_per_request_class(tmp_path, capsys):
+    out = tmp_path / "replay.json"
+    rc = main(["replay", "--trace", "workload:saas:requests=60", "--requests", "50", "--policies", "lru",
+               "--layers", "1", "--head-dim", "16", "--tokens", "16", "--dir", str(tmp_path / "d"), "--json", str(out)])
+    assert rc == 0
+    by_class = json.loads(out.read_text())["policies"]["lru"]["by_class"]
+    assert sum(v["requests"] for v in by_class.values()) == 50
+    assert set(by_class) <= {"docqa", "chat", "agent", "batch", "oneoff"} and "chat" in by_class
+    for v in by_class.values():
+        assert 0 <= v["prefix_hit_pct"] <= 100 and v["ttft"]["p90_s"] >= v["ttft"]["p50_s"] > 0
+    assert "per request class" in capsys.readouterr().out
+
+
+def test_replay_of_an_unlabelled_trace_has_no_classes(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1 2\n1 3\n")
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--trace", str(trace), "--policies", "lru", "--layers", "1", "--head-dim", "16",
+                 "--tokens", "16", "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["policies"]["lru"]["by_class"] == {}
+
+
 def test_replay_rejects_unknown_policies(tmp_path, capsys):
     trace = tmp_path / "trace.txt"
     trace.write_text("1 2\n")

@@ -535,3 +535,22 @@ def test_a_key_gone_for_good_comes_back_as_a_new_one(name, how):
     control.on_insert(100, 1, None)
     if name in ("arc", "lirs", "s3fifo"):  # elsewhere frequency outlives residency
         assert standing(policy, key) == standing(control, 100)
+
+
+def test_shadow_vote_among_equal_support_evicts_the_oldest_prompts_deepest_chunk_first():
+    """Oldest-first would take a prompt's first chunk and strand the ones after it."""
+    from kvstore.policies.lru import LRUPolicy
+    from kvstore.policies.shadow_vote import ShadowVotePolicy
+
+    class HoldsNothing(LRUPolicy):  # an expert that supports no key: every key ties at 0
+        def admit(self, key, size, parent=None):
+            return False
+
+    policy = ShadowVotePolicy(3, experts=(HoldsNothing,), drop_tails=False)
+    for key, parent in (("a", None), ("b", "a"), ("c", "b")):
+        policy.on_insert(key, 1, parent)
+    policy.on_insert("d", 1, None)
+    assert policy.evict() == "c"
+    policy.on_hit("a")  # a new prompt through a: it is now the most recent
+    policy.on_insert("e", 1, "a")
+    assert [policy.evict(), policy.evict()] == ["b", "d"]

@@ -93,6 +93,15 @@ def test_policies_command_json(tmp_path, capsys):
     assert "shadow-vote" in capsys.readouterr().out
 
 
+def test_policies_command_experts_and_their_bound(capsys):
+    from kvstore.policies.shadow_vote import EXPERT_POLICIES
+
+    assert main(["policies", "--trace", "workload:chat:requests=300", "--capacities", "5", "--policies", "experts,default"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"expert:{name} " in out for name in EXPERT_POLICIES)
+    assert "shadow-vote minus best expert" in out
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -156,3 +165,11 @@ def test_reuse_command_json_and_errors(tmp_path, capsys):
     assert "after access" in capsys.readouterr().out
     assert main(["reuse", "--trace", "synthetic:requests=10", "--capacity", "0"]) == 2
     assert main(["reuse", "--trace", "/nonexistent/trace"]) == 2
+
+
+def test_policy_cost_command_reports_both_paths(capsys):
+    assert main(["policy-cost", "--trace", "workload:chat:requests=60", "--requests", "40", "--capacity", "10"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("policy")
+    assert [line.split()[0] for line in lines[1:]] == ["lru", "default"]
+    assert lines[1].split()[-1] == "+0.0"

@@ -16,7 +16,11 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   Experts that differ only in a parameter (the LRFUs) are rarely far apart, so the vote
   must be this sharp to follow the best of them. A resident key's *support* is
   the weight of the experts holding it; the real cache evicts the key with the least
-  support (oldest first among equals) from a heap. So it holds what the leader holds,
+  support from a heap. Among equals it evicts the one whose prompt came longest ago, and
+  within a prompt the deeper chunk first: a chunk is worth nothing once the chunk before it
+  is gone (a prefix loads up to its first miss), so oldest-first, which would take a
+  prompt's first chunk before its last, strands the rest. A key keeps its place among its
+  equals when only its support changes (an expert evicted it, or the votes were re-weighed). So it holds what the leader holds,
   and where near-equal experts disagree, what more of them agree on. With one expert
   (and without tail dropping) this is exactly that expert.
 - Prefix tails are dropped: when a new prompt starts (a chunk without parent is
@@ -60,13 +64,14 @@ LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for 
 LRFU_HALF_LIVES = (8.0, 16.0, 32.0)  # in capacities of traffic: from recency-leaning to frequency-leaning
 TAIL = -1.0  # support of a dropped prompt tail: below every vote
 
-EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = (
-    LRUPolicy,
-    ARCPolicy,
-    S3FIFOPolicy,
-    lambda capacity: LIRSPolicy(capacity, history=LONG_HISTORY),
-    *(lambda capacity, h=h: LRFUPolicy(capacity, half_life=h) for h in LRFU_HALF_LIVES),
-)
+EXPERT_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {  # by name, to run them alone too
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    f"lirs-h{LONG_HISTORY:g}": lambda capacity: LIRSPolicy(capacity, history=LONG_HISTORY),
+    **{f"lrfu-{h:g}": (lambda capacity, h=h: LRFUPolicy(capacity, half_life=h)) for h in LRFU_HALF_LIVES},
+}
+EXPERTS: tuple[Callable[[int], EvictionPolicy], ...] = tuple(EXPERT_POLICIES.values())
 
 
 class ReuseClasses:
@@ -128,9 +133,11 @@ class ShadowVotePolicy(EvictionPolicy):
         self._shadows = [_Shadow(make(capacity_bytes)) for make in experts]
         self._weights = [1.0] + [0.0] * (len(self._shadows) - 1)  # the first expert leads at first
         self._resident: dict[Hashable, tuple[int, Hashable | None]] = {}  # key -> (size, parent)
-        self._support: dict[Hashable, tuple[float, int]] = {}  # resident key -> (support, stamp)
-        self._heap: list[tuple[float, int, Hashable]] = []  # stale entries are skipped
+        self._support: dict[Hashable, tuple[float, tuple]] = {}  # resident key -> (support, order)
+        self._heap: list[tuple[float, tuple, Hashable]] = []  # stale entries are skipped
         self._stamp = 0
+        self._prompt = 0  # prompts started so far
+        self._depth: dict[Hashable, int] = {}  # resident key -> chunks before it in its prompt
         self._accesses = 0
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
@@ -138,15 +145,27 @@ class ShadowVotePolicy(EvictionPolicy):
         self._reuse = ReuseClasses()
         self._last_victim: tuple[Hashable, int, bool] | None = None  # (key, hits, tail) of the latest evict
 
-    def _rate(self, key: Hashable, support: float | None = None) -> None:
+    def _vote(self, key: Hashable) -> float:
+        return sum(w for s, w in zip(self._shadows, self._weights) if key in s.sizes)
+
+    def _rate(self, key: Hashable, support: float | None = None, touch: bool = True) -> None:
+        """(Re-)rate a resident key. ``touch``: it was just accessed (or inserted), so it is
+        the most recent of its support; otherwise it keeps its place among its equals."""
         if support is None:
-            support = sum(w for s, w in zip(self._shadows, self._weights) if key in s.sizes)
-        self._stamp += 1
-        self._support[key] = (support, self._stamp)
-        heapq.heappush(self._heap, (support, self._stamp, key))
+            support = self._vote(key)
+        if touch or key not in self._support:
+            self._stamp += 1
+            order = (self._prompt, -self._depth.get(key, 0), self._stamp)
+        else:
+            order = self._support[key][1]
+        self._support[key] = (support, order)
+        heapq.heappush(self._heap, (support, order, key))
         if len(self._heap) > 4 * len(self._support) + 64:  # mostly stale entries: compact
-            self._heap = [(sup, stamp, k) for k, (sup, stamp) in self._support.items()]
-            heapq.heapify(self._heap)
+            self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [(sup, order, k) for k, (sup, order) in self._support.items()]
+        heapq.heapify(self._heap)
 
     def _drop_tail(self) -> None:
         tail, self._fresh = self._fresh, None
@@ -168,6 +187,8 @@ class ShadowVotePolicy(EvictionPolicy):
         """One access in every shadow; re-rates the keys whose support it changed."""
         if starts_prompt and self._drop_tails:
             self._drop_tail()
+        if parent is None:
+            self._prompt += 1
         touched = [key]
         for shadow in self._shadows:
             policy, sizes = shadow.policy, shadow.sizes
@@ -185,9 +206,11 @@ class ShadowVotePolicy(EvictionPolicy):
                 victim = policy.evict()
                 shadow.used -= sizes.pop(victim)
                 touched.append(victim)
-        for k in touched:
+        if key in self._resident:
+            self._rate(key)
+        for k in touched[1:]:
             if k in self._resident:
-                self._rate(k)
+                self._rate(k, touch=False)
         self._accesses += 1
         if self._accesses % WINDOW == 0:
             self._reweigh()
@@ -203,9 +226,9 @@ class ShadowVotePolicy(EvictionPolicy):
         if max(abs(a - b) for a, b in zip(weights, self._weights)) <= REWEIGH:
             return
         self._weights = weights
-        self._heap = []
-        for key, (support, _) in self._support.items():
-            self._rate(key, TAIL if support == TAIL else None)
+        for key, (support, order) in self._support.items():
+            self._support[key] = (TAIL if support == TAIL else self._vote(key), order)
+        self._compact()
 
     def on_hit(self, key: Hashable) -> None:
         held = self._removed.get(key)
@@ -227,6 +250,7 @@ class ShadowVotePolicy(EvictionPolicy):
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self._resident[key] = (size, parent)
+        self._depth[key] = 0 if parent is None else self._depth.get(parent, -1) + 1
         self._parents_seen = self._parents_seen or parent is not None
         handed_back = self._removed.pop(key)
         if handed_back is not None:  # unpinned, or copied: resident again, but not an access
@@ -241,13 +265,14 @@ class ShadowVotePolicy(EvictionPolicy):
         tail = self._support[key][0] == TAIL
         self._last_victim = (key, self._reuse.on_leave(key, tail), tail)
         del self._resident[key], self._support[key]
+        self._depth.pop(key, None)
         return key
 
     def evict(self) -> Hashable:
         heap, support = self._heap, self._support
         while heap:
-            _, stamp, key = heapq.heappop(heap)
-            if key in support and support[key][1] == stamp:
+            _, order, key = heapq.heappop(heap)
+            if key in support and support[key][1] == order:
                 return self._forget(key)
         raise LookupError("no resident key to evict")
 
@@ -255,6 +280,7 @@ class ShadowVotePolicy(EvictionPolicy):
         """Resident again with the experts' current support; the shadows, which only model
         which keys are worth keeping, do not see it (it is not an access)."""
         self._resident[key] = (size, parent)
+        self._depth[key] = 0 if parent is None else self._depth.get(parent, -1) + 1
         if self._last_victim is not None and self._last_victim[0] == key:
             self._reuse.on_return(key, self._last_victim[1], self._last_victim[2])
         self._rate(key)
