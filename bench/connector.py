@@ -266,9 +266,9 @@ def _disk_child(setup: Setup, prompts: dict, files: dict, host_bytes: int, queue
                 def raw_read(run) -> dict:
                     return {"raw_read_gbps": raw_read_gbps(files[length])}
 
-                before = store.stats().tiers["nvme"].hits
+                before = store.stats().tiers["disk"].hits
                 run = full_hit(median_run(llm, prompt, setup.repeats, before=cold, limit=raw_read), length)
-                run["disk_chunk_reads"] = store.stats().tiers["nvme"].hits - before
+                run["disk_chunk_reads"] = store.stats().tiers["disk"].hits - before
                 out[length] = run
         queue.put(out)
     except BaseException as exc:  # reported to the parent, which raises

@@ -51,7 +51,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--pfs-dir", help="directory standing in for the shared file system (default: temporary)")
     p.add_argument("--redis", help="Redis URL: adds a Redis tier (e.g. redis://127.0.0.1:6379/0)")
-    p.add_argument("--emulate", help="bandwidth caps per replica tier in order (nvme, pfs, redis), e.g. 200MB/s,300MB/s")
+    p.add_argument("--emulate", help="bandwidth caps per replica tier in order (disk, pfs, redis), e.g. 200MB/s,300MB/s")
     p.add_argument("--repeat", type=int, default=2, help="runs per figure; the best is kept")
     p.add_argument("--json", help="write the results as JSON here")
     p.set_defaults(func=run)
@@ -80,7 +80,7 @@ def build_store(args, root: str, caps: list[int]) -> Store:
     budget = 4 * args.chunks * chunk_bytes
     cfg.host = HostTierConfig(capacity_bytes=max(cfg.host.capacity_bytes, 8 * chunk_bytes), prefault=False)
     if not args.config:
-        cfg.disk = DiskTierConfig(path=os.path.join(root, "nvme"), capacity_bytes=budget)
+        cfg.disk = DiskTierConfig(path=os.path.join(root, "disk"), capacity_bytes=budget)
     cfg.disk.enabled = True
     cfg.pfs = PfsTierConfig(enabled=True, path=args.pfs_dir or os.path.join(root, "pfs"), capacity_bytes=budget)
     if args.redis:
@@ -99,7 +99,7 @@ def run(args) -> int:
         raise UsageError("--chunks and --repeat must be positive")
     caps = _caps(args.emulate)
     if len(caps) > 2 + bool(args.redis):
-        raise UsageError("--emulate takes at most one cap per replica tier (nvme, pfs, and redis if given)")
+        raise UsageError("--emulate takes at most one cap per replica tier (disk, pfs, and redis if given)")
     root = tempfile.mkdtemp(prefix="kvbench-fetch-")
     try:
         report = _measure(args, root, caps)

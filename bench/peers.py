@@ -85,7 +85,7 @@ class Ours:
 
     def drop_host(self) -> list[str]:
         self.store.drop(self.keys, "host")
-        return [str(self.store.tier("nvme").path_of(k.id)) for k in self.keys]
+        return [str(self.store.tier("disk").path_of(k.id)) for k in self.keys]
 
     def reset(self) -> None:
         self.store.delete(self.keys)

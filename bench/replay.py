@@ -170,12 +170,12 @@ def run(args) -> int:
 def _print(report: dict) -> None:
     print(f"{report['trace']}: {report['requests']} requests; host {report['host_pct']}%, "
           f"disk {report['disk_pct']}% of distinct blocks")
-    print(f"{'policy':<18} {'host hit%':>9} {'nvme hit%':>9} {'lossy%':>7} {'read MB':>8} {'written MB':>10} "
+    print(f"{'policy':<18} {'host hit%':>9} {'disk hit%':>9} {'lossy%':>7} {'read MB':>8} {'written MB':>10} "
           f"{'TTFT mean':>10} {'p50':>8} {'p90':>8} {'p99':>8}")
     for name, r in report["policies"].items():
         h, t = r["hit_pct"], r["ttft"]
         read, written = sum(r["bytes_read"].values()) / 1e6, sum(r["bytes_written"].values()) / 1e6
-        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('nvme', 0):9.2f} {r['lossy_hit_pct']:7.2f} {read:8.1f} "
+        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('disk', 0):9.2f} {r['lossy_hit_pct']:7.2f} {read:8.1f} "
               f"{written:10.1f} {t['mean_s']:10.4f} {t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")
     classes = sorted({c for r in report["policies"].values() for c in r["by_class"]})
     if classes:

@@ -7,7 +7,7 @@ head_dim 64, 256 tokens, fp16):
   reused destination buffer (header buffer + tensor bytes). Limit: the best memcpy of the same
   pool pages into the same destination, and of the same payload into the same pages for the
   put (bench/limits.py: one thread, threads over slices, torch's copy).
-- nvme: put = write every chunk file, then sync the file system (so the figure is the
+- disk: put = write every chunk file, then sync the file system (so the figure is the
   disk's, not the page cache's); get = cold reads (each file's cached pages dropped with
   fdatasync + POSIX_FADV_DONTNEED first) into caller buffers with the tier's parallel reader.
   Limit: the best cold read of the same files, buffered or O_DIRECT, 1 to 8 in flight.
@@ -40,7 +40,7 @@ from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBeh
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 from tiers.host import HostTier
-from tiers.nvme import DiskTier
+from tiers.disk import DiskTier
 
 GB = 1e9
 
@@ -88,21 +88,21 @@ def run(args) -> int:
     results: dict[str, dict] = {}
     try:
         results["host"] = _bench_host(keys, headers, payload, args)
-        results["nvme"] = _bench_nvme(keys, headers, payload, args, os.path.join(root, "nvme"))
+        results["disk"] = _bench_disk(keys, headers, payload, args, os.path.join(root, "disk"))
         store = _bench_store(ns, keys, chunk, args, os.path.join(root, "store"))
     finally:
         if owned_dir:
             shutil.rmtree(root, ignore_errors=True)
     for r in results.values():
         r["get_vs_limit"] = r["get_gbps"] / r["limit_gbps"]
-    host, disk = results["host"], results["nvme"]
+    host, disk = results["host"], results["disk"]
     host["put_vs_limit"] = host["put_gbps"] / host["put_limit"]["gbps"]
     store["put_vs_memcpy"] = store["put_gbps"] / host["put_limit"]["gbps"]
     store["host_get_vs_memcpy"] = store["host_get_gbps"] / host["limit_gbps"]
     store["cold_disk_get_vs_raw_read"] = store["cold_disk_get_gbps"] / disk["limit_gbps"]
     warnings = (over_limit({"host get": host["get_gbps"], "store get from host": store["host_get_gbps"]}, _limit(host["get_limit"]))
                 + over_limit({"host put": host["put_gbps"], "store put": store["put_gbps"]}, _limit(host["put_limit"]))
-                + over_limit({"nvme get": disk["get_gbps"], "store cold get": store["cold_disk_get_gbps"]}, _limit(disk["get_limit"])))
+                + over_limit({"disk get": disk["get_gbps"], "store cold get": store["cold_disk_get_gbps"]}, _limit(disk["get_limit"])))
     report = {
         "chunk_bytes": payload_bytes,
         "chunks": args.chunks,
@@ -181,7 +181,7 @@ def _pairs(flat: np.ndarray, pages: list[np.ndarray], reverse: bool = False) -> 
     return pairs
 
 
-def _bench_nvme(keys, headers, payload, args, path) -> dict:
+def _bench_disk(keys, headers, payload, args, path) -> dict:
     payload_bytes = len(payload)
     capacity = 2 * len(keys) * (payload_bytes + 8192)
     tier = DiskTier(path, capacity, o_direct=args.o_direct, read_threads=args.read_threads)
@@ -252,7 +252,7 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
             return time.perf_counter() - t
 
         host_s = _best(host_get, args.repeat)
-        drop_cache([str(store.tier("nvme").path_of(k.id)) for k in cold])
+        drop_cache([str(store.tier("disk").path_of(k.id)) for k in cold])
         outs = [torch.zeros_like(chunk) for _ in cold]  # reused staging buffers, as a connector has
         t = time.perf_counter()
         got = list(store.stream(cold, outs=outs))

@@ -164,7 +164,7 @@ class PlacementConfig:
 
     enabled: bool = False
     # Private tiers whose victims may be re-encoded in place (shared tiers never are).
-    tiers: list[str] = field(default_factory=lambda: ["host", "nvme"])
+    tiers: list[str] = field(default_factory=lambda: ["host", "disk"])
     # Candidate codecs; a lossy one is used only where a verdict file allows it for the dtype.
     codecs: list[str] = field(default_factory=lambda: ["lz4", "int8", "mixed75", "mixed50", "int4"])
     # Codec verdict files written by `kvbench probe-codec` for the served model.
@@ -188,7 +188,7 @@ class StoreConfig:
     write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Tiers that receive a copy of every new chunk, written behind; unset = every enabled
-    # tier below host RAM. Names: gpu, nvme, pfs, redis.
+    # tier below host RAM. Names: gpu, disk, pfs, redis.
     replicate_to: list[str] | None = None
     eviction_policy: str = "default"
     codec: str = "raw"
@@ -211,7 +211,7 @@ class StoreConfig:
         if self.eviction_policy != "default" and self.eviction_policy not in POLICIES:
             raise ConfigError(f"eviction_policy: unknown policy {self.eviction_policy!r}; "
                               f"known: {['default', *sorted(POLICIES)]}")
-        tiers = {"host", "gpu", "nvme", "pfs", "redis"}
+        tiers = {"host", "gpu", "disk", "pfs", "redis"}
         unknown = set(self.replicate_to or ()) - tiers
         if unknown:
             raise ConfigError(f"replicate_to: unknown tiers {sorted(unknown)}; known: {sorted(tiers - {'host'})}")

@@ -19,7 +19,7 @@ from kvstore.config import StoreConfig, format_size
 from tiers.base import Tier, TierError, TierUnavailable
 from tiers.host import HostTier
 from tiers.files import TMP_SUFFIX
-from tiers.nvme import HASH_SLICE_BYTES, DiskTier
+from tiers.disk import HASH_SLICE_BYTES, DiskTier
 from tiers.read_probe import read_parallelism
 from tiers.reconnecting import ReconnectingTier
 from tiers.throttle import ThrottledTier

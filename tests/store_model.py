@@ -31,7 +31,7 @@ from kvstore.codecs import get_codec
 from kvstore.keys import Namespace
 from kvstore.store import Store
 from tiers.base import TierError
-from tiers.nvme import DiskTier
+from tiers.disk import DiskTier
 
 CODECS = ("raw", "lz4", "int8", "int4", "mixed75")
 NS = Namespace("model-ns", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=8)  # every codec encodes it
@@ -71,8 +71,8 @@ class StoreModel:
                            fetch_stall_s=10.0)
         cfg.write_behind.stall_s = 0.2
         cfg.write_behind.durable_timeout_s = 0.3
-        self.nvme = FaultyTier(DiskTier(self.root / "nvme", 1 << 20, name="nvme"))
-        self.store = Store(cfg, extra_tiers=[self.nvme])
+        self.disk = FaultyTier(DiskTier(self.root / "disk", 1 << 20, name="disk"))
+        self.store = Store(cfg, extra_tiers=[self.disk])
 
     def close(self) -> None:
         self.end_hang()
@@ -121,12 +121,12 @@ class StoreModel:
 
     def get(self, i: int, flip: bool = False) -> None:
         if flip:
-            self.nvme.flip_reads = 1
+            self.disk.flip_reads = 1
         out = torch.empty_like(self.values[i])
         got = out if self.store.get_into(self.keys[i], out) else None
-        if flip and self.nvme.flip_reads == 0:  # the flip hit the disk replica: it was dropped
+        if flip and self.disk.flip_reads == 0:  # the flip hit the disk replica: it was dropped
             self.must_survive[i] = self.synced_here[i] = False
-        self.nvme.flip_reads = 0
+        self.disk.flip_reads = 0
         self._check(i, got, "get_into")
 
     def get_many(self, start: int, count: int) -> None:
@@ -168,16 +168,16 @@ class StoreModel:
         self.store.unpin([self.keys[i]])
 
     def fail_next_write(self) -> None:
-        self.nvme.failures["write"] = self.nvme.failures.get("write", 0) + 1
+        self.disk.failures["write"] = self.disk.failures.get("write", 0) + 1
 
     def start_hang(self) -> None:
         if self.hung is None:
-            self.hung = self.nvme.gates["write"] = Gate()
+            self.hung = self.disk.gates["write"] = Gate()
 
     def end_hang(self) -> None:
         if self.hung is not None:
             self.hung.open()
-            del self.nvme.gates["write"]
+            del self.disk.gates["write"]
             self.hung = None
 
     def flush(self) -> None:
@@ -192,9 +192,9 @@ class StoreModel:
         self.store.flush()
         with self.store.index.lock:
             unsynced = [i for i, k in enumerate(self.keys)
-                        if (e := self.store.index.get(k.id)) is not None and "nvme" in e.replicas
-                        and not e.replicas["nvme"].synced]
-        paths = {i: self.nvme.path_of(self.keys[i].id) for i in unsynced}
+                        if (e := self.store.index.get(k.id)) is not None and "disk" in e.replicas
+                        and not e.replicas["disk"].synced]
+        paths = {i: self.disk.path_of(self.keys[i].id) for i in unsynced}
         self.store.close()
         for i in unsynced:
             assert not self.synced_here[i], f"step {self.steps}: key {i}'s durable put left an unsynced file"

@@ -8,9 +8,9 @@ def test_kvbench_fetch_emulated_writes_documented_json(tmp_path, capsys):
     rc = main(["fetch", "--chunks", "8", "--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--tokens", "256",
                "--emulate", "20MB/s,30MB/s", "--repeat", "1", "--json", str(out)])
     assert rc == 0
-    assert "emulated read caps: nvme 20 MB/s, pfs 30 MB/s" in capsys.readouterr().out  # not a dict
+    assert "emulated read caps: disk 20 MB/s, pfs 30 MB/s" in capsys.readouterr().out  # not a dict
     r = json.loads(out.read_text())
-    assert set(r["single_gbps"]) == {"nvme", "pfs"}
+    assert set(r["single_gbps"]) == {"disk", "pfs"}
     assert r["aggregate_gbps"] > 0
     assert abs(r["ratio"] - r["aggregate_gbps"] / sum(r["single_gbps"].values())) < 1e-9
     assert abs(sum(r["share_of_chunks"].values()) - 1) < 1e-9

@@ -61,5 +61,5 @@ def test_replay_with_joint_compression_keeps_more_chunks_than_fit_raw(tmp_path):
     plain, compressed = (json.loads(out.read_text())["policies"][p] for p in ("lru", "lru+compress"))
     assert plain["lossy_hit_pct"] == 0 and sum(plain["recodes"].values()) == 0
     assert plain["total_hit_pct"] == 0
-    assert compressed["recodes"]["nvme"] > 0 and compressed["total_hit_pct"] > 0
+    assert compressed["recodes"]["disk"] > 0 and compressed["total_hit_pct"] > 0
     assert compressed["lossy_hit_pct"] > 0

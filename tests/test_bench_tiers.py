@@ -9,9 +9,9 @@ def test_kvbench_tiers_writes_the_documented_json(tmp_path):
                "--chunks", "4", "--repeat", "1", "--dir", str(tmp_path / "d"), "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert set(report["tiers"]) == {"host", "nvme"}
+    assert set(report["tiers"]) == {"host", "disk"}
     assert report["tiers"]["host"]["limit"] == "memcpy"
-    assert report["tiers"]["nvme"]["limit"] == "raw_read"
+    assert report["tiers"]["disk"]["limit"] == "raw_read"
     for r in report["tiers"].values():
         assert {"put_gbps", "get_gbps", "limit_gbps"} <= set(r)
         assert all(r[k] > 0 for k in ("put_gbps", "get_gbps", "limit_gbps"))

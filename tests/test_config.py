@@ -38,7 +38,7 @@ assumed_read_bytes_per_s = "2GB/s"
     )
     cfg = load_config(path)
     assert cfg.placement.enabled and cfg.placement.codecs == ["int8"] and cfg.placement.quality_weight_s == 0.02
-    assert cfg.placement.assumed_read_bytes_per_s == 2 * 10**9 and cfg.placement.tiers == ["host", "nvme"]
+    assert cfg.placement.assumed_read_bytes_per_s == 2 * 10**9 and cfg.placement.tiers == ["host", "disk"]
     assert cfg.host.capacity_bytes == 64 << 20
     assert cfg.disk.capacity_bytes == 1 << 30 and cfg.disk.fsync and cfg.disk.path == "/tmp/kv"
     assert cfg.eviction_policy == "lru"

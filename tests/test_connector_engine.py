@@ -253,7 +253,7 @@ def test_a_corrupt_chunk_is_a_miss_and_its_blocks_are_recomputed(model, tmp_path
     path.write_bytes(bytes(data))
     seq, stats, store_stats = warm_run_from_disk(model, tmp_path / "disk", prompt, want)
     assert seq.metrics.num_loaded_tokens == model.chunk  # chunk 0; chunks 1 and 2 recomputed
-    assert stats.failed_loads == 1 and store_stats.tiers["nvme"].corruptions == 1
+    assert stats.failed_loads == 1 and store_stats.tiers["disk"].corruptions == 1
 
 
 def test_a_load_past_its_deadline_is_recomputed(model, tmp_path):
@@ -291,7 +291,7 @@ def test_a_new_engine_process_loads_from_the_disk_tier(model, tmp_path):
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
     assert got["tokens"] == want[0]
-    assert got["loaded"] == 2 * model.chunk and got["tiers"]["nvme"] == 2
+    assert got["loaded"] == 2 * model.chunk and got["tiers"]["disk"] == 2
 
 
 def test_saves_are_dropped_and_counted_when_the_saver_is_behind(model, store):

@@ -79,7 +79,7 @@ def same(a, b):
 def test_start_line_names_address_tiers_and_capacities(daemon):
     line = next(line for line in daemon.log if "listening on" in line)
     assert daemon.addr.startswith("127.0.0.1:")
-    assert "host 64MiB" in line and "nvme 256MiB" in line and "shm 16x512KiB + host pool" in line
+    assert "host 64MiB" in line and "disk 256MiB" in line and "shm 16x512KiB + host pool" in line
 
 
 @pytest.mark.parametrize("transport,path", [("shm", "shm"), ("remote", "bulk"), ("grpc", "grpc")])
@@ -144,15 +144,15 @@ def test_stats_metrics_and_cli(daemon, capsys):
         client.put(keys[0], values[0], durable=True)
         client.get(keys)  # one hit, one miss
         stats = client.stats()
-    assert {"host", "nvme"} <= set(stats.tiers) and stats.hits >= 1 and stats.misses >= 1
+    assert {"host", "disk"} <= set(stats.tiers) and stats.hits >= 1 and stats.misses >= 1
     assert stats.tiers["host"].capacity_bytes == 64 << 20
 
     port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'kvstore_tier_hits_total{tier="host"}' in text
-    assert 'kvstore_tier_capacity_bytes{tier="nvme"}' in text
+    assert 'kvstore_tier_capacity_bytes{tier="disk"}' in text
     assert 'kvstore_tier_recodes_total{tier="host"} 0.0' in text and "kvstore_recode_failures_total 0.0" in text
-    assert 'kvstore_tier_lossy_hits_total{tier="nvme"} 0.0' in text
+    assert 'kvstore_tier_lossy_hits_total{tier="disk"} 0.0' in text
     assert "kvstore_write_behind_queue" in text and "kvstore_io_inflight" in text
     assert 'kvstore_rpc_seconds_bucket{le="0.001",method="Get"}' in text
     assert re.search(r'kvstore_tenant_misses_total\{tenant="default"\} [1-9]', text)

@@ -18,7 +18,7 @@ listen = "127.0.0.1:0"
 [store.host]
 capacity_bytes = "32MiB"
 [store.disk]
-path = "{tmp_path / name / 'nvme'}"
+path = "{tmp_path / name / 'disk'}"
 capacity_bytes = "64MiB"
 [store.pfs]
 enabled = true
@@ -51,7 +51,7 @@ def test_chunk_put_through_one_daemon_is_looked_up_and_read_through_the_other(tm
             got = cb.get(keys)
             assert len(got) == 4 and all(torch.equal(x, y) for x, y in zip(got, values))
             tiers = cb.stats().tiers
-            assert tiers["nvme"].hits == 0 and tiers["pfs"].hits + tiers["redis"].hits == 4
+            assert tiers["disk"].hits == 0 and tiers["pfs"].hits + tiers["redis"].hits == 4
     finally:
         a.kill()
         b.kill()

@@ -199,7 +199,7 @@ def test_a_tenant_at_its_quota_replaces_its_own_chunks_never_anothers(tmp_path):
         port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         host = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="host"\} (\S+)', text).group(1)))
-        disk = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="nvme"\} (\S+)', text).group(1)))
+        disk = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="disk"\} (\S+)', text).group(1)))
         assert 0 < host <= 10 * chunk and 0 < disk <= 20 * chunk
 
 

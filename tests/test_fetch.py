@@ -10,7 +10,7 @@ from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBeh
 from kvstore.fetch import FetchJob
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from tiers.nvme import DiskTier
+from tiers.disk import DiskTier
 from tiers.throttle import ThrottledTier
 
 PAGE = 4096
@@ -111,7 +111,7 @@ def test_stalled_tier_loses_its_chunk_to_another_replica():
 def make_store(tmp_path, caps=(None, None), stall_s=0.5):
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=256 * PAGE, page_bytes=PAGE, prefault=False),
-        disk=DiskTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=1 << 24, read_bytes_per_s=caps[0] or 0),
+        disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=1 << 24, read_bytes_per_s=caps[0] or 0),
         write_behind=WriteBehindConfig(max_pending_bytes=64 * PAGE),
         promote_on_read=False,
         fetch_stall_s=stall_s,
@@ -135,13 +135,13 @@ def put_replicated(store, n, seed=0):
 def test_store_stream_reads_from_both_lower_tiers(tmp_path):
     with make_store(tmp_path, caps=(2e6, 3e6)) as store:  # ~0.1 s per tier: both surely take part
         keys, values = put_replicated(store, 24)
-        assert all(r == {"nvme", "pfs"} for r in store.replicas(keys))
+        assert all(r == {"disk", "pfs"} for r in store.replicas(keys))
         got = list(store.stream(keys))
         assert len(got) == 24 and all(torch.equal(a, b) for a, b in zip(got, values))
         stats = store.stats().tiers
-        assert stats["nvme"].hits > 0 and stats["pfs"].hits > 0
-        assert stats["nvme"].hits + stats["pfs"].hits == 24
-        assert stats["nvme"].read_gbps > 0 and stats["pfs"].read_gbps > 0
+        assert stats["disk"].hits > 0 and stats["pfs"].hits > 0
+        assert stats["disk"].hits + stats["pfs"].hits == 24
+        assert stats["disk"].read_gbps > 0 and stats["pfs"].read_gbps > 0
         only = list(store.stream(keys, tiers=["pfs"]))
         assert len(only) == 24 and store.stats().tiers["pfs"].hits == stats["pfs"].hits + 24
         with pytest.raises(ValueError, match="unknown tiers"):
@@ -168,9 +168,9 @@ def test_corrupt_replica_is_dropped_and_the_other_used(tmp_path):
 
     with make_store(tmp_path) as store:
         keys, values = put_replicated(store, 4)
-        corrupt("nvme", keys[1])
-        assert len(list(store.stream(keys, tiers=["nvme"]))) == 1
-        assert store.stats().tiers["nvme"].corruptions == 1
+        corrupt("disk", keys[1])
+        assert len(list(store.stream(keys, tiers=["disk"]))) == 1
+        assert store.stats().tiers["disk"].corruptions == 1
         got = store.get(keys)
         assert len(got) == 4 and torch.equal(got[1], values[1])
         assert store.replicas(keys)[1] == {"pfs"}

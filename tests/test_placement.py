@@ -163,7 +163,7 @@ def test_host_keeps_nothing_lossy_while_the_disk_holds_the_raw_copy(tmp_path):
             store.flush()
         for k, v in zip(keys, values):
             assert torch.equal(store.get([k])[0], v)
-        assert {n: t.recodes for n, t in store.stats().tiers.items()} == {"host": 0, "nvme": 0}
+        assert {n: t.recodes for n, t in store.stats().tiers.items()} == {"host": 0, "disk": 0}
 
 
 def test_disk_victims_are_compressed_and_promoted_as_they_are(tmp_path):
@@ -172,14 +172,14 @@ def test_disk_victims_are_compressed_and_promoted_as_they_are(tmp_path):
         for k, v in zip(keys, values):
             store.put(k, v)
             store.flush()
-        assert store.stats().tiers["nvme"].recodes > 0
-        on_disk = [i for i, k in enumerate(keys) if store.contains(k) and "nvme" in store.replicas([k])[0]]
+        assert store.stats().tiers["disk"].recodes > 0
+        on_disk = [i for i, k in enumerate(keys) if store.contains(k) and "disk" in store.replicas([k])[0]]
         assert len(on_disk) > 8
         for i in on_disk:
             got = store.get([keys[i]])
             assert len(got) == 1 and within_int8(got[0], values[i])
         stats = store.stats().tiers
-        assert stats["nvme"].used_bytes <= stats["nvme"].capacity_bytes
+        assert stats["disk"].used_bytes <= stats["disk"].capacity_bytes
         assert stats["host"].used_bytes <= stats["host"].capacity_bytes
 
 

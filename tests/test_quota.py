@@ -17,7 +17,7 @@ def keys(ns, n, start=0):
 
 
 def test_the_ledger_counts_per_owner_and_gives_the_oldest_first():
-    usage = ReplicaUsage(["host", "nvme"])
+    usage = ReplicaUsage(["host", "disk"])
     a, b = keys(A, 4), keys(B, 2)
     for i, k in enumerate(a):
         usage.added("host", k.id, 100 + i)
@@ -35,11 +35,11 @@ def test_the_ledger_counts_per_owner_and_gives_the_oldest_first():
     usage.removed("host", a[1].id)
     usage.removed("host", a[1].id)  # twice: no harm
     assert usage.used("alice", "host") == 50 + 102 + 103 and usage.holds("host", a[2].id)
-    assert not usage.holds("nvme", a[2].id) and usage.used("alice", "nvme") == 0
+    assert not usage.holds("disk", a[2].id) and usage.used("alice", "disk") == 0
 
 
 def test_a_stores_hooks_keep_the_ledger_equal_to_its_tiers(tmp_path):
-    usage = ReplicaUsage(["host", "nvme"])
+    usage = ReplicaUsage(["host", "disk"])
     config = StoreConfig(host=HostTierConfig(capacity_bytes=512 << 10, page_bytes=4096, prefault=False),
                          disk=DiskTierConfig(path=str(tmp_path), capacity_bytes=1 << 20))
     usage.assign(A, "alice")
@@ -54,7 +54,7 @@ def test_a_stores_hooks_keep_the_ledger_equal_to_its_tiers(tmp_path):
             held = set(tier.keys())
             assert {k.id for k in ks if usage.holds(tier.name, k.id)} == held
             assert usage.used("alice", tier.name) == sum(tier.size_of(k) for k in held)
-    reopened = ReplicaUsage(["host", "nvme"])
+    reopened = ReplicaUsage(["host", "disk"])
     with Store(config, usage=reopened) as store:  # recovery reports what the disk holds
         reopened.assign(A, "alice")
-        assert reopened.used("alice", "nvme") == usage.used("alice", "nvme") > 0
+        assert reopened.used("alice", "disk") == usage.used("alice", "disk") > 0

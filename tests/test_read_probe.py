@@ -68,7 +68,7 @@ def test_the_disk_tier_gets_the_measured_fetch_workers_unless_configured(tmp_pat
                                               fetch_workers=configured))
         setups = build_tiers(cfg)
         try:
-            assert {s.tier.name: s.fetch_workers for s in setups}["nvme"] == expected
+            assert {s.tier.name: s.fetch_workers for s in setups}["disk"] == expected
         finally:
             for s in setups:
                 s.tier.close()

@@ -72,7 +72,7 @@ def test_restart_keeps_disk_chunks(tmp_path):
         assert store.lookup(keys) == 10
         got = store.get(keys)
         assert all(torch.equal(a, b) for a, b in zip(got, values))
-        assert store.stats().tiers["nvme"].hits == 10
+        assert store.stats().tiers["disk"].hits == 10
 
 
 def test_durable_put_is_on_disk_when_it_returns(tmp_path):
@@ -99,7 +99,7 @@ def test_flipped_byte_anywhere_in_a_file_is_never_returned(tmp_path_factory, dat
     with Store(config(tmp_path)) as store:
         out = torch.empty(NS.chunk_shape, dtype=torch.float16)
         assert store.get_into(keys[0], out) is False
-        assert store.stats().tiers["nvme"].corruptions == 1
+        assert store.stats().tiers["disk"].corruptions == 1
         assert not path.exists() and store.lookup(keys) == 0
 
 
@@ -117,7 +117,7 @@ def test_truncated_file_is_a_miss_and_deleted(tmp_path):
             if store.get_into(k, out):
                 assert torch.equal(out, v)
                 served += 1
-        assert served == 1 and store.stats().tiers["nvme"].corruptions == 1
+        assert served == 1 and store.stats().tiers["disk"].corruptions == 1
         assert len(disk_files(tmp_path)) == 1
 
 
@@ -152,7 +152,7 @@ def test_promotion_on_read(tmp_path):
         assert store.get_into(keys[0], out) and torch.equal(out, values[0])
         assert store.first.contains(keys[0].id)
         stats = store.stats()
-        assert stats.tiers["nvme"].hits == 1 and stats.tiers["host"].evictions > 0
+        assert stats.tiers["disk"].hits == 1 and stats.tiers["host"].evictions > 0
         assert store.get_into(keys[0], out)
         assert store.stats().tiers["host"].hits == 1
 
@@ -252,7 +252,7 @@ def test_full_disk_keeps_serving_from_host(tmp_path):
                 store.put(k, v)
             store.flush()
             stats = store.stats()
-            assert stats.tiers["nvme"].errors > 0 and stats.write_behind_dropped > 0
+            assert stats.tiers["disk"].errors > 0 and stats.write_behind_dropped > 0
             assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
 
 
@@ -287,7 +287,7 @@ def test_disk_disabled_store_works_in_ram(tmp_path):
         for k, v in zip(keys, values):
             store.put(k, v, durable=True)
         assert all(torch.equal(a, b) for a, b in zip(store.get(keys), values))
-        assert "nvme" not in store.stats().tiers
+        assert "disk" not in store.stats().tiers
     assert not (tmp_path / "data").exists()
 
 
@@ -347,7 +347,7 @@ def test_prefetch_promotes_to_host_and_get_blob_returns_verified_bytes(tmp_path)
 
 
 def test_replicas_on_extra_tiers_and_fallback_when_one_is_corrupt(tmp_path):
-    from tiers.nvme import DiskTier
+    from tiers.disk import DiskTier
 
     second = DiskTier(tmp_path / "pfs", 1 << 20, name="pfs")
     keys, values = chunks(4)
@@ -363,13 +363,13 @@ def test_replicas_on_extra_tiers_and_fallback_when_one_is_corrupt(tmp_path):
         out = torch.empty_like(values[0])
         assert store.get_into(keys[0], out) and torch.equal(out, values[0])
         stats = store.stats()
-        assert stats.tiers["nvme"].corruptions == 1 and stats.tiers["pfs"].hits == 1
+        assert stats.tiers["disk"].corruptions == 1 and stats.tiers["pfs"].hits == 1
         assert store.delete(keys) == 4
         assert len(second) == 0 and len(store.tiers[1]) == 0
 
 
 def test_restart_recovers_from_every_persistent_tier(tmp_path):
-    from tiers.nvme import DiskTier
+    from tiers.disk import DiskTier
 
     keys, values = chunks(3)
     with Store(config(tmp_path), extra_tiers=[DiskTier(tmp_path / "pfs", 1 << 20, name="pfs")]) as store:
@@ -454,7 +454,7 @@ def test_copy_workers_racing_for_disk_room_never_drop_a_copy(tmp_path, monkeypat
     """Copy workers each make room for their chunk, then write outside the lock: one used to
     find the room taken by another (TierFull) and drop its copy. It must evict again instead.
     The disk's writes start 2 ms late here, which widens the window the race needs."""
-    from tiers.nvme import DiskTier
+    from tiers.disk import DiskTier
 
     write = DiskTier.write
 
@@ -471,7 +471,7 @@ def test_copy_workers_racing_for_disk_room_never_drop_a_copy(tmp_path, monkeypat
             store.put(k, v)
         store.flush()
         stats = store.stats()
-        assert stats.write_behind_dropped == 0 and stats.tiers["nvme"].errors == 0
+        assert stats.write_behind_dropped == 0 and stats.tiers["disk"].errors == 0
 
 
 def test_a_put_reaches_the_first_tiers_policy_as_one_access_in_put_order(tmp_path):
@@ -583,7 +583,7 @@ def test_a_new_chunk_is_written_once_and_its_blob_verifies_on_every_tier(tmp_pat
         store.flush()
         version = store.index.get(key.id).version
         expected = encode_header(key, 0, kv.dtype, kv.shape, tensor_bytes(kv))
-        for name in ("host", "nvme"):
+        for name in ("host", "disk"):
             blob = store.tier(name).read(key.id)
             verify_blob(blob, key)
             assert bytes(blob[:128]) == expected

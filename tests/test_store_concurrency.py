@@ -22,7 +22,7 @@ from helpers import PAGE, same, store_config
 from kvstore.store import Store
 from store_model import CODECS, NS, StoreModel
 from tiers.base import TierError
-from tiers.nvme import DiskTier
+from tiers.disk import DiskTier
 
 
 def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
@@ -35,8 +35,8 @@ def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
     cfg.write_behind.stall_s = 0.2
     cfg.write_behind.durable_timeout_s = 0.5
     cfg.fetch_stall_s = 0.01  # takeovers happen
-    nvme = FaultyTier(DiskTier(tmp_path / "nvme", 1 << 20, name="nvme"))
-    store = Store(cfg, extra_tiers=[nvme], extra_fetch_workers={"nvme": 3})
+    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 20, name="disk"))
+    store = Store(cfg, extra_tiers=[disk], extra_fetch_workers={"disk": 3})
     errors: list[str] = []
     done = [0]
     deadline = None if seconds is None else time.monotonic() + seconds
@@ -79,9 +79,9 @@ def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
                 elif r < 0.97:
                     store.unpin([keys[i]])
                 elif r < 0.985:
-                    nvme.failures["write"] = nvme.failures.get("write", 0) + 1
+                    disk.failures["write"] = disk.failures.get("write", 0) + 1
                 else:
-                    nvme.flip_reads = 1
+                    disk.flip_reads = 1
             except (TierError, TimeoutError):
                 pass  # injected faults and full tiers are allowed to fail a call, never to corrupt
         done[0] += n
@@ -93,8 +93,8 @@ def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
         for t in pool:
             t.join()
         assert not errors, errors[:5]
-        nvme.failures.clear()
-        nvme.flip_reads = 0
+        disk.failures.clear()
+        disk.flip_reads = 0
         assert store.flush(timeout_s=60)
         store.check_integrity()
     finally:

@@ -109,7 +109,7 @@ def test_a_long_random_walk_breaks_no_promise():
             random_walk(model, batch, rng)
             done += batch
             rate = done / (time.monotonic() - started)
-            print(f"{done} steps, {rate:.0f}/s, {model.store.stats().tiers['nvme'].corruptions} corrupt replicas dropped",
+            print(f"{done} steps, {rate:.0f}/s, {model.store.stats().tiers['disk'].corruptions} corrupt replicas dropped",
                   flush=True)
     finally:
         model.close()

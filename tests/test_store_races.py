@@ -23,10 +23,10 @@ from kvstore.codecs import get_codec
 from kvstore.store import Store
 from tiers.base import TierError, TierUnavailable
 from tiers.host import HostTier
-from tiers.nvme import DiskTier
+from tiers.disk import DiskTier
 
 
-def faulty_store(tmp_path, names=("nvme",), workers=1, stall_s=10.0, **kw) -> tuple[Store, list[FaultyTier]]:
+def faulty_store(tmp_path, names=("disk",), workers=1, stall_s=10.0, **kw) -> tuple[Store, list[FaultyTier]]:
     """A Store whose replica tiers are real disk tiers behind FaultyTier wrappers."""
     cfg = store_config(tmp_path, disk=None, **kw)
     cfg.write_behind.workers = workers
@@ -48,10 +48,10 @@ def loads(store: Store, key, value) -> bool:
 
 
 def test_2_durable_reput_with_another_codec_while_the_first_copy_runs_reaches_disk(tmp_path):
-    store, (nvme,) = faulty_store(tmp_path)
+    store, (disk,) = faulty_store(tmp_path)
     keys, values = chunks(1)
     with store:
-        gate = nvme.gates["write"] = Gate(keys[0].id, times=1)
+        gate = disk.gates["write"] = Gate(keys[0].id, times=1)
         store.put(keys[0], values[0])
         assert gate.entered.wait(10)  # the raw copy is being written
         reput = Call(lambda: store.put(keys[0], values[0], codec="lz4", durable=True))
@@ -60,14 +60,14 @@ def test_2_durable_reput_with_another_codec_while_the_first_copy_runs_reaches_di
         reput.outcome()
         assert store.drop(keys, "host") == 1
         assert loads(store, keys[0], values[0])  # from the disk copy, which is the lz4 one
-        assert nvme.size_of(keys[0].id) == blob_size(values[0], "lz4")
+        assert disk.size_of(keys[0].id) == blob_size(values[0], "lz4")
 
 
 def test_2_a_host_copy_dropped_while_its_copy_is_queued_is_still_copied(tmp_path):
-    store, (nvme,) = faulty_store(tmp_path)
+    store, (disk,) = faulty_store(tmp_path)
     keys, values = chunks(2)
     with store:
-        gate = nvme.gates["write"] = Gate(keys[0].id, times=1)
+        gate = disk.gates["write"] = Gate(keys[0].id, times=1)
         store.put(keys[0], values[0])
         assert gate.entered.wait(10)  # the one copy worker is busy: keys[1]'s copy waits
         put = Call(lambda: store.put(keys[1], values[1], durable=True))
@@ -81,10 +81,10 @@ def test_2_a_host_copy_dropped_while_its_copy_is_queued_is_still_copied(tmp_path
 
 
 def test_2_a_host_copy_found_corrupt_while_its_copy_is_queued_fails_the_durable_put(tmp_path):
-    store, (nvme,) = faulty_store(tmp_path)
+    store, (disk,) = faulty_store(tmp_path)
     keys, values = chunks(2)
     with store:
-        gate = nvme.gates["write"] = Gate(keys[0].id, times=1)
+        gate = disk.gates["write"] = Gate(keys[0].id, times=1)
         store.put(keys[0], values[0])
         assert gate.entered.wait(10)
         put = Call(lambda: store.put(keys[1], values[1], durable=True))
@@ -99,7 +99,7 @@ def test_2_a_host_copy_found_corrupt_while_its_copy_is_queued_fails_the_durable_
 
 
 def test_2_a_promotion_of_the_old_encoding_racing_a_durable_reput_loses_nothing(tmp_path, monkeypatch):
-    store, (nvme,) = faulty_store(tmp_path)
+    store, (disk,) = faulty_store(tmp_path)
     (key, blocker), (value, other) = chunks(2)
     raw = blob_size(value, "raw")
     promotion = Gate(key.id, times=1)
@@ -114,7 +114,7 @@ def test_2_a_promotion_of_the_old_encoding_racing_a_durable_reput_loses_nothing(
         store.put(key, value)
         store.flush()
         store.drop([key], "host")  # on disk only, raw
-        copy = nvme.gates["write"] = Gate(blocker.id, times=1)
+        copy = disk.gates["write"] = Gate(blocker.id, times=1)
         store.put(blocker, other)
         assert copy.entered.wait(10)  # the copy worker is busy: key's next copy waits
         monkeypatch.setattr(HostTier, "write", gated_write)
@@ -135,7 +135,7 @@ def test_2_a_promotion_of_the_old_encoding_racing_a_durable_reput_loses_nothing(
 
 
 def test_3_a_concurrent_put_of_the_same_chunk_cannot_clear_a_durable_puts_error(tmp_path, monkeypatch):
-    store, (nvme,) = faulty_store(tmp_path)
+    store, (disk,) = faulty_store(tmp_path)
     keys, values = chunks(1)
     putter: dict = {}
 
@@ -149,7 +149,7 @@ def test_3_a_concurrent_put_of_the_same_chunk_cannot_clear_a_durable_puts_error(
             return woke
 
     with store:
-        nvme.failures["write"] = 1
+        disk.failures["write"] = 1
         monkeypatch.setattr(threading, "Event", WakeHook)
         putter["hook"] = True
         put = putter["thread"] = Call(lambda: store.put(keys[0], values[0], durable=True), start=False)
@@ -169,17 +169,17 @@ def _on_disk_only(store, keys, values):
 
 @pytest.mark.parametrize("how", ["get_many_into", "stream"])
 def test_5_a_read_call_returns_only_when_nothing_writes_the_callers_buffers(tmp_path, how):
-    store, (nvme,) = faulty_store(tmp_path, promote_on_read=False)
+    store, (disk,) = faulty_store(tmp_path, promote_on_read=False)
     keys, values = chunks(2)
     with store:
         _on_disk_only(store, keys, values)
         if how == "get_many_into":
-            path = nvme.path_of(keys[0].id)  # keys[0]'s only replica is bad: the call misses at 0
+            path = disk.path_of(keys[0].id)  # keys[0]'s only replica is bad: the call misses at 0
             raw = bytearray(path.read_bytes())
             raw[300] ^= 1
             path.write_bytes(bytes(raw))
         first, gate = Gate(keys[0].id, times=1), Gate(keys[1].id, times=1)
-        nvme.gates["read"] = [first, gate]  # both reads under way before keys[0]'s ends
+        disk.gates["read"] = [first, gate]  # both reads under way before keys[0]'s ends
         outs = [torch.empty_like(v) for v in values]
         if how == "get_many_into":
             call = Call(lambda: store.get_many_into(keys, outs))
@@ -187,17 +187,17 @@ def test_5_a_read_call_returns_only_when_nothing_writes_the_callers_buffers(tmp_
             call = Call(lambda: next(iter(store.stream(keys, outs=outs))))  # takes one chunk, closes the stream
         assert gate.entered.wait(10) and first.entered.wait(10)
         first.open()
-        wait_until(lambda: store.stats().tiers["nvme"].corruptions + store.stats().tiers["nvme"].hits == 1,
+        wait_until(lambda: store.stats().tiers["disk"].corruptions + store.stats().tiers["disk"].hits == 1,
                    what="keys[0] read")
         early = call.finished.wait(0.5)  # the old code returned here while keys[1]'s read was writing outs[1]
         gate.open()
         call.outcome()
         assert not early
         outs[1].fill_(7.0)  # the caller reuses its buffer
-        wait_until(lambda: store.stats().tiers["nvme"].hits + store.stats().tiers["nvme"].corruptions == 2,
+        wait_until(lambda: store.stats().tiers["disk"].hits + store.stats().tiers["disk"].corruptions == 2,
                    what="keys[1] read")
         assert bool((outs[1] == 7.0).all())
-        assert store.stats().tiers["nvme"].corruptions == (1 if how == "get_many_into" else 0)
+        assert store.stats().tiers["disk"].corruptions == (1 if how == "get_many_into" else 0)
         assert loads(store, keys[1], values[1])  # its good replica was not blamed
 
 
@@ -216,13 +216,13 @@ def _raw_sized_lz4_chunk(ns) -> torch.Tensor:
     return tensor
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
 def test_6_an_encoded_payload_of_exactly_the_raw_size_is_decoded_not_returned_as_is(tmp_path, tier):
     keys, _ = chunks(1)
     value = _raw_sized_lz4_chunk(keys[0].namespace)
     with Store(store_config(tmp_path)) as store:
         store.put(keys[0], value, codec="lz4", durable=True)
-        if tier == "nvme":
+        if tier == "disk":
             store.drop(keys, "host")
         assert loads(store, keys[0], value)
         assert same(store.get(keys)[0], value)
@@ -256,11 +256,11 @@ def test_9_a_chunk_held_at_different_sizes_by_two_tiers_is_indexed_in_both_after
     second.write(key.id, [encode_header(key, get_codec("lz4").codec_id, value.dtype, value.shape, payload), payload])
     second.close()  # the second tier now holds another encoding (as placement would have left it)
     with store() as s:
-        assert s.replicas(keys) == [frozenset({"nvme", "pfs"})]
-        s.drop(keys, "nvme")
+        assert s.replicas(keys) == [frozenset({"disk", "pfs"})]
+        s.drop(keys, "disk")
         assert loads(s, key, value)  # from the lz4 copy
         assert s.delete(keys) == 1
-        assert len(s.tier("pfs")) == 0 and len(s.tier("nvme")) == 0
+        assert len(s.tier("pfs")) == 0 and len(s.tier("disk")) == 0
 
 
 # -- found by a soak: re-putting a chunk held only below host RAM ----------------------------------
@@ -301,12 +301,12 @@ def test_10_the_pin_heap_stays_bounded_and_no_pin_outlives_max_pin_ttl(tmp_path)
 
 
 def test_12_a_hung_delete_on_one_tier_blocks_no_other_call(tmp_path):
-    store, (nvme,) = faulty_store(tmp_path)
+    store, (disk,) = faulty_store(tmp_path)
     keys, values = chunks(4)
     with store:
         for k, v in zip(keys[:3], values[:3]):
             store.put(k, v, durable=True)
-        gate = nvme.gates["delete"] = Gate(keys[0].id, times=1)
+        gate = disk.gates["delete"] = Gate(keys[0].id, times=1)
         delete = Call(lambda: store.delete(keys[:1]))
         assert gate.entered.wait(10)  # the disk's delete hangs (a hung mount)
 
@@ -323,13 +323,13 @@ def test_12_a_hung_delete_on_one_tier_blocks_no_other_call(tmp_path):
 
 
 def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(tmp_path):
-    store, (nvme, pfs) = faulty_store(tmp_path, names=("nvme", "pfs"), workers=2, stall_s=0.3, host=256 * PAGE,
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=2, stall_s=0.3, host=256 * PAGE,
                                       pending=8 * PAGE)
     keys, values = chunks(48)
     with store:
         hang = pfs.gates["write"] = Gate()
         Call(lambda: [store.put(k, v) for k, v in zip(keys, values)]).outcome(timeout_s=30)
-        wait_until(lambda: all(nvme.contains(k.id) for k in keys), what="every copy on nvme")
+        wait_until(lambda: all(disk.contains(k.id) for k in keys), what="every copy on disk")
         assert all(loads(store, k, v) for k, v in zip(keys, values))
         assert store.stats().write_behind_dropped > 0
         with pytest.raises(TierUnavailable, match="pfs: write-behind is stalled"):
@@ -361,13 +361,13 @@ def test_15_zero_length_and_truncated_files_at_start_are_removed_never_reported_
     with Store(store_config(tmp_path)) as store:
         for k, v in zip(keys, values):
             store.put(k, v)
-        paths = [store.tier("nvme").path_of(k.id) for k in keys]
+        paths = [store.tier("disk").path_of(k.id) for k in keys]
     paths[0].write_bytes(b"")
     paths[1].write_bytes(paths[1].read_bytes()[:500])
     with Store(store_config(tmp_path)) as store:
         assert store.lookup(keys[:1]) == 0 and store.lookup(keys[1:2]) == 0
         assert store.lookup(keys[2:]) == 1 and loads(store, keys[2], values[2])
-        assert store.stats().tiers["nvme"].corruptions == 2
+        assert store.stats().tiers["disk"].corruptions == 2
         assert not paths[0].exists() and not paths[1].exists()
 
 
@@ -399,11 +399,11 @@ def test_17_a_reads_promotion_racing_delete_does_not_bring_the_chunk_back(tmp_pa
 
 
 def test_19_prefetch_is_deduplicated_and_bounded(tmp_path):
-    store, (nvme,) = faulty_store(tmp_path, prefetch_max_inflight=2)
+    store, (disk,) = faulty_store(tmp_path, prefetch_max_inflight=2)
     keys, values = chunks(5)
     with store:
         _on_disk_only(store, keys, values)
-        gate = nvme.gates["read"] = Gate()
+        gate = disk.gates["read"] = Gate()
         first = store.prefetch(keys[:1])
         assert len(first) == 1 and store.prefetch(keys[:1]) == []
         more = store.prefetch(keys[1:])
@@ -430,12 +430,12 @@ def test_a_durable_put_of_a_present_chunk_deleted_while_it_waits_for_queue_room_
     """Found by the concurrency test: the durable put queued its copy for the chunk's old
     entry after a delete and a re-put replaced it, overwriting the new entry's queued copy;
     the queue's byte count then never went back to zero (flush hung)."""
-    store, (nvme,) = faulty_store(tmp_path, workers=2, pending=2 * PAGE)
+    store, (disk,) = faulty_store(tmp_path, workers=2, pending=2 * PAGE)
     keys, values = chunks(8)
     with store:
         store.put(keys[0], values[0])
         store.flush()
-        gate = nvme.gates["write"] = Gate()
+        gate = disk.gates["write"] = Gate()
         for k, v in zip(keys[1:], values[1:]):  # the disk hangs: its queue fills up
             store.put(k, v)
         durable = Call(lambda: store.put(keys[0], values[0], durable=True))  # waits for queue room

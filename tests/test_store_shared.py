@@ -28,7 +28,7 @@ def daemon_config(tmp_path, name, redis_url=None, shared_index=True, prefix="t",
     """One daemon's store: its own host RAM and local disk, the shared PFS directory and Redis."""
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
-        disk=DiskTierConfig(path=str(tmp_path / name / "nvme"), capacity_bytes=1 << 22),
+        disk=DiskTierConfig(path=str(tmp_path / name / "disk"), capacity_bytes=1 << 22),
         pfs=PfsTierConfig(enabled=pfs, path=str(tmp_path / "pfs"), capacity_bytes=1 << 22),
         write_behind=WriteBehindConfig(max_pending_bytes=16 * PAGE),
     )
@@ -55,12 +55,12 @@ def test_chunk_put_through_one_daemon_is_found_and_read_through_another(tmp_path
         for k, v in zip(keys, values):
             a.put(k, v, durable=True)
         a.flush()
-        assert a.replicas(keys) == [frozenset({"host", "nvme", "pfs", "redis"})] * 5
+        assert a.replicas(keys) == [frozenset({"host", "disk", "pfs", "redis"})] * 5
         assert b.lookup(keys) == 5  # a durable put is in the shared index when it returns
         assert b.replicas(keys) == [frozenset({"pfs", "redis"})] * 5
         got = b.get(keys)
         assert len(got) == 5 and all(torch.equal(x, y) for x, y in zip(got, values))
-        assert b.stats().tiers["nvme"].hits == 0
+        assert b.stats().tiers["disk"].hits == 0
 
 
 def test_delete_on_one_daemon_is_a_clean_miss_on_the_other(tmp_path, redis_server):

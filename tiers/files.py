@@ -1,4 +1,4 @@
-"""What the file tiers (tiers/nvme.py, tiers/pfs.py) and ``kvstore fsck`` share: the file
+"""What the file tiers (tiers/disk.py, tiers/pfs.py) and ``kvstore fsck`` share: the file
 names, block rounding, vectored I/O loops, and the lock that gives one process a private
 data directory.
 

@@ -35,7 +35,7 @@ from typing import Iterator
 
 from tiers.base import Tier, TierUnavailable, as_buffers
 from tiers.files import SUFFIX, TMP_SUFFIX, read_fully, round_up, unlink_quietly
-from tiers.nvme import DiskTier
+from tiers.disk import DiskTier
 
 try:
     import kvikio

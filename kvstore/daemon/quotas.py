@@ -20,7 +20,7 @@ from kvstore.keys import ChunkKey
 from kvstore.quota import ReplicaUsage
 from kvstore.store import Store
 
-HOST, DISK = "host", "nvme"
+HOST, DISK = "host", "disk"
 
 
 class Quotas:

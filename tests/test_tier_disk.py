@@ -8,7 +8,7 @@ import pytest
 from fsfaults import remount_read_only, tiny_tmpfs
 from tiers.base import TierFull, TierUnavailable
 from tiers.files import SUFFIX
-from tiers.nvme import DataDirectoryInUse, DiskTier
+from tiers.disk import DataDirectoryInUse, DiskTier
 
 
 def blob(n, seed):
@@ -162,7 +162,7 @@ def test_a_dead_holder_leaves_no_stale_lock(tmp_path):
     import sys
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from tiers.nvme import DiskTier; DiskTier(sys.argv[1], 1 << 20); "
+        [sys.executable, "-c", "import sys, time; from tiers.disk import DiskTier; DiskTier(sys.argv[1], 1 << 20); "
          "print('held', flush=True); time.sleep(60)", str(tmp_path)],
         stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
     )
@@ -210,10 +210,10 @@ def test_read_into_hashing_digests_exactly_the_bytes_past_the_head(tmp_path, o_d
     O_DIRECT ones after: either way the digest is of every byte past the head, in order."""
     import xxhash
 
-    from tiers import nvme
+    from tiers import disk
 
     tier = DiskTier(tmp_path / "d", 16 << 20, o_direct=o_direct)
-    value = os.urandom(3 * nvme.HASH_SLICE_BYTES + 1000)
+    value = os.urandom(3 * disk.HASH_SLICE_BYTES + 1000)
     tier.write(b"k", [value])
     head, body = bytearray(128), bytearray(len(value) - 128)
     digest = xxhash.xxh3_64()

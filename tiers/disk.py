@@ -44,7 +44,7 @@ class DiskTier(Tier):
         fsync: bool = False,
         o_direct: bool = False,
         read_threads: int = 4,
-        name: str = "nvme",
+        name: str = "disk",
     ) -> None:
         super().__init__(name, capacity_bytes)
         self.root = Path(path)
