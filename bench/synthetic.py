@@ -62,7 +62,7 @@ def parse_spec(spec: str) -> SyntheticSpec:
     return SyntheticSpec(**values)
 
 
-class _Interner:
+class Interner:
     """Prefix ids: one dense int per distinct (parent id, content) pair."""
 
     def __init__(self) -> None:
@@ -78,7 +78,7 @@ class _Interner:
 
 def generate(spec: SyntheticSpec) -> list[list[int]]:
     rng = random.Random(spec.seed)
-    interner = _Interner()
+    interner = Interner()
     doc_cum = list(itertools.accumulate(1.0 / (rank + 1) ** spec.zipf for rank in range(spec.docs)))
     convs: list[dict] = []
     unique = 0

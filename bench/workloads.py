@@ -33,6 +33,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable
 
+from bench.synthetic import Interner
 from bench.traces import Trace
 
 KINDS = ("docqa", "chat", "agent", "batch", "oneoff")
@@ -62,18 +63,6 @@ class MixSpec:
     tenants: tuple[TenantSpec, ...]
     requests: int = 20000
     seed: int = 1
-
-
-class _Interner:
-    def __init__(self) -> None:
-        self._ids: dict[tuple, int] = {}
-
-    def chain(self, contents: list[Hashable]) -> list[int]:
-        ids, parent = [], -1
-        for content in contents:
-            parent = self._ids.setdefault((parent, content), len(self._ids))
-            ids.append(parent)
-        return ids
 
 
 @dataclass
@@ -157,7 +146,7 @@ def generate(spec: MixSpec) -> tuple[list[list[int]], list[str]]:
     """The requests of a mix and each request's tenant kind."""
     rng = random.Random(spec.seed)
     tenants = [_Tenant(t, i, random.Random(rng.random())) for i, t in enumerate(spec.tenants)]
-    interner = _Interner()
+    interner = Interner()
     requests, kinds = [], []
     for now in range(spec.requests):
         at = now / spec.requests
