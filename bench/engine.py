@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv.gz"  # ../shared beside the checkout
+DEFAULT_TRACE = Path("/work/shared/traces/azure_conv_2023.csv.gz")
 
 
 def add_parser(subparsers) -> None:
