@@ -7,10 +7,9 @@ behind. Start it from a thread that outlives it (the main thread, in tests and k
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,15 +18,23 @@ import time
 from collections import deque
 
 _READY = re.compile(r"kvstore daemon listening on (\S+) ")
-PR_SET_PDEATHSIG = 1
 
 
-def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent goes (a no-op off Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+def _child_limits(max_open_files: int | None) -> list[str]:
+    """util-linux commands that set up the child before it runs the daemon: SIGTERM when the
+    starting thread exits (``setpriv --pdeathsig``; skipped where setpriv is missing), and at
+    most ``max_open_files`` descriptors (``prlimit``).
+
+    Why not a ``preexec_fn``: running Python in a forked child of a process that uses gRPC
+    (every test process does) runs gRPC's fork handlers there while other threads are inside
+    gRPC; now and then the child then failed before its exec (an epoll_wait error on a bad
+    descriptor, and no daemon). Without a ``preexec_fn`` the child only execs."""
+    cmd = ["setpriv", f"--pdeathsig={signal.SIGTERM.name[3:]}", "--"] if shutil.which("setpriv") else []
+    if max_open_files is not None:
+        if not shutil.which("prlimit"):
+            raise RuntimeError("limiting a daemon's descriptors needs prlimit (util-linux)")
+        cmd += ["prlimit", f"--nofile={max_open_files}:{max_open_files}", "--"]
+    return cmd
 
 
 class DaemonProcess:
@@ -39,14 +46,9 @@ class DaemonProcess:
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
 
-        def prepare() -> None:
-            _terminate_with_parent()
-            if max_open_files is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
-
         self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "kvstore", "serve", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env, preexec_fn=prepare,
+            [*_child_limits(max_open_files), *wrapper, sys.executable, "-m", "kvstore", "serve", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
         )
         self.log: deque[str] = deque(maxlen=2000)
         self.addr = ""
