@@ -36,3 +36,15 @@ def _store_integrity_checked_at_close(monkeypatch):
         close(self)
 
     monkeypatch.setattr(Store, "close", checked_close)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules that run a model: on two shared cores OpenMP spinning across threads
+    makes small matmuls 40x slower (use with ``pytestmark = pytest.mark.usefixtures(...)``)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

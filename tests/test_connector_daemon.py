@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from connector import ConnectorConfig, DaemonBackendConfig
 from engine import LLM, EngineConfig, SamplingParams
@@ -26,12 +25,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 PROSE = (Path(__file__).parents[1] / "bench" / "data" / "probe_prose.txt").read_text()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -51,12 +51,7 @@ class Model:
         return cfg.num_layers * 2 * self.chunk * cfg.num_kv_heads * cfg.head_dim * 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])

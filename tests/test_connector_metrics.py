@@ -5,7 +5,6 @@ import json
 import urllib.request
 
 import pytest
-import torch
 
 from connector import ConnectorConfig
 from engine import LLM, EngineConfig, SamplingParams
@@ -18,12 +17,7 @@ from kvstore.store import Store
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
