@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from tiers.base import Buffer, Tier, TierUnavailable, as_buffers
+from tiers.wrapped import WrappedTier
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -77,15 +78,13 @@ class Gate:
         self._open.set()
 
 
-class FaultyTier(Tier):
+class FaultyTier(WrappedTier):
     """Wraps a tier; ``gates[op]`` (a Gate or a list of them) holds, ``failures[op]`` fails the next N calls of an
     operation (write, read, delete, size_of, sync), ``flip_reads`` flips one byte in the
     next N reads' output."""
 
     def __init__(self, inner: Tier, name: str | None = None) -> None:
-        super().__init__(name or inner.name, inner.capacity_bytes)
-        self.inner = inner
-        self.shared = inner.shared
+        super().__init__(inner, name)
         self.gates: dict[str, Gate | list[Gate]] = {}
         self.failures: dict[str, int] = {}
         self.flip_reads = 0
@@ -133,28 +132,6 @@ class FaultyTier(Tier):
     def sync(self, key: bytes) -> None:
         self._enter("sync", key)
         self.inner.sync(key)
-
-    def peek(self, key: bytes, nbytes: int) -> bytes | None:
-        return self.inner.peek(key, nbytes)
-
-    def contains(self, key: bytes) -> bool:
-        return self.inner.contains(key)
-
-    def keys(self) -> Iterator[bytes]:
-        return self.inner.keys()
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    def footprint(self, nbytes: int) -> int:
-        return self.inner.footprint(nbytes)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
     def close(self) -> None:
         for gates in self.gates.values():

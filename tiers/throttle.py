@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from tiers.base import Buffer, Tier
+from tiers.wrapped import WrappedTier
 
 
-class ThrottledTier(Tier):
+class ThrottledTier(WrappedTier):
     def __init__(self, inner: Tier, bytes_per_s: float) -> None:
-        super().__init__(inner.name, inner.capacity_bytes)
         if bytes_per_s <= 0:
             raise ValueError(f"bandwidth cap must be positive, got {bytes_per_s}")
-        self.inner = inner
-        self.shared = inner.shared  # a class attribute would hide the wrapped tier's (review #18)
+        super().__init__(inner)
         self.bytes_per_s = float(bytes_per_s)
         self._lock = threading.Lock()
         self._free_at = 0.0
@@ -52,37 +51,3 @@ class ThrottledTier(Tier):
         if got is not None:
             self._occupy(got, started)
         return got
-
-    def peek(self, key: bytes, nbytes: int) -> bytes | None:
-        return self.inner.peek(key, nbytes)
-
-    def sync(self, key: bytes) -> None:
-        self.inner.sync(key)
-
-    def delete(self, key: bytes) -> bool:
-        return self.inner.delete(key)
-
-    def contains(self, key: bytes) -> bool:
-        return self.inner.contains(key)
-
-    def size_of(self, key: bytes) -> int | None:
-        return self.inner.size_of(key)
-
-    def keys(self) -> Iterator[bytes]:
-        return self.inner.keys()
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    def footprint(self, nbytes: int) -> int:
-        return self.inner.footprint(nbytes)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def close(self) -> None:
-        self.inner.close()
