@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
@@ -33,11 +33,10 @@ class TierUnavailable(TierError):
 
 class SharedPool(Protocol):
     """A tier's memory as a pool other parties may read without a copy: a process that maps
-    the backing file, or a socket that ``sendfile``s from it. Ranges are (pool offset,
-    length) pairs, valid while pinned."""
+    the backing file, or a socket sent bytes straight from its views. Ranges are (pool
+    offset, length) pairs, valid while pinned."""
 
     path: str | None  # the file backing the pool, if other processes can map it
-    file: BinaryIO | None  # that file opened for reading (sendfile), if any
 
     def pinned_runs(self, key: bytes) -> AbstractContextManager[list[tuple[int, int]] | None]:
         """The value's ranges in order, kept allocated for the ``with`` block; None if absent."""

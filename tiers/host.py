@@ -41,9 +41,6 @@ class HostTier(PagedTier):
         super().__init__(name, capacity_bytes, page_bytes)
         self.pool_bytes = self.table.pool_bytes
         self.shm_path = shm_path
-        # the pool file, when there is one: a socket can sendfile() chunks out of it with no
-        # copy in this process
-        self.pool_file = None
         self._mmap = self._map_pool(shm_path)
         self._pool = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault:
@@ -59,7 +56,6 @@ class HostTier(PagedTier):
         try:
             os.ftruncate(fd, self.pool_bytes)
             pool = mmap.mmap(fd, self.pool_bytes, flags=mmap.MAP_SHARED)
-            self.pool_file = os.fdopen(os.open(shm_path, os.O_RDONLY), "rb", buffering=0)
             return pool
         finally:
             os.close(fd)
@@ -69,10 +65,6 @@ class HostTier(PagedTier):
     @property
     def path(self) -> str | None:
         return self.shm_path
-
-    @property
-    def file(self):
-        return self.pool_file
 
     def shared_pool(self) -> "HostTier":
         return self
@@ -152,8 +144,6 @@ class HostTier(PagedTier):
             self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when it does
-        if self.pool_file is not None:
-            self.pool_file.close()
         if self.shm_path is not None:
             try:
                 os.unlink(self.shm_path)
