@@ -83,8 +83,9 @@ class BlockManager:
             seq.block_table.append(block_id)
             parent = block.hash
             seq.block_hashes.append(parent)
-        for _ in range(self.blocks_needed(len(seq)) - len(matched)):
-            seq.block_table.append(self._take_free())
+        # The free list decides which blocks; ascending ids make a chunk's blocks one run,
+        # which the connector copies as a slice (kernels/block_copy.block_runs), not per block.
+        seq.block_table += sorted(self._take_free() for _ in range(self.blocks_needed(len(seq)) - len(matched)))
         seq.num_computed = len(matched) * self.block_size
         return seq.num_computed
 

@@ -29,6 +29,21 @@ def test_allocate_and_free_restore_every_block():
     assert bm.num_free == 8 and s.block_table == []
 
 
+def test_fresh_blocks_come_in_ascending_order_after_a_free():
+    """free_seq puts a sequence's blocks back tail first, so taken in list order the next
+    sequence would get them descending: every block its own copy in the connector."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq(range(40))
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free_seq(a)
+    bm.reset_prefix_cache()
+    b = seq(range(100, 140))
+    bm.allocate(b)
+    assert b.block_table == sorted(b.block_table)
+    assert set(b.block_table) <= set(range(16)) and len(b.block_table) == 10
+
+
 def test_block_hashes_match_kvstore_chunk_hashes():
     bm = BlockManager(num_blocks=8, block_size=4)
     s = seq(range(100, 113))
