@@ -4,7 +4,8 @@ threads, a few chunks per read call, and scattered into the request's blocks.
 Direct loads scatter each group of chunks (all layers at once) as soon as its read
 returns, so reading and scattering overlap across the loader threads. Into a CPU cache,
 chunks a store lends (``LendsChunks``: the in-process Store, for raw chunks in host RAM) are
-scattered straight from the store's pages, with no staging copy. Layer-wise loads keep
+scattered straight from the store's pages, with no staging copy, in order on one thread
+(each copy uses every core already); what it does not lend is read as above. Layer-wise loads keep
 the staged chunks until every read is in, then scatter layer by layer on a thread of their
 own, so layer ``i`` lands while the model computes layer ``i - 1``.
 
@@ -72,32 +73,54 @@ class LoadTask:
         self.result: LoadResult | None = None
 
     def submit(self, pool: Executor) -> None:
+        if self.lends:
+            pool.submit(self._run_lent_first, pool)
+            return
         for group in self.groups:
             pool.submit(self._run, group)
 
     # -- loader threads ---------------------------------------------------------------------
 
-    def _run(self, group: _Group) -> None:
+    def _run_lent_first(self, pool: Executor) -> None:
+        """Scattering a lent chunk is a memory copy that already uses every core, so one
+        thread scatters them in order (two at once only contend for the same memory
+        bandwidth); from the first group the store does not lend whole, the groups left are
+        reads, and go to the pool to run side by side."""
+        for i, group in enumerate(self.groups):
+            if not self._run(group):
+                for rest in self.groups[i + 1:]:
+                    pool.submit(self._run, rest)
+                return
+
+    def _run(self, group: _Group) -> bool:
+        """Load one group; whether the store lent all of it."""
         with self.cond:
             if group.state is GroupState.ABANDONED:
-                return
+                return False
             group.state = GroupState.READING
         lent, failed = self._scatter_lent(group) if self.lends else (0, False)
         if lent is None:
-            return
+            return False
+        if lent == len(group.chunks):
+            with self.cond:
+                if group.state is GroupState.ABANDONED:
+                    return False
+                group.got, group.state = lent, GroupState.DONE
+                self.cond.notify_all()
+            return True
         rest = [] if failed else group.chunks[lent:]
         bufs = [self.staging.take() for _ in rest]
         got = self._read(rest, bufs) if rest else 0
         with self.cond:
             if group.state is GroupState.ABANDONED:
                 self._release(bufs, got == len(bufs))
-                return
+                return False
             group.got = lent + got
             if self.layerwise:
                 group.bufs = bufs
                 group.state = GroupState.STAGED if got == len(bufs) else GroupState.SHORT
                 self.cond.notify_all()
-                return
+                return False
             group.state = GroupState.SCATTERING
         try:
             for buf, chunk in zip(bufs[:got], rest):
@@ -109,6 +132,7 @@ class LoadTask:
             with self.cond:
                 group.state = GroupState.DONE if group.got == len(group.chunks) else GroupState.SHORT
                 self.cond.notify_all()
+        return False
 
     def _scatter_lent(self, group: _Group) -> tuple[int | None, bool]:
         """Scatter the group's leading chunks straight from the store's host RAM (one copy,

@@ -5,6 +5,7 @@ every load mode, a hit overlapping blocks another request holds, an asynchronous
 others run past, chunked prefill, preemption and resume, a corrupt chunk, a timed-out load,
 a new engine process loading from the disk tier, saves dropped when the saver falls behind."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -300,6 +301,34 @@ def test_saves_are_dropped_and_counted_when_the_saver_is_behind(model, store):
     warm = with_store(model, store)
     got, (seq,) = run(warm, model.prompts[:1])
     assert got == want and seq.metrics.num_loaded_tokens == model.chunk
+    settle(warm, store)
+
+
+@pytest.mark.parametrize("dropped", [1, 2])
+def test_a_load_borrows_what_host_ram_holds_and_reads_the_rest(model, store, dropped, monkeypatch):
+    """Lent chunks are scattered in order on one thread; from the first group the store
+    does not lend whole, the rest is read from disk through staging buffers, and the
+    outputs are those of a cold run."""
+    want = baseline(model, model.prompts[:1])
+    cold = with_store(model, store)
+    assert run(cold, model.prompts[:1])[0] == want
+    settle(cold, store)
+    keys = chunk_keys(model.prompts[0], cold.connector.namespace)
+    assert store.drop([keys[dropped]], "host") == 1
+    lent = []
+    borrow = store.borrow
+
+    @contextlib.contextmanager
+    def counting_borrow(key):
+        with borrow(key) as src:
+            lent.append((keys.index(key), src is not None))
+            yield src
+
+    monkeypatch.setattr(store, "borrow", counting_borrow)
+    warm = with_store(model, store, chunks_per_read=2)
+    got, (seq,) = run(warm, model.prompts[:1])
+    assert got == want and seq.metrics.num_loaded_tokens == 3 * model.chunk
+    assert (dropped, False) in lent and all(ok for i, ok in lent if i != dropped)
     settle(warm, store)
 
 
