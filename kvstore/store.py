@@ -46,7 +46,7 @@ from kvstore.read_path import ReadPath
 from kvstore.recovery import recover
 from kvstore.stats import StoreStats, TierStats
 from kvstore.tier_io import TierIO
-from kvstore.tier_setup import SharedIndexClient, TierSetup, build_tiers
+from kvstore.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
 from kvstore.write_behind import Reservation, Ticket, WriteBehind
 from tiers.base import Tier, TierError, TierFull
 
@@ -74,9 +74,23 @@ class Store:
         config.validate()
         setups = build_tiers(config) + [TierSetup(t, (extra_fetch_workers or {}).get(t.name, 4)) for t in extra_tiers]
         self.tiers: list[Tier] = [s.tier for s in setups]
+        self.cluster = None
         try:
+            if config.cluster.enabled:  # the shared tiers keep the cluster's budget (docs/cluster.md)
+                from kvstore.cluster import ClusterMember
+
+                self.cluster = ClusterMember(config, self._forget_shared)
+                shared_budgets = budgets(config)
+                for s in setups:
+                    if s.tier.shared:
+                        s.tier = self.cluster.wrap(s.tier, shared_budgets.get(s.tier.name, s.tier.capacity_bytes))
+                self.tiers = [s.tier for s in setups]
             self._build(config, setups, usage)
+            if self.cluster is not None:
+                self.cluster.join()
         except BaseException:
+            if self.cluster is not None:
+                self.cluster.close()
             for tier in reversed(self.tiers):  # releases a data directory's lock, shared memory
                 tier.close()
             raise
@@ -122,6 +136,11 @@ class Store:
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
                                          wb.workers, wb.stall_s, self._evictor.make_room)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
+
+    def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:
+        """Values a cluster's ledger had this daemon delete leave the lookup index too."""
+        if self.shared_index is not None:
+            self.shared_index.remove(tier_name, key_ids)
 
     def tier(self, name: str) -> Tier:
         try:
@@ -309,7 +328,7 @@ class Store:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         until = time.monotonic() + min(ttl_s, self.config.max_pin_ttl_s)
-        pinned = 0
+        pinned = []
         with self.index.lock:
             self.index.check_open()
             self.index.expire_pins()
@@ -317,15 +336,20 @@ class Store:
                 entry = self.index.get(key.id)
                 if entry is not None and entry.readable():
                     self.index.pin(key.id, entry, until)
-                    pinned += 1
-        return pinned
+                    pinned.append(key.id)
+        if self.cluster is not None:  # other members must not evict them from the shared tiers
+            self.cluster.pin(pinned, min(ttl_s, self.config.max_pin_ttl_s))
+        return len(pinned)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
         """End pins early; returns how many of the keys were pinned."""
         with self.index.lock:
             self.index.check_open()
             self.index.expire_pins()
-            return sum(self.index.unpin(k.id, e) for k in keys if (e := self.index.get(k.id)) is not None)
+            ended = sum(self.index.unpin(k.id, e) for k in keys if (e := self.index.get(k.id)) is not None)
+        if self.cluster is not None:
+            self.cluster.unpin([k.id for k in keys])
+        return ended
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> list[Future]:
         """Start promoting chunks held only below the first tier; returns the futures of the
@@ -516,6 +540,8 @@ class Store:
         self._readers.shutdown(wait=True)
         for pool in self._fetch_pools.values():
             pool.shutdown(wait=True)
+        if self.cluster is not None:
+            self.cluster.close()
         for tier in reversed(self.tiers):
             tier.close()
         if self.shared_index is not None:
