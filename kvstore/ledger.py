@@ -307,6 +307,7 @@ class Ledger:
     def __init__(self, url: str, key_prefix: str, cluster: bool, socket_timeout_s: float = 1.0,
                  connect_timeout_s: float = 0.5, max_connections: int = 8) -> None:
         self.prefix = "{" + key_prefix + "cluster}:"
+        self._cluster = cluster
         self._tag = self.prefix + "tag"  # routes every script to the ledger's slot
         self._client = connect(url, cluster, socket_timeout_s, connect_timeout_s, max_connections)
         scripts = dict(join=_JOIN, beat=_BEAT, leave=_LEAVE, reserve=_RESERVE, commit=_COMMIT, release=_RELEASE,
@@ -408,6 +409,25 @@ class Ledger:
                 pins = c.zcount(p + "pins:" + name, now_ms + 1, "+inf") if live else 0
                 members.append(MemberState(name, age, live, pins, info))
         return ClusterState(tiers, members)
+
+    def health(self) -> dict:
+        """The Redis side: ``{"redis": "ok"}`` for a standalone server; for a Redis Cluster its
+        state, live primaries and replicas, failed nodes, and primaries with no live replica
+        (one more failure there loses slots)."""
+        with unavailable_on_failure("cluster ledger: health"):
+            if not self._cluster:
+                self._client.ping()
+                return {"redis": "ok"}
+            state = self._client.cluster_info().get("cluster_state", "unknown")
+            nodes = self._client.cluster_nodes()
+        flags = {addr: set(n["flags"].split(",")) for addr, n in nodes.items()}
+        up = {addr for addr, f in flags.items() if not f & {"fail", "fail?", "noaddr"}}
+        primaries = {n["node_id"]: addr for addr, n in nodes.items() if "master" in flags[addr] and addr in up and n["slots"]}
+        covered = {n["master_id"] for addr, n in nodes.items() if "slave" in flags[addr] and addr in up}
+        return {"redis": state, "primaries": len(primaries),
+                "replicas": sum(1 for a in up if "slave" in flags[a]),
+                "failed": sorted(set(nodes) - up),
+                "primaries_without_replica": sorted(a for i, a in primaries.items() if i not in covered)}
 
     def close(self) -> None:
         self._client.close()

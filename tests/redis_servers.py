@@ -1,6 +1,6 @@
-"""Real Redis servers for tests: a standalone server and a 3-node Redis Cluster, each
-started by the test session on free loopback ports in temporary directories and killed at
-the end. Tests that need them skip, with the reason, when redis-server is not installed.
+"""Real Redis servers for tests: a standalone server, a 3-node Redis Cluster, and a Redis
+Cluster of 3 primaries each with a replica (for failovers), each started by the test
+session on free loopback ports in temporary directories and killed at the end. Tests that need them skip, with the reason, when redis-server is not installed.
 
 tests/conftest.py registers this module as a plugin, so its fixtures are available to
 every test module and the session-scoped servers start once per session.
@@ -44,10 +44,12 @@ def free_port(cluster: bool = False) -> int:
 class RedisServer:
     """One redis-server process; ``stop`` kills it, ``start`` brings it back on the same port."""
 
-    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False, args: tuple[str, ...] = ()):
+    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False, args: tuple[str, ...] = (),
+                 node_timeout_ms: int = 5000):
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
+        self.node_timeout_ms = node_timeout_ms
         self.port = port or free_port(cluster)
         self.args = args
         self.proc: subprocess.Popen | None = None
@@ -60,7 +62,7 @@ class RedisServer:
         cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.args]
         if self.cluster:
-            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"]
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms)]
         log = open(self.workdir / "server.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -85,24 +87,59 @@ class RedisServer:
         return result.stdout
 
 
-def start_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
-    """``nodes`` primaries, no replicas, all 16384 slots assigned and the cluster state ok."""
+def start_cluster(workdir: Path, nodes: int = 3, replicas: int = 0, node_timeout_ms: int = 5000) -> list[RedisServer]:
+    """``nodes`` primaries with ``replicas`` replicas each, all 16384 slots assigned, the
+    cluster state ok and every replica in sync with its primary. A short node timeout makes
+    a failover (a replica promoted once its primary is gone) take about two timeouts."""
     servers = []
     try:
-        for i in range(nodes):
-            servers.append(RedisServer(workdir / f"node{i}", cluster=True).start())
+        for i in range(nodes * (1 + replicas)):
+            servers.append(RedisServer(workdir / f"node{i}", cluster=True, node_timeout_ms=node_timeout_ms).start())
         subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in servers],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
-        deadline = time.monotonic() + 20
-        while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers):
-            if time.monotonic() > deadline:
-                raise RuntimeError("cluster did not reach state ok")
-            time.sleep(0.1)
+                        "--cluster-replicas", str(replicas), "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        wait_until(lambda: all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers), 20,
+                   "cluster did not reach state ok")
+        wait_until(lambda: all("master_link_status:up" in s.cli("INFO", "replication")
+                               for s in servers if role(s) == "slave"), 20, "replicas did not sync")
     except BaseException:
         for s in servers:
             s.stop()
         raise
     return servers
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(what)
+        time.sleep(0.05)
+
+
+def role(server: RedisServer) -> str:
+    """``master`` or ``slave``, as the server says now."""
+    for line in server.cli("INFO", "replication").splitlines():
+        if line.startswith("role:"):
+            return line.split(":", 1)[1].strip()
+    raise RuntimeError(f"redis on port {server.port} reports no role")
+
+
+def primary_of(servers: list[RedisServer], key: str) -> RedisServer:
+    """The live primary that serves ``key``'s slot now."""
+    slot = int(servers[0].cli("CLUSTER", "KEYSLOT", key).strip())
+    for s in servers:
+        if s.proc is None:
+            continue
+        if role(s) != "master":
+            continue
+        for line in s.cli("CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if "myself" in fields[2]:
+                for span in fields[8:]:
+                    lo, _, hi = span.partition("-")
+                    if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                        return s
+    raise RuntimeError(f"no live primary serves slot {slot}")
 
 
 def _require_redis() -> None:
@@ -147,6 +184,19 @@ def redis_cluster():
         yield servers
     finally:
         _stop_all(servers)
+
+
+@pytest.fixture
+def redis_cluster_with_replicas(tmp_path):
+    """3 primaries with one replica each, for one test (a primary is killed: a failover);
+    node timeout 500 ms, so a replica takes over within about two seconds."""
+    _require_redis()
+    servers = start_cluster(tmp_path / "cluster", replicas=1, node_timeout_ms=500)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 @pytest.fixture
