@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tiers.redis import connect, unavailable_on_failure
+from tiers.redis import REDIS_DOWN, connect, unavailable_on_failure
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -37,9 +37,20 @@ local function parse(v)
   local s, fp, size, owner = string.match(v, '^(%a) (%d+) (%d+) (.*)$')
   return s, tonumber(fp), tonumber(size), owner
 end
-local function is_live(m, now, ttl)
+-- The time, and the oldest heartbeat of a live member. When nobody reached the ledger for
+-- half a member_ttl (its primary failed over, Redis restarted), every member was cut off
+-- alike: for one member_ttl, every member that has not left counts as live.
+local function clock(ttl)
+  local now = now_ms()
+  local seen = tonumber(redis.call('GET', P .. 'seen') or '0')
+  if seen > 0 and now - seen > ttl / 2 then redis.call('SET', P .. 'grace', now + ttl) end
+  redis.call('SET', P .. 'seen', now)
+  if now < tonumber(redis.call('GET', P .. 'grace') or '0') then return now, 1 end
+  return now, now - ttl
+end
+local function is_live(m, alive_after)
   local beat = redis.call('ZSCORE', P .. 'beats', m)
-  return beat ~= false and tonumber(beat) >= now - ttl
+  return beat ~= false and tonumber(beat) >= alive_after
 end
 local function add_used(T, m, delta)
   redis.call('HINCRBY', P .. 'used', T, delta)
@@ -97,13 +108,13 @@ return out
 # to delete (then ``evicted``).
 _BEAT = _COMMON + r"""
 local m, ttl, forget = ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
-local now = now_ms()
+local now, alive_after = clock(ttl)
 redis.call('ZADD', P .. 'beats', now, m)
 redis.call('HSET', P .. 'info', m, ARGV[3])
 redis.call('ZREMRANGEBYSCORE', P .. 'pins:' .. m, '-inf', now)
 local tiers = redis.call('HKEYS', P .. 'budget')
 local out = {}
-for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. (now - ttl))) do
+for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. alive_after)) do
   redis.call('DEL', P .. 'pins:' .. d)
   local holds = false
   for _, T in ipairs(tiers) do
@@ -144,13 +155,14 @@ return 1
 _RESERVE = _COMMON + r"""
 local m, T, key, fp, size, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local budget = tonumber(redis.call('HGET', P .. 'budget', T))
+local now, alive_after = clock(ttl)
 local v = redis.call('HGET', P .. 't:' .. T, key)
 local old_fp, old_owner = 0, nil
 if v then
   local s, ofp, osize, owner = parse(v)
   if s == 'e' then return {'busy', used(T)} end
   if s == 'r' and osize == size then return {'present', used(T)} end
-  if s == 'p' and owner ~= m and is_live(owner, now_ms(), ttl) then return {'busy', used(T)} end
+  if s == 'p' and owner ~= m and is_live(owner, alive_after) then return {'busy', used(T)} end
   old_fp, old_owner = ofp, owner
 end
 local after = used(T) - old_fp + fp
@@ -214,8 +226,8 @@ local budget = tonumber(redis.call('HGET', P .. 'budget', T))
 local u = used(T)
 if budget - u >= need then return {'ok', u} end
 local want = need - (budget - u)
-local now = now_ms()
-local live = redis.call('ZRANGEBYSCORE', P .. 'beats', now - ttl, '+inf')
+local now, alive_after = clock(ttl)
+local live = redis.call('ZRANGEBYSCORE', P .. 'beats', alive_after, '+inf')
 local share = budget / math.max(#live, 1)
 local is_live_m = {}
 for _, x in ipairs(live) do is_live_m[x] = true end
@@ -418,8 +430,7 @@ class Ledger:
             if not self._cluster:
                 self._client.ping()
                 return {"redis": "ok"}
-            state = self._client.cluster_info().get("cluster_state", "unknown")
-            nodes = self._client.cluster_nodes()
+            state, nodes = self._ask_any_node()
         flags = {addr: set(n["flags"].split(",")) for addr, n in nodes.items()}
         up = {addr for addr, f in flags.items() if not f & {"fail", "fail?", "noaddr"}}
         primaries = {n["node_id"]: addr for addr, n in nodes.items() if "master" in flags[addr] and addr in up and n["slots"]}
@@ -428,6 +439,19 @@ class Ledger:
                 "replicas": sum(1 for a in up if "slave" in flags[a]),
                 "failed": sorted(set(nodes) - up),
                 "primaries_without_replica": sorted(a for i, a in primaries.items() if i not in covered)}
+
+    def _ask_any_node(self) -> tuple[str, dict]:
+        """CLUSTER INFO and CLUSTER NODES from the first node that answers (a failed node
+        cannot say the cluster's state)."""
+        error = None
+        for node in self._client.get_nodes():
+            try:
+                info = self._client.cluster_info(target_nodes=node)
+                nodes = self._client.execute_command("CLUSTER NODES", target_nodes=node)
+                return info.get("cluster_state", "unknown"), nodes
+            except REDIS_DOWN as exc:
+                error = exc
+        raise error
 
     def close(self) -> None:
         self._client.close()
