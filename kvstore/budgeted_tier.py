@@ -39,7 +39,11 @@ class BudgetedTier(WrappedTier):
 
     def make_room(self, need: int) -> None:
         """Until ``need`` bytes of the budget are free, delete the victims the ledger names;
-        TierFull when everything left is pinned or being written."""
+        TierFull when everything left is pinned or being written. Where the ledger's last
+        answer left room, nothing is asked: the reservation checks again, and a writer it
+        refuses comes back here with the count it was refused on."""
+        if self._used + need <= self.capacity_bytes:
+            return
         while True:
             answer, self._used, victims = self.ledger.make_room(self.member, self.name, need, self._ttl_s)
             if answer == "ok":
@@ -86,6 +90,11 @@ class BudgetedTier(WrappedTier):
         if not self.ledger.commit(self.member, self.name, key):
             self._undo(key)
             raise TierError(f"{self.name}: {key.hex()} was deleted while it was written")
+
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
+        """One ``write`` each: every value reserves and commits its own bytes."""
+        for key, parts in items:
+            self.write(key, parts)
 
     def _undo(self, key: bytes) -> None:
         try:

@@ -189,3 +189,23 @@ def test_without_a_cluster_nothing_changes(tmp_path, redis_server):
         put_all(s, keys, values)
         assert s.cluster is None and s.tier("pfs").capacity_bytes == 1 << 22
         assert not (tmp_path / "pfs" / MARKER).exists()
+
+
+def test_kvstore_cluster_prints_members_usage_and_health(tmp_path, redis_server, capsys):
+    from kvstore.cli import main
+
+    keys, values = chunks(20)
+    with Store(member(tmp_path, "a", redis_server.url, "cli")) as a, Store(member(tmp_path, "b", redis_server.url, "cli")) as b:
+        put_all(a, keys[:10], values[:10])
+        a.pin(keys[:3], 300)
+        put_all(b, keys[10:], values[10:])
+        toml = tmp_path / "member.toml"
+        toml.write_text(f'[store.shared_index]\nenabled = true\nurl = "{redis_server.url}"\nkey_prefix = "cli:i:"\n')
+        assert main(["cluster", "--config", str(toml)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("(prefix cli:i:): 2 live members, 0 not live; health: ok")
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["a"][1] == "live" and rows["a"][4] == "3" and rows["b"][4] == "0"
+    assert rows["pfs"][1:3] == ["96KiB", "96KiB"] and rows["pfs"][4] == "12"
+    assert main(["cluster", "--url", "redis://127.0.0.1:1/0"]) == 2
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in capsys.readouterr().err
