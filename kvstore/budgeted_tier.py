@@ -11,6 +11,7 @@ member pins, and this daemon deletes them before their bytes count as free.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -32,6 +33,8 @@ class BudgetedTier(WrappedTier):
         self._ttl_s, self._busy_wait_s = member_ttl_s, busy_wait_s
         self._forget = forget
         self._used = 0  # the cluster's use of the budget, as the ledger last said
+        self._owed: set[bytes] = set()  # reservations of failed writes still to release
+        self._owed_lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
@@ -84,10 +87,11 @@ class BudgetedTier(WrappedTier):
             time.sleep(0.01)
         try:
             self.inner.write(key, parts)
+            committed = self.ledger.commit(self.member, self.name, key)
         except BaseException:
             self._undo(key)
             raise
-        if not self.ledger.commit(self.member, self.name, key):
+        if not committed:
             self._undo(key)
             raise TierError(f"{self.name}: {key.hex()} was deleted while it was written")
 
@@ -97,10 +101,26 @@ class BudgetedTier(WrappedTier):
             self.write(key, parts)
 
     def _undo(self, key: bytes) -> None:
+        """Remove a value written without a commit, and its reservation (owed for later if
+        the ledger cannot be reached: a live member's reservation is never reaped)."""
         try:
             self.inner.delete(key)
-        finally:
+        except TierError as exc:
+            log.warning("%s: cannot remove uncommitted %s: %s", self.name, key.hex(), exc)
+        try:
             self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
+        except TierError:
+            with self._owed_lock:
+                self._owed.add(key)
+
+    def settle(self) -> None:
+        """Release the reservations ``_undo`` could not (the heartbeat calls this)."""
+        with self._owed_lock:
+            owed = list(self._owed)
+        if owed:
+            self._used = self.ledger.release(self.member, self.name, owed, own_only=True)
+            with self._owed_lock:
+                self._owed.difference_update(owed)
 
     def delete(self, key: bytes) -> bool:
         removed = self.inner.delete(key)

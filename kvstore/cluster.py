@@ -101,6 +101,8 @@ class ClusterMember:
         while not self._stop.wait(c.heartbeat_s):
             try:
                 self._remove(self.ledger.beat(self.name, self.info, c.member_ttl_s, c.forget_after_s))
+                for tier in self.tiers.values():
+                    tier.settle()
             except TierError as exc:
                 self.errors += 1
                 log.warning("cluster: heartbeat failed: %s", exc)
