@@ -132,6 +132,12 @@ class Store:
             if not (tier.shared and self.shared_index is not None):  # with a shared index, found by lookups
                 recover(self.index, tier)
                 self._evictor.make_room(tier, 0, recode=False)
+        if self.shared_index is not None and self.shared_tiers:
+            # the shared copies of recovered chunks: lookups answered locally never ask for them,
+            # and reads fetch from every replica (a restarted daemon would read its disk alone)
+            recovered = list(self.index.entries)
+            for i in range(0, len(recovered), 1024):
+                discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024])
         wb = config.write_behind
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
                                          wb.workers, wb.stall_s, self._evictor.make_room)
