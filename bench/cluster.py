@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("cluster", help="N daemons sharing a PFS directory and a Redis Cluster, vs node-local only")
     p.add_argument("--nodes", default="1,2", help="cluster sizes to run, e.g. 1,2,4")
     p.add_argument("--prefixes", type=int, default=8, help="requests per node in a burst (one prefix each)")
-    p.add_argument("--prefix-chunks", type=int, default=8, help="chunks per prefix")
+    p.add_argument("--prefix-chunks", type=int, default=16, help="chunks per prefix")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
