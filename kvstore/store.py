@@ -2,9 +2,10 @@
 
 Tiers are ordered fastest first; the first (host RAM) takes every put synchronously, and
 each replica tier (local disk, and the shared tiers) receives a copy written behind
-(kvstore/write_behind.py). A read is served by the fastest tier holding the chunk and
-verified (kvstore/read_path.py); a hit below the first tier is promoted into it. Lookups
-answer from the index (kvstore/index.py, which draws a chunk's life) and never do I/O.
+(kvstore/write_behind.py). A read is served by the fastest tier holding the chunk that
+has a fetch worker free, and verified (kvstore/read_path.py); a hit below the first tier
+is promoted into it. Lookups answer from the index (kvstore/index.py, which draws a
+chunk's life) and never do I/O.
 Each tier has its own eviction policy (kvstore/eviction.py; with placement, a victim may
 stay re-encoded smaller). The parts share one index lock that is never held across tier
 I/O, and one mutation lock per (tier, key) under which that value is written or deleted.
