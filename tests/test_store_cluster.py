@@ -209,3 +209,27 @@ def test_kvstore_cluster_prints_members_usage_and_health(tmp_path, redis_server,
     assert rows["pfs"][1:3] == ["96KiB", "96KiB"] and rows["pfs"][4] == "12"
     assert main(["cluster", "--url", "redis://127.0.0.1:1/0"]) == 2
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in capsys.readouterr().err
+
+
+def test_a_ledger_outage_makes_no_member_dead(tmp_path, own_redis_server):
+    """Redis stalls for longer than member_ttl_s (a failover, a restart): every member was
+    cut off alike, so when it answers again nobody is reaped for the silence, and a member
+    that beats again in time keeps its half-done writes and its pins."""
+    import signal
+
+    cfg = member(tmp_path, "a", own_redis_server.url, "outage", heartbeat_s=0.2, member_ttl_s=2.0)
+    with Store(cfg) as a:
+        other = Ledger(own_redis_server.url, cfg.shared_index.key_prefix, False)
+        try:
+            other.join("b", {"pfs": BUDGET}, {})
+            assert other.reserve("b", "pfs", b"\x05" * 32, FOOTPRINT, 4224, 2.0)[0] == "ok"
+            os.kill(own_redis_server.proc.pid, signal.SIGSTOP)
+            time.sleep(3.0)  # a's heartbeats queue up meanwhile, and run when Redis resumes
+            os.kill(own_redis_server.proc.pid, signal.SIGCONT)
+            time.sleep(0.5)
+            assert other.beat("b", {}, 2.0, 3600.0) == []
+            state = a.cluster.ledger.state(2.0)
+            assert state.tiers["pfs"].in_flight == 1 and state.tiers["pfs"].used_bytes == FOOTPRINT
+            assert other.commit("b", "pfs", b"\x05" * 32)
+        finally:
+            other.close()
