@@ -218,12 +218,12 @@ def cmd_cluster(args) -> int:
     live = sum(m.live for m in state.members)
     print(f"cluster at {url} (prefix {prefix}): {live} live members, {len(state.members) - live} not live; "
           f"health: {'ok' if not problems else '; '.join(problems)}")
-    print(f"{'member':40} {'state':5} {'heartbeat':>10} {'pins':>6} " + " ".join(f"{n:>9}" for n in state.tiers))
+    print(f"{'member':40} {'state':5} {'address':21} {'heartbeat':>10} {'pins':>6} " + " ".join(f"{n:>9}" for n in state.tiers))
     for m in state.members:
         status = "live" if m.live else ("left" if m.heartbeat_age_s is None else "dead")
         beat = "-" if m.heartbeat_age_s is None else f"{m.heartbeat_age_s:.1f}s ago"
         usage = " ".join(f"{format_size(t.by_member.get(m.name, 0)):>9}" for t in state.tiers.values())
-        print(f"{m.name:40} {status:5} {beat:>10} {m.pins:>6} {usage}")
+        print(f"{m.name:40} {status:5} {m.info.get('addr') or '-':21} {beat:>10} {m.pins:>6} {usage}")
     print(f"{'tier':8} {'used':>9} {'budget':>9} {'use':>6} {'chunks':>8} {'in flight':>9}")
     for n, t in state.tiers.items():
         print(f"{n:8} {format_size(t.used_bytes):>9} {format_size(t.budget_bytes):>9} "

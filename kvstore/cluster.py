@@ -82,6 +82,10 @@ class ClusterMember:
         self.tiers[tier.name] = budgeted
         return budgeted
 
+    def advertise(self, address: str) -> None:
+        """The address this member serves on, in its next heartbeat."""
+        self.info = {**self.info, "addr": address}  # a new dict: the heartbeat thread reads the old one whole
+
     def join(self) -> None:
         """Join the ledger (BudgetMismatch, a ConfigError, if a budget differs), finish what
         this member's previous run left half-written, and start beating."""

@@ -160,6 +160,7 @@ def test_restart_kill_and_join_lose_no_durable_chunk_and_keep_the_budgets(tmp_pa
         assert code == 0 and report["health"]["ok"] and report["health"]["primaries"] == 3
         members = {m["name"]: m for m in report["members"]}
         assert members["a"]["live"] and members["a"]["heartbeat_age_s"] < 1.0 and members["b"]["pins"] == 0
+        assert members["a"]["info"]["addr"] == a.addr and members["b"]["info"]["addr"] == b.addr
         # a daemon that joins finds what the cluster has
         c = DaemonProcess(["--config", member_toml(tmp_path, "c", url)])
         assert read_back(c, kd, vd) == 40

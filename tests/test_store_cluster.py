@@ -205,7 +205,7 @@ def test_kvstore_cluster_prints_members_usage_and_health(tmp_path, redis_server,
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("(prefix cli:i:): 2 live members, 0 not live; health: ok")
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert rows["a"][1] == "live" and rows["a"][4] == "3" and rows["b"][4] == "0"
+    assert rows["a"][1:3] == ["live", "-"] and rows["a"][5] == "3" and rows["b"][5] == "0"  # in-process: no address
     assert rows["pfs"][1:3] == ["96KiB", "96KiB"] and rows["pfs"][4] == "12"
     assert main(["cluster", "--url", "redis://127.0.0.1:1/0"]) == 2
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in capsys.readouterr().err
