@@ -245,13 +245,15 @@ local function pinned(key)
   end
   return false
 end
-local out, freed = {'evict', u}, 0
+-- at most 4096 chunks looked at per call, pinned ones included: Redis runs nothing else meanwhile
+local out, freed, scanned = {'evict', u}, 0, 0
 for _, cand in ipairs(by) do
   local q = P .. 'q:' .. T .. ':' .. cand[1]
   local start = 0
-  while freed < want and #out - 2 < most do
+  while freed < want and #out - 2 < most and scanned < 4096 do
     local batch = redis.call('ZRANGE', q, start, start + 63)
     if #batch == 0 then break end
+    scanned = scanned + #batch
     local kept = 0
     for _, key in ipairs(batch) do
       if freed >= want or #out - 2 >= most then break end
@@ -268,7 +270,7 @@ for _, cand in ipairs(by) do
     end
     start = start + kept
   end
-  if freed >= want or #out - 2 >= most then break end
+  if freed >= want or #out - 2 >= most or scanned >= 4096 then break end
 end
 if #out == 2 then return {'full', u} end
 return out
