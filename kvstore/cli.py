@@ -186,6 +186,56 @@ def cmd_ping(args) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def cmd_cluster(args) -> int:
+    """Print a cluster's members (heartbeats, pins, usage), its shared tiers' budgets and use,
+    and its health, from the ledger in the shared index's Redis (docs/cluster.md); exit 1
+    when it is not healthy (Redis Cluster not ok or a node failed, a tier over its budget)."""
+    import dataclasses
+    import json
+
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.ledger import Ledger
+
+    store = (load_config(args.config, DaemonConfig) if args.config else DaemonConfig()).store
+    si = store.shared_index
+    url, prefix = args.url or si.url, args.key_prefix or si.key_prefix
+    redis_cluster = args.redis_cluster or si.cluster
+    ledger = Ledger(url, prefix, redis_cluster, si.socket_timeout_s)
+    try:
+        state, health = ledger.state(store.cluster.member_ttl_s), ledger.health()
+    finally:
+        ledger.close()
+    problems = [f"redis cluster state {health['redis']}"] if health["redis"] != "ok" else []
+    problems += [f"node {a} failed" for a in health.get("failed", [])]
+    problems += [f"{n} uses {format_size(t.used_bytes)} of a {format_size(t.budget_bytes)} budget"
+                 for n, t in state.tiers.items() if t.used_bytes > t.budget_bytes]
+    if args.json:
+        print(json.dumps({"shared_index": {"url": url, "key_prefix": prefix, "cluster": redis_cluster},
+                          "members": [dataclasses.asdict(m) for m in state.members],
+                          "tiers": {n: dataclasses.asdict(t) for n, t in state.tiers.items()},
+                          "health": {**health, "ok": not problems, "problems": problems}}, indent=1))
+        return 1 if problems else 0
+    live = sum(m.live for m in state.members)
+    print(f"cluster at {url} (prefix {prefix}): {live} live members, {len(state.members) - live} not live; "
+          f"health: {'ok' if not problems else '; '.join(problems)}")
+    print(f"{'member':40} {'state':5} {'address':21} {'heartbeat':>10} {'pins':>6} " + " ".join(f"{n:>9}" for n in state.tiers))
+    for m in state.members:
+        status = "live" if m.live else ("left" if m.heartbeat_age_s is None else "dead")
+        beat = "-" if m.heartbeat_age_s is None else f"{m.heartbeat_age_s:.1f}s ago"
+        usage = " ".join(f"{format_size(t.by_member.get(m.name, 0)):>9}" for t in state.tiers.values())
+        print(f"{m.name:40} {status:5} {m.info.get('addr') or '-':21} {beat:>10} {m.pins:>6} {usage}")
+    print(f"{'tier':8} {'used':>9} {'budget':>9} {'use':>6} {'chunks':>8} {'in flight':>9}")
+    for n, t in state.tiers.items():
+        print(f"{n:8} {format_size(t.used_bytes):>9} {format_size(t.budget_bytes):>9} "
+              f"{t.used_bytes / max(1, t.budget_bytes):>6.1%} {t.chunks:>8} {t.in_flight:>9}")
+    if redis_cluster:
+        print(f"redis cluster: state {health['redis']}, {health['primaries']} primaries, {health['replicas']} replicas"
+              + (f", failed: {', '.join(health['failed'])}" if health["failed"] else "")
+              + (f", no live replica: {', '.join(health['primaries_without_replica'])}"
+                 if health["primaries_without_replica"] else ""))
+    return 1 if problems else 0
+
+
 def _add_remote(p) -> None:
     p.add_argument("--addr", default="127.0.0.1:50051", help="daemon address HOST:PORT")
     p.add_argument("--auth-token-file", help="file holding the daemon's bearer token")
@@ -251,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", type=float, metavar="SECONDS", help="print again every SECONDS, with read/write rates per tier")
     p.add_argument("--count", type=int, help="with --watch: stop after this many samples (default: until Ctrl-C)")
     p.set_defaults(func=cmd_stats)
+    p = sub.add_parser("cluster", help="print a cluster's members, shared usage and health (docs/cluster.md)")
+    p.add_argument("--config", help="a member's TOML daemon configuration (its [store.shared_index] and [store.cluster])")
+    p.add_argument("--url", help="the shared index's Redis URL (overrides the configuration)")
+    p.add_argument("--key-prefix", help="the shared index's key prefix (overrides the configuration)")
+    p.add_argument("--redis-cluster", action="store_true", help="the URL names a Redis Cluster node")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_cluster)
     p = sub.add_parser("ping", help="check that a daemon is serving")
     _add_remote(p)
     p.set_defaults(func=cmd_ping)
@@ -276,8 +333,9 @@ def _unreachable_errors() -> tuple[type[BaseException], ...]:
     token; a data directory another daemon holds)."""
     from kvstore.client import DaemonError
     from kvstore.daemon.server import StartupError
+    from tiers.base import TierError
 
-    return (DaemonError, StartupError)
+    return (DaemonError, StartupError, TierError)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,24 @@ class SharedIndexConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Several daemons sharing the pfs and redis tiers (docs/cluster.md): each shared tier's
+    ``capacity_bytes`` is then the whole cluster's budget for it, kept with the members'
+    usage, heartbeats and pins in the shared index's Redis; every member configures the same."""
+
+    enabled: bool = False
+    # This daemon's name in the cluster; "" = host name and disk path, stable across restarts.
+    member: str = ""
+    heartbeat_s: float = 1.0
+    # A member silent this long is dead: its pins stop counting and its unfinished writes go.
+    member_ttl_s: float = 10.0
+    # A write of a chunk another member is writing or deleting waits this long for it.
+    busy_wait_s: float = 10.0
+    # A dead member that holds nothing is listed this long, then forgotten.
+    forget_after_s: float = 3600.0
+
+
+@dataclass
 class WriteBehindConfig:
     """Copies of new chunks travel to lower tiers through a bounded queue."""
 
@@ -185,6 +203,7 @@ class StoreConfig:
     pfs: PfsTierConfig = field(default_factory=PfsTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     shared_index: SharedIndexConfig = field(default_factory=SharedIndexConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Tiers that receive a copy of every new chunk, written behind; unset = every enabled
@@ -230,6 +249,23 @@ class StoreConfig:
             raise ConfigError(f"disk.fetch_workers: must be 0 (measured) or positive, got {self.disk.fetch_workers}")
         if self.write_behind.workers < 1 or self.prefetch_max_inflight < 1:
             raise ConfigError("write_behind.workers and prefetch_max_inflight must be at least 1")
+        self._validate_cluster()
+
+    def _validate_cluster(self) -> None:
+        """A cluster whose budget cannot be kept, or cannot be fair, is refused in one line."""
+        c = self.cluster
+        if not c.enabled:
+            return
+        if not self.shared_index.enabled:
+            raise ConfigError("cluster.enabled: needs shared_index.enabled (the cluster's budgets, usage and pins "
+                              "live in the shared index's Redis)")
+        if not (self.pfs.enabled or self.redis.enabled):
+            raise ConfigError("cluster.enabled: no shared tier (pfs, redis) is enabled; there is nothing to share")
+        if not (c.heartbeat_s > 0 and c.member_ttl_s >= 3 * c.heartbeat_s):
+            raise ConfigError(f"cluster.member_ttl_s: must be at least 3 heartbeats (3 x cluster.heartbeat_s = "
+                              f"{3 * c.heartbeat_s} s), got {c.member_ttl_s}: a live member would be taken for dead")
+        if not c.busy_wait_s > 0:
+            raise ConfigError(f"cluster.busy_wait_s: must be positive, got {c.busy_wait_s}")
 
 
 def _is_size_field(f: dataclasses.Field) -> bool:

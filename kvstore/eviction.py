@@ -49,7 +49,11 @@ class Evictor:
                   recode: bool = True) -> None:
         """Evict from ``tier`` until ``need`` more bytes fit; call without any lock held.
         With ``wait``, waits for queued copies when only their chunks are left in the first
-        tier; raises TierFull when the rest is pinned or in use."""
+        tier; raises TierFull when the rest is pinned or in use. A budgeted tier (a cluster's
+        shared tier) makes room itself, by its ledger's choice."""
+        if tier.budgeted:
+            tier.make_room(need)
+            return
         while True:
             with self.index.lock:
                 deletes, job = self._choose(tier, need, exclude, wait, recode)

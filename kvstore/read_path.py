@@ -16,6 +16,7 @@ corrupt replica: counted and dropped, never returned.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -78,6 +79,8 @@ class ReadPath:
         self._workers = fetch_workers
         self._stall_s = stall_s
         self._promote = promote
+        self._busy: dict[str, int] = {}  # reads of one chunk in flight, per tier
+        self._busy_lock = threading.Lock()
 
     # -- one chunk ------------------------------------------------------------------------
 
@@ -89,9 +92,18 @@ class ReadPath:
 
     def read(self, key: ChunkKey, out: torch.Tensor | None):
         """True (``out`` filled) or the blob's bytes (``out`` None) from the fastest replica
-        that reads and verifies; None on a miss."""
-        for tier in self.holding(key.id):
-            result = self.read_tier(tier, key, out)
+        that reads and verifies; None on a miss. Below the first tier, a tier with a read in
+        flight for each of its fetch workers comes after those with one free: reads of one
+        chunk each, many at once (a daemon's Gets), spread over every replica as a stream's
+        do (free-tier fetching), instead of queueing on the fastest tier."""
+        for tier in self._least_busy_first(self.holding(key.id)):
+            with self._busy_lock:
+                self._busy[tier.name] = self._busy.get(tier.name, 0) + 1
+            try:
+                result = self.read_tier(tier, key, out)
+            finally:
+                with self._busy_lock:
+                    self._busy[tier.name] -= 1
             if result is not None:
                 return result
         with self.index.lock:
@@ -100,6 +112,15 @@ class ReadPath:
                 policy.on_miss(key.id)
                 self.index.stats[name].misses += 1
         return None
+
+    def _least_busy_first(self, tiers: list[Tier]) -> list[Tier]:
+        """``tiers`` (fastest first) ordered by how many reads each has queued beyond its
+        fetch workers, fastest first among equals; the first tier, when it holds the chunk,
+        stays first (RAM is never worth skipping)."""
+        if len(tiers) < 2 or tiers[0] is self.tiers[0]:
+            return tiers
+        with self._busy_lock:
+            return sorted(tiers, key=lambda t: self._busy.get(t.name, 0) // self._workers.get(t.name, 1))
 
     def read_tier(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
         """Read and verify one replica; None if it is not there, is corrupt (dropped) or the

@@ -2,9 +2,10 @@
 
 Tiers are ordered fastest first; the first (host RAM) takes every put synchronously, and
 each replica tier (local disk, and the shared tiers) receives a copy written behind
-(kvstore/write_behind.py). A read is served by the fastest tier holding the chunk and
-verified (kvstore/read_path.py); a hit below the first tier is promoted into it. Lookups
-answer from the index (kvstore/index.py, which draws a chunk's life) and never do I/O.
+(kvstore/write_behind.py). A read is served by the fastest tier holding the chunk that
+has a fetch worker free, and verified (kvstore/read_path.py); a hit below the first tier
+is promoted into it. Lookups answer from the index (kvstore/index.py, which draws a
+chunk's life) and never do I/O.
 Each tier has its own eviction policy (kvstore/eviction.py; with placement, a victim may
 stay re-encoded smaller). The parts share one index lock that is never held across tier
 I/O, and one mutation lock per (tier, key) under which that value is written or deleted.
@@ -46,7 +47,7 @@ from kvstore.read_path import ReadPath
 from kvstore.recovery import recover
 from kvstore.stats import StoreStats, TierStats
 from kvstore.tier_io import TierIO
-from kvstore.tier_setup import SharedIndexClient, TierSetup, build_tiers
+from kvstore.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
 from kvstore.write_behind import Reservation, Ticket, WriteBehind
 from tiers.base import Tier, TierError, TierFull
 
@@ -74,9 +75,23 @@ class Store:
         config.validate()
         setups = build_tiers(config) + [TierSetup(t, (extra_fetch_workers or {}).get(t.name, 4)) for t in extra_tiers]
         self.tiers: list[Tier] = [s.tier for s in setups]
+        self.cluster = None
         try:
+            if config.cluster.enabled:  # the shared tiers keep the cluster's budget (docs/cluster.md)
+                from kvstore.cluster import ClusterMember
+
+                self.cluster = ClusterMember(config, self._forget_shared)
+                shared_budgets = budgets(config)
+                for s in setups:
+                    if s.tier.shared:
+                        s.tier = self.cluster.wrap(s.tier, shared_budgets.get(s.tier.name, s.tier.capacity_bytes))
+                self.tiers = [s.tier for s in setups]
             self._build(config, setups, usage)
+            if self.cluster is not None:
+                self.cluster.join()
         except BaseException:
+            if self.cluster is not None:
+                self.cluster.close()
             for tier in reversed(self.tiers):  # releases a data directory's lock, shared memory
                 tier.close()
             raise
@@ -118,10 +133,21 @@ class Store:
             if not (tier.shared and self.shared_index is not None):  # with a shared index, found by lookups
                 recover(self.index, tier)
                 self._evictor.make_room(tier, 0, recode=False)
+        if self.shared_index is not None and self.shared_tiers:
+            # the shared copies of recovered chunks: lookups answered locally never ask for them,
+            # and reads fetch from every replica (a restarted daemon would read its disk alone)
+            recovered = list(self.index.entries)
+            for i in range(0, len(recovered), 1024):
+                discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024])
         wb = config.write_behind
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
                                          wb.workers, wb.stall_s, self._evictor.make_room)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
+
+    def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:
+        """Values a cluster's ledger had this daemon delete leave the lookup index too."""
+        if self.shared_index is not None:
+            self.shared_index.remove(tier_name, key_ids)
 
     def tier(self, name: str) -> Tier:
         try:
@@ -309,7 +335,7 @@ class Store:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         until = time.monotonic() + min(ttl_s, self.config.max_pin_ttl_s)
-        pinned = 0
+        pinned = []
         with self.index.lock:
             self.index.check_open()
             self.index.expire_pins()
@@ -317,15 +343,20 @@ class Store:
                 entry = self.index.get(key.id)
                 if entry is not None and entry.readable():
                     self.index.pin(key.id, entry, until)
-                    pinned += 1
-        return pinned
+                    pinned.append(key.id)
+        if self.cluster is not None:  # other members must not evict them from the shared tiers
+            self.cluster.pin(pinned, min(ttl_s, self.config.max_pin_ttl_s))
+        return len(pinned)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
         """End pins early; returns how many of the keys were pinned."""
         with self.index.lock:
             self.index.check_open()
             self.index.expire_pins()
-            return sum(self.index.unpin(k.id, e) for k in keys if (e := self.index.get(k.id)) is not None)
+            ended = sum(self.index.unpin(k.id, e) for k in keys if (e := self.index.get(k.id)) is not None)
+        if self.cluster is not None:
+            self.cluster.unpin([k.id for k in keys])
+        return ended
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> list[Future]:
         """Start promoting chunks held only below the first tier; returns the futures of the
@@ -516,6 +547,8 @@ class Store:
         self._readers.shutdown(wait=True)
         for pool in self._fetch_pools.values():
             pool.shutdown(wait=True)
+        if self.cluster is not None:
+            self.cluster.close()
         for tier in reversed(self.tiers):
             tier.close()
         if self.shared_index is not None:

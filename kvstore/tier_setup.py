@@ -26,6 +26,10 @@ from tiers.throttle import ThrottledTier
 
 log = logging.getLogger(__name__)
 
+# A shared tier's own capacity in a cluster: the cluster's budget (kvstore/budgeted_tier.py)
+# is the one that counts, not this daemon's view of the medium.
+UNBOUNDED = 1 << 62
+
 
 @dataclass
 class TierSetup:
@@ -72,19 +76,33 @@ def build_tiers(config: StoreConfig) -> list[TierSetup]:
             raise ValueError("pfs.path must be set when the pfs tier is enabled")
         from tiers.pfs import PfsTier
 
-        pfs = PfsTier(p.path, p.capacity_bytes, p.read_threads, p.fsync)
+        from kvstore.cluster import check_pfs_marker
+
+        pfs = PfsTier(p.path, UNBOUNDED if config.cluster.enabled else p.capacity_bytes, p.read_threads, p.fsync)
+        try:
+            check_pfs_marker(config, pfs.root)
+        except BaseException:
+            pfs.close()
+            raise
         setups.append(TierSetup(_capped(pfs, p.read_bytes_per_s), p.fetch_workers, p.verify_payload))
     r = config.redis
     if r.enabled:
         from tiers.redis import RedisTier
 
+        capacity = UNBOUNDED if config.cluster.enabled else r.capacity_bytes
+
         def connect_redis() -> Tier:
-            tier = RedisTier(r.url, r.capacity_bytes, r.key_prefix, r.cluster, r.socket_timeout_s,
+            tier = RedisTier(r.url, capacity, r.key_prefix, r.cluster, r.socket_timeout_s,
                              r.connect_timeout_s, r.max_connections)
             return _capped(tier, r.read_bytes_per_s)
 
-        setups.append(TierSetup(ReconnectingTier("redis", r.capacity_bytes, connect_redis, shared=True, retry_s=r.reconnect_s), r.fetch_workers, r.verify_payload))
+        setups.append(TierSetup(ReconnectingTier("redis", capacity, connect_redis, shared=True, retry_s=r.reconnect_s), r.fetch_workers, r.verify_payload))
     return setups
+
+
+def budgets(config: StoreConfig) -> dict[str, int]:
+    """The cluster-wide budget of each configured shared tier."""
+    return {"pfs": config.pfs.capacity_bytes, "redis": config.redis.capacity_bytes}
 
 
 class SharedIndexClient:

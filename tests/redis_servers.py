@@ -1,6 +1,8 @@
-"""Real Redis servers for tests: a standalone server and a 3-node Redis Cluster, each
-started by the test session on free loopback ports in temporary directories and killed at
-the end. Tests that need them skip, with the reason, when redis-server is not installed.
+"""Real Redis servers for tests (bench/redis_local.py starts them): a standalone server, a
+3-node Redis Cluster, and a Redis Cluster of 3 primaries each with a replica (for
+failovers), each started by the test session on free loopback ports in temporary
+directories and killed at the end. Tests that need them skip, with the reason, when
+redis-server is not installed.
 
 tests/conftest.py registers this module as a plugin, so its fixtures are available to
 every test module and the session-scoped servers start once per session.
@@ -9,100 +11,14 @@ every test module and the session-scoped servers start once per session.
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server")
-REDIS_CLI = shutil.which("redis-cli")
+from bench.redis_local import REDIS_CLI, REDIS_SERVER, RedisServer, primary_of, role, start_cluster, wait_until
 
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(cluster: bool = False) -> int:
-    """A free loopback port; for cluster nodes the bus port (port + 10000) is free too."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not cluster or (port + 10000 < 65536 and _port_is_free(port + 10000)):
-            return port
-    raise RuntimeError("no free port pair found")
-
-
-class RedisServer:
-    """One redis-server process; ``stop`` kills it, ``start`` brings it back on the same port."""
-
-    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False, args: tuple[str, ...] = ()):
-        self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.cluster = cluster
-        self.port = port or free_port(cluster)
-        self.args = args
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-               "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.args]
-        if self.cluster:
-            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"]
-        log = open(self.workdir / "server.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 10
-        while self.cli("PING", check=False).strip() != "PONG":
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {self.port} did not start: see {self.workdir}/server.log")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def cli(self, *args: str, check: bool = True) -> str:
-        result = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
-                                capture_output=True, text=True, timeout=10)
-        if check and result.returncode != 0:
-            raise RuntimeError(f"redis-cli {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
-
-
-def start_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
-    """``nodes`` primaries, no replicas, all 16384 slots assigned and the cluster state ok."""
-    servers = []
-    try:
-        for i in range(nodes):
-            servers.append(RedisServer(workdir / f"node{i}", cluster=True).start())
-        subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in servers],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
-        deadline = time.monotonic() + 20
-        while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers):
-            if time.monotonic() > deadline:
-                raise RuntimeError("cluster did not reach state ok")
-            time.sleep(0.1)
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-    return servers
+__all__ = ["RedisServer", "primary_of", "role", "start_cluster", "wait_until"]
 
 
 def _require_redis() -> None:
@@ -147,6 +63,19 @@ def redis_cluster():
         yield servers
     finally:
         _stop_all(servers)
+
+
+@pytest.fixture
+def redis_cluster_with_replicas(tmp_path):
+    """3 primaries with one replica each, for one test (a primary is killed: a failover);
+    node timeout 500 ms, so a replica takes over within about two seconds."""
+    _require_redis()
+    servers = start_cluster(tmp_path / "cluster", replicas=1, node_timeout_ms=500)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 @pytest.fixture

@@ -185,3 +185,27 @@ def test_slow_tier_loses_chunks_to_the_fast_one(tmp_path):
         keys, values = put_replicated(store, 8)
         got = store.get(keys)
         assert len(got) == 8 and all(torch.equal(a, b) for a, b in zip(got, values))
+
+
+def test_reads_of_one_chunk_each_at_once_spread_over_the_replicas(tmp_path):
+    """A daemon's Gets read one chunk each, many at once: a read that finds every fetch
+    worker of the fastest tier busy takes another replica instead of queueing there."""
+    from faults import Call, FaultyTier, Gate
+
+    cfg = StoreConfig(host=HostTierConfig(capacity_bytes=256 * PAGE, page_bytes=PAGE, prefault=False),
+                      disk=DiskTierConfig(enabled=False), write_behind=WriteBehindConfig(max_pending_bytes=64 * PAGE),
+                      promote_on_read=False)
+    fast = FaultyTier(DiskTier(tmp_path / "fast", 1 << 24, name="fast"))
+    slow = DiskTier(tmp_path / "slow", 1 << 24, name="slow")
+    with Store(cfg, extra_tiers=[fast, slow], extra_fetch_workers={"fast": 1, "slow": 1}) as store:
+        keys, values = put_replicated(store, 2)
+        gate = fast.gates["read"] = Gate(key=keys[0].id)
+        first, second = torch.empty(NS.chunk_shape).half(), torch.empty(NS.chunk_shape).half()
+        held = Call(lambda: store.get_into(keys[0], first))
+        assert gate.entered.wait(10)
+        assert store.get_into(keys[1], second) and torch.equal(second, values[1])
+        assert store.stats().tiers["slow"].hits == 1 and not held.finished.is_set()
+        gate.open()
+        assert held.outcome() and torch.equal(first, values[0])
+        assert store.stats().tiers["fast"].hits == 1
+        assert store.get_into(keys[1], second) and store.stats().tiers["fast"].hits == 2  # idle again: fastest first

@@ -63,6 +63,19 @@ def test_chunk_put_through_one_daemon_is_found_and_read_through_another(tmp_path
         assert b.stats().tiers["disk"].hits == 0
 
 
+def test_a_restarted_store_reads_its_chunks_from_every_replica_again(tmp_path, redis_server):
+    """After a restart, the shared copies of the chunks the local disk recovered are known
+    too: reads fetch from the disk, the PFS and Redis at once, not from the disk alone."""
+    keys, values = chunks(4)
+    cfg = daemon_config(tmp_path, "a", redis_server.url, True, "restarted")
+    with Store(cfg) as a:
+        for k, v in zip(keys, values):
+            a.put(k, v, durable=True)
+    with Store(cfg) as a:
+        assert a.replicas(keys) == [frozenset({"disk", "pfs", "redis"})] * 4
+        assert all(torch.equal(x, y) for x, y in zip(a.get(keys), values))
+
+
 def test_delete_on_one_daemon_is_a_clean_miss_on_the_other(tmp_path, redis_server):
     keys, values = chunks(2, seed=1)
     b_config = daemon_config(tmp_path, "b", redis_server.url, True, "del")

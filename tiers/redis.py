@@ -27,7 +27,8 @@ from redis.retry import Retry
 
 from tiers.base import Buffer, Tier, TierError, TierFull, TierUnavailable, as_buffers
 
-_DOWN = (rex.ConnectionError, rex.TimeoutError, rex.ClusterError, rex.RedisClusterException)
+# what an unreachable or failing-over server raises
+REDIS_DOWN = (rex.ConnectionError, rex.TimeoutError, rex.ClusterError, rex.RedisClusterException)
 
 
 def connect(
@@ -48,7 +49,7 @@ def connect(
             )
             client = redis.Redis(connection_pool=pool)
         client.ping()
-    except _DOWN as exc:
+    except REDIS_DOWN as exc:
         raise TierUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
     return client
 
@@ -60,7 +61,7 @@ def unavailable_on_failure(what: str) -> Iterator[None]:
         yield
     except rex.OutOfMemoryError as exc:
         raise TierFull(f"{what}: Redis is out of memory: {exc}") from exc
-    except _DOWN as exc:
+    except REDIS_DOWN as exc:
         raise TierUnavailable(f"{what}: Redis unreachable: {exc}") from exc
     except rex.RedisError as exc:
         raise TierError(f"{what}: Redis error: {exc}") from exc

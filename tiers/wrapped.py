@@ -18,6 +18,7 @@ class WrappedTier(Tier):
         super().__init__(name or inner.name, inner.capacity_bytes)
         self.inner = inner
         self.shared = inner.shared  # a class attribute would hide the wrapped tier's (review #18)
+        self.budgeted = inner.budgeted
 
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         self.inner.write(key, parts)

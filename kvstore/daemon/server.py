@@ -139,6 +139,8 @@ class Daemon:
         bound = self._server.add_secure_port(target, tls) if tls else self._server.add_insecure_port(target)
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.service.address = self.address
+        if self.store.cluster is not None:  # the other members and `kvstore cluster` see where it serves
+            self.store.cluster.advertise(self.address)
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
