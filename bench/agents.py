@@ -13,8 +13,10 @@ same device KV budget, too small for every session's history at once:
 
 Per session, end-to-end latency (first arrival to last token, stalls included); per resumed
 turn, TTFT and the tokens recomputed (prefilled again though they had KV before the stall);
-device-memory occupancy over time; concurrent sessions (admitted and not done). Outputs are
-compared token for token with the recompute mode's.
+device-memory occupancy over time; sessions in flight (admitted, not done) and, of those,
+retained ones (a turn in the engine, or paused with the KV held on the device or pinned in the
+store); warm resumes (resumed turns that recomputed less than a chunk). Outputs are compared
+token for token with the recompute mode's.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class SessionRun:
     outputs: list[list[int]] = field(default_factory=list)
     ttft_resumed: list[float] = field(default_factory=list)
     recomputed: int = 0
+    resume_recomputed: list[int] = field(default_factory=list)  # per resumed turn
 
 
 class Inputs:
@@ -154,13 +157,30 @@ def run_mode(base, mode: str, sessions: list[AgentSession], args, store_dir: Pat
             for r in runs:
                 if r.seq is not None and r.seq.metrics.first_scheduled_time is not None:
                     r.admitted = True
-            concurrency.append(sum(1 for r in runs if r.admitted and r.done_at is None))
+            concurrency.append((sum(1 for r in runs if r.admitted and r.done_at is None), retained(llm, runs)))
             for out in outs:
                 if out.finished:
                     finish_turn(llm, runs, out, now, events)
     finally:
         llm.close()
-    return summarise(mode, runs, occupancy, concurrency, llm)
+    return summarise(mode, runs, occupancy, concurrency, llm, args.chunk_tokens)
+
+
+def retained(llm, runs: list[SessionRun]) -> int:
+    """Sessions in flight whose context survives: a turn in the engine, or paused with its KV
+    held on the device or offloaded (pinned) to the store."""
+    from engine.sessions import Residency
+
+    n = 0
+    for r in runs:
+        if not r.admitted or r.done_at is not None:
+            continue
+        s = llm.sessions.sessions.get(r.spec.session)
+        if r.seq is not None and r.seq.metrics.first_scheduled_time is not None:
+            n += 1
+        elif s is not None and (s.hold is not None or (s.state is Residency.OFFLOADED and s.keys)):
+            n += 1
+    return n
 
 
 def lead_s(llm, r: SessionRun) -> float:
@@ -175,7 +195,9 @@ def finish_turn(llm, runs: list[SessionRun], out, now: float, events: bool) -> N
     m = seq.metrics
     if r.turn:
         r.ttft_resumed.append(m.first_token_time - m.arrival_time)
-        r.recomputed += max(0, m.num_prefilled_tokens - (len(seq.prompt_token_ids) - r.prev_kv))
+        again = max(0, m.num_prefilled_tokens - (len(seq.prompt_token_ids) - r.prev_kv))
+        r.recomputed += again
+        r.resume_recomputed.append(again)
     r.outputs.append(list(seq.output_token_ids))
     r.history = list(seq.token_ids)
     r.prev_kv = len(seq.token_ids) - 1
@@ -190,8 +212,10 @@ def finish_turn(llm, runs: list[SessionRun], out, now: float, events: bool) -> N
         llm.pause(r.spec.session, turn.announced_s, turn.tool)
 
 
-def summarise(mode: str, runs: list[SessionRun], occupancy, concurrency, llm) -> dict:
+def summarise(mode: str, runs: list[SessionRun], occupancy, concurrency, llm, chunk_tokens: int) -> dict:
     e2e = [r.done_at - r.first_arrival for r in runs]
+    in_flight, kept = [c for c, _ in concurrency], [k for _, k in concurrency]
+    resumes = [t for r in runs for t in r.resume_recomputed]
     ttft = [t for r in runs for t in r.ttft_resumed]
     stats = llm.stats()
     return {
@@ -205,8 +229,11 @@ def summarise(mode: str, runs: list[SessionRun], occupancy, concurrency, llm) ->
         "prefilled_tokens": stats.prefilled_tokens,
         "loaded_tokens": stats.loaded_tokens,
         "sessions_served": sum(1 for r in runs if r.done_at is not None),
-        "concurrent_sessions_mean": round(sum(concurrency) / max(1, len(concurrency)), 2),
-        "concurrent_sessions_max": max(concurrency, default=0),
+        "warm_resumes": round(sum(1 for t in resumes if t < chunk_tokens) / max(1, len(resumes)), 3),
+        "sessions_in_flight_mean": round(sum(in_flight) / max(1, len(in_flight)), 2),
+        "sessions_in_flight_max": max(in_flight, default=0),
+        "sessions_retained_mean": round(sum(kept) / max(1, len(kept)), 2),
+        "sessions_retained_max": max(kept, default=0),
         "occupancy_mean": round(sum(o for _, o in occupancy) / max(1, len(occupancy)), 3),
         "occupancy": occupancy[::max(1, len(occupancy) // 200)],
         "connector": dataclasses.asdict(stats.connector) if stats.connector else None,
@@ -269,14 +296,16 @@ def gains(modes: dict) -> dict:
 
 
 def format_table(results: dict) -> str:
-    head = ("mode", "e2e mean", "p50", "p90", "p99", "resumed TTFT", "recomputed", "loaded", "conc. mean/max",
-            "occupancy", "outputs =")
+    head = ("mode", "e2e mean", "p50", "p90", "p99", "resumed TTFT", "recomputed", "loaded", "warm resumes",
+            "retained mean/max", "in flight", "occupancy", "outputs =")
     rows = [head]
     for name, r in results["modes"].items():
         rows.append((name, f"{r['e2e_mean_s']:.2f}", f"{r['e2e_p50_s']:.2f}", f"{r['e2e_p90_s']:.2f}",
                      f"{r['e2e_p99_s']:.2f}", f"{r['resumed_ttft_mean_s']:.3f}", str(r["tokens_recomputed"]),
-                     str(r["loaded_tokens"]), f"{r['concurrent_sessions_mean']:.2f}/{r['concurrent_sessions_max']}",
-                     f"{r['occupancy_mean']:.2f}", "yes" if r["outputs_match"] else "NO"))
+                     str(r["loaded_tokens"]), f"{r['warm_resumes']:.0%}",
+                     f"{r['sessions_retained_mean']:.2f}/{r['sessions_retained_max']}",
+                     f"{r['sessions_in_flight_mean']:.2f}", f"{r['occupancy_mean']:.2f}",
+                     "yes" if r["outputs_match"] else "NO"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     for name, g in results["gains"].items():

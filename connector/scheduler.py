@@ -17,7 +17,7 @@ from connector.availability import Availability
 from connector.config import ConnectorConfig
 from connector.metadata import ChunkLoad, ChunkSave, ConnectorMetadata, ConnectorOutput, RequestLoad, RequestSave
 from connector.pins import PinLedger
-from connector.sessions import SessionTail, TailRegistry
+from connector.sessions import SessionTail, TailRegistry, by_namespace
 from connector.stats import StatsRecorder
 from kvstore.api import ChunkStore
 from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, prefix_hashes
@@ -203,8 +203,7 @@ class SchedulerConnector:
 
     def _release(self, request_id: str, tracker: _Tracker) -> None:
         tracker.claim = None
-        free = self.pins.release(request_id)
-        if free:
+        for free in by_namespace(self.pins.release(request_id)):  # a session tail is in a namespace of its own
             self._store_call("unpin", lambda: self.store.unpin(free), 0)
 
     @property

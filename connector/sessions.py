@@ -25,6 +25,15 @@ def session_holder(session: str) -> str:
     return SESSION_HOLDER + session
 
 
+def by_namespace(keys: Sequence[ChunkKey]) -> list[list[ChunkKey]]:
+    """``keys`` grouped by namespace, in order: one store call may name only one (the daemon's
+    Client refuses a mix), and a session's tail is in a namespace of its own."""
+    groups: dict[Namespace, list[ChunkKey]] = {}
+    for key in keys:
+        groups.setdefault(key.namespace, []).append(key)
+    return list(groups.values())
+
+
 def session_namespace(namespace: Namespace, session: str) -> Namespace:
     """The namespace of ``session``'s tails: the tenant's, salted by the session id."""
     return dataclasses.replace(namespace, tenant=namespace.tenant + SESSION_SALT + session)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from connector import KVConnector
-from connector.sessions import SessionTail, session_holder
+from connector.sessions import SessionTail, by_namespace, session_holder
 from engine.agent_config import AgentConfig
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
@@ -160,7 +160,7 @@ class SessionManager:
         if keys and self.connector is not None:
             ttl = pin_ttl(eta, self.config.pin_factor, self.config.min_pin_s, self.config.max_pin_s)
             self._pin(s, self.clock(), ttl)
-            self._store("prefetch", lambda: self.connector.store.prefetch(keys), [])
+            self._each_namespace("prefetch", keys, lambda ks: len(self.connector.store.prefetch(ks)))
         return True
 
     def end(self, session: str) -> bool:
@@ -307,7 +307,7 @@ class SessionManager:
         elif len(keys) > len(s.keys):
             ledger.hold(holder, [k for k in keys if k not in set(s.keys)])
         s.keys = keys
-        pinned = self._store("pin", lambda: self.connector.store.pin(keys, ttl), len(keys))
+        pinned = self._each_namespace("pin", keys, lambda ks: self.connector.store.pin(ks, ttl), len(keys))
         s.pin_until = max(s.pin_until, now + ttl)
         if pinned < len(keys):
             s.pin_pending_until = s.pin_pending_until or now + self.PIN_RETRY_S
@@ -336,8 +336,7 @@ class SessionManager:
         if self.connector is None or not s.keys:
             return
         free = self.connector.scheduler.pins.release(session_holder(s.id))
-        if free:
-            self._store("unpin", lambda: self.connector.store.unpin(free), 0)
+        self._each_namespace("unpin", free, self.connector.store.unpin)
         s.keys = []
 
     def _forget(self, s: Session) -> None:
@@ -349,6 +348,10 @@ class SessionManager:
                 self._store("delete", lambda: self.connector.store.delete([tail.key]), None)
         self.predictor.forget(s.id)
         del self.sessions[s.id]
+
+    def _each_namespace(self, what: str, keys: list[ChunkKey], fn, default: int = 0) -> int:
+        """``fn`` over ``keys`` one namespace at a time (the tail's is its own); the sum of its counts."""
+        return sum(self._store(what, lambda: fn(group), default and len(group)) for group in by_namespace(keys))
 
     def _store(self, what: str, fn, default):
         """A store call from an event: a failure is the connector's outage, never the caller's."""
