@@ -63,11 +63,11 @@ def store(tmp_path):
         yield s
 
 
-def engine(model, store, policy="auto", load_mode="sync", tenant="", **agents):
+def engine(model, store, policy="auto", load_mode="sync", tenant="", overrides=None, **agents):
     connector = None if store is None else ConnectorConfig(chunk_tokens=model.chunk, load_mode=load_mode,
                                                            tenant=tenant)
     return model.llm.with_config(kv_store=store, num_blocks=model.num_blocks, block_size=model.block,
-                                 connector=connector, agents=AgentConfig(policy=policy, **agents))
+                                 connector=connector, agents=AgentConfig(policy=policy, **agents), **(overrides or {}))
 
 
 def drain(llm):
@@ -264,13 +264,14 @@ def test_the_tail_is_never_visible_to_another_session_or_tenant(tiny, store):
 
 
 def test_bad_unknown_repeated_and_late_events_are_no_ops(tiny, store):
-    llm = engine(tiny, store, "auto")
+    llm = engine(tiny, store, "auto", overrides=dict(max_num_batched_tokens=16))  # prefills over 3 steps
     assert llm.pause("nobody", 1.0) is False
     assert llm.resume_soon("nobody", 1.0) is False
     assert llm.end_session("nobody") is False
     prompt = tiny.piece(0, 2 * tiny.chunk + 9)
     seq = llm.add_request(prompt, GREEDY, session="a")
-    llm.step()  # prefill under way
+    llm.step()
+    assert 0 < seq.num_computed < seq.num_prompt_tokens  # prefill under way
     assert llm.pause("a", 3.0) is True  # during the turn: applied when it ends
     assert llm.resume_soon("a", 1.0) is False  # its turn is running: nothing to bring back
     drain(llm)
