@@ -14,8 +14,8 @@ same device KV budget, too small for every session's history at once:
 Per session, end-to-end latency (first arrival to last token, stalls included); per resumed
 turn, TTFT and the tokens recomputed (prefilled again though they had KV before the stall);
 device-memory occupancy over time; sessions in flight (admitted, not done) and, of those,
-retained ones (a turn in the engine, or paused with the KV held on the device or pinned in the
-store); warm resumes (resumed turns that recomputed less than a chunk). Outputs are compared
+retained ones (a turn in the engine, or paused with the KV held on the device or every full
+chunk of it in the store); warm resumes (resumed turns that recomputed less than a chunk). Outputs are compared
 token for token with the recompute mode's.
 """
 
@@ -168,8 +168,8 @@ def run_mode(base, mode: str, sessions: list[AgentSession], args, store_dir: Pat
 
 def retained(llm, runs: list[SessionRun]) -> int:
     """Sessions in flight whose context survives: a turn in the engine, or paused with its KV
-    held on the device or offloaded (pinned) to the store."""
-    from engine.sessions import Residency
+    held on the device or every full chunk of it still in the store."""
+    from kvstore.keys import chunk_keys
 
     n = 0
     for r in runs:
@@ -178,8 +178,11 @@ def retained(llm, runs: list[SessionRun]) -> int:
         s = llm.sessions.sessions.get(r.spec.session)
         if r.seq is not None and r.seq.metrics.first_scheduled_time is not None:
             n += 1
-        elif s is not None and (s.hold is not None or (s.state is Residency.OFFLOADED and s.keys)):
+        elif s is not None and s.hold is not None:
             n += 1
+        elif s is not None and llm.connector is not None and s.token_ids:
+            keys = chunk_keys(s.token_ids, llm.connector.namespace)
+            n += llm.kv_store.lookup(keys) == len(keys)
     return n
 
 
