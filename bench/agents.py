@@ -58,6 +58,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=int, default=128)
     p.add_argument("--host-mb", type=int, default=192, help="the store's host RAM in MB (a disk tier below it)")
     p.add_argument("--max-batched-tokens", type=int, default=256)
+    p.add_argument("--resume-priority-bound", type=int, default=4,
+                   help="times a cold request may be bypassed by staged resumers (0: no priority)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids OpenMP spin contention on shared cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -123,7 +125,7 @@ def run_mode(base, mode: str, sessions: list[AgentSession], args, store_dir: Pat
     policy = {"recompute": "drop", "keep": "keep"}.get(mode, "auto")
     llm = base.with_config(num_blocks=args.kv_tokens // args.block_size, block_size=args.block_size,
                            max_num_batched_tokens=args.max_batched_tokens, connector=connector,
-                           agents=AgentConfig(policy=policy))
+                           agents=AgentConfig(policy=policy, resume_priority_bound=args.resume_priority_bound))
     inputs = Inputs(llm.tokenizer, llm.model_config.vocab_size, args.system_tokens, args.seed)
     runs = [SessionRun(s, next_arrival=s.arrival_s) for s in sessions]
     for i, r in enumerate(runs):

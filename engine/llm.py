@@ -25,9 +25,9 @@ from engine.config import EngineConfig
 from engine.metrics import EngineStats, RequestMetrics
 from engine.models.loader import load_model, model_fingerprint, resolve_model_path
 from engine.policies import make_policy
+from engine.resume_priority import ResumePriority
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
-from engine.resume_priority import ResumePriority
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.sessions import SessionManager

@@ -5,6 +5,7 @@ the device) is cheap to admit and was promised a quick return, so it is tried ah
 requests. Each time one is admitted ahead of a cold request that the inner policy ranks
 before it, that request is bypassed once; a request bypassed ``bound`` times is tried ahead
 of every staged resumer from then on, so a stream of resumers never starves the others.
+A bound of 0 turns the priority off.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class ResumePriority:
     def order(self, waiting: list[Sequence], now: float) -> list[Sequence]:
         ranked = self.inner.order(waiting, now)
         self._last = ranked
-        staged = [s for s in ranked if self.staged(s)]
-        if not staged:
+        staged = [s for s in ranked if self.staged(s)] if self.bound else []
+        if not staged:  # none, or the priority is off (bound 0)
             return ranked
         cold = [s for s in ranked if not self.staged(s)]
         due = [s for s in cold if self._bypassed.get(s.seq_id, 0) >= self.bound]

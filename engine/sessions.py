@@ -130,7 +130,7 @@ class SessionManager:
         blocks = seq.block_table[:self.bm.blocks_needed(n)]
         if blocks:
             self.bm.share(blocks)
-            s.hold = BlockHold(f"{session_holder(s.id)}", list(blocks), n, s.critical, self.config.policy == "keep")
+            s.hold = BlockHold(session_holder(s.id), list(blocks), n, s.critical, self.config.policy == "keep")
             self.scheduler.held.append(s.hold)
 
     # -- events -------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class SessionManager:
                 continue
             if s.keys and s.pin_pending_until > now:
                 self._pin(s, now, s.pin_until - now)
-            if s.pin_until <= now and s.hold is None:
+            if s.pin_until <= now:  # the lease is over: held blocks and pins alike go
                 self._forget(s)
         self._relieve_pressure()
 
@@ -203,17 +203,15 @@ class SessionManager:
         s.decision, s.stall_s = decision, stall
         self.counts[decision] += 1
         ttl = pin_ttl(stall, self.config.pin_factor, self.config.min_pin_s, self.config.max_pin_s)
+        s.pin_until = max(s.pin_until, now + ttl)  # the lease on whatever the session keeps, and its record
         if decision is Decision.KEEP:
             s.state = Residency.KEPT
             if self.connector is not None:
                 self._pin(s, now, ttl)  # so that a release under pressure still finds the chunks
-            else:
-                s.pin_until = max(s.pin_until, now + ttl)
         elif decision is Decision.OFFLOAD:
             self._offload(s, now, ttl)
         else:
             s.state = Residency.DROPPED
-            s.pin_until = max(s.pin_until, now + ttl)  # nothing pinned: how long the record lives
             self._release_hold(s)
 
     def _choose(self, s: Session, stall: float) -> Decision:

@@ -196,6 +196,21 @@ def test_pins_follow_the_stall_and_expire(tiny, store):
     llm.close()
 
 
+def test_a_kept_hold_ends_with_its_lease(tiny):
+    llm = engine(tiny, None, "keep", min_pin_s=0.2, max_pin_s=0.3)
+    turn(llm, tiny.piece(0, 2 * tiny.chunk + 5), "a")
+    llm.pause("a", expected_s=0.05)
+    llm.step()
+    assert llm.sessions.sessions["a"].hold is not None
+    deadline = time.monotonic() + 10
+    while "a" in llm.sessions.sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+        llm.step()
+    assert "a" not in llm.sessions.sessions
+    assert_idle(llm, None)
+    llm.close()
+
+
 @pytest.mark.parametrize("expected", [60.0, 1e9])
 def test_pin_ttl_is_clamped(tiny, store, expected):
     llm = engine(tiny, store, "offload")

@@ -78,10 +78,10 @@ def test_staged_resumers_go_first_but_a_cold_request_is_bypassed_at_most_bound_t
     assert policy.order([seq(8, 5.0), resumer], 10.0)[0] is resumer
 
 
-def test_unstaged_requests_keep_the_inner_order():
-    policy = ResumePriority(FCFS(), lambda s: False, bound=2)
+def test_unstaged_requests_and_a_zero_bound_keep_the_inner_order():
     a, b = seq(8, 1.0, "x"), seq(8, 0.5)
-    assert policy.order([a, b], 2.0) == [b, a]
+    assert ResumePriority(FCFS(), lambda s: False, bound=2).order([a, b], 2.0) == [b, a]
+    assert ResumePriority(FCFS(), lambda s: s is a, bound=0).order([a, b], 2.0) == [b, a]
 
 
 def test_critical_agents_have_memory_others_cannot_take():
