@@ -320,18 +320,21 @@ def format_table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
+    """Latency CDFs (sessions end to end, resumed turns' TTFT) and device occupancy over time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, r in results["modes"].items():
         for ax, key in zip(axes, ("e2e_s", "resumed_ttft_s")):
             xs = sorted(r[key])
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        axes[2].plot([t for t, _ in r["occupancy"]], [o for _, o in r["occupancy"]], label=name, linewidth=0.8)
     axes[0].set(title="session end-to-end latency", xlabel="seconds", ylabel="CDF")
     axes[1].set(title="TTFT of resumed turns", xlabel="seconds", xscale="log")
+    axes[2].set(title="device KV blocks in use", xlabel="seconds into the run", ylabel="fraction", ylim=(0, 1.05))
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
