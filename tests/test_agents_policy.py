@@ -105,3 +105,18 @@ def test_critical_agents_have_memory_others_cannot_take():
 def test_bad_agent_configuration_is_one_clear_error(bad):
     with pytest.raises(ValueError, match="agents\\."):
         AgentConfig(**bad)
+
+
+def test_block_holds_share_and_release():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq(10, 0.0)
+    bm.allocate(s)  # 3 blocks
+    held = list(s.block_table)
+    bm.share(held)
+    bm.free_seq(s)
+    assert bm.num_free == 5  # the hold keeps them
+    with pytest.raises(ValueError, match="is free"):
+        bm.share([next(iter(bm.free))])
+    bm.release(held)
+    assert bm.num_free == 8
+    bm.check_integrity([])
