@@ -33,6 +33,10 @@ class PinLedger:
                 free.append(key)
         return free
 
+    def holders(self) -> set[str]:
+        """Everyone holding a pin (request ids, and the session holders of engine/sessions.py)."""
+        return set(self._held)
+
     def __len__(self) -> int:
         """Chunks held by at least one request."""
         return len(self._holders)

@@ -17,6 +17,7 @@ from connector.availability import Availability
 from connector.config import ConnectorConfig
 from connector.metadata import ChunkLoad, ChunkSave, ConnectorMetadata, ConnectorOutput, RequestLoad, RequestSave
 from connector.pins import PinLedger
+from connector.sessions import SessionTail, TailRegistry, by_namespace
 from connector.stats import StatsRecorder
 from kvstore.api import ChunkStore
 from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, prefix_hashes
@@ -38,9 +39,12 @@ class _Claim:
     num_local: int
     first_chunk: int
     hit_chunks: int
+    tail_tokens: int = 0  # of the request's session tail, loaded past the hit chunks
+    tail: SessionTail | None = None
 
     def tokens(self, chunk_tokens: int) -> int:
-        return (self.first_chunk + self.hit_chunks) * chunk_tokens - self.num_local if self.hit_chunks else 0
+        end = (self.first_chunk + self.hit_chunks) * chunk_tokens + self.tail_tokens
+        return end - self.num_local if self.hit_chunks or self.tail_tokens else 0
 
 
 @dataclass
@@ -60,6 +64,7 @@ class SchedulerConnector:
         self.chunk_tokens = namespace.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // block_size
         self.pins = PinLedger()
+        self.tails = TailRegistry(namespace, block_size)  # paused agent sessions' partial chunks
         self._trackers: dict[str, _Tracker] = {}
         self._planned: list[RequestLoad] = []
 
@@ -99,16 +104,31 @@ class SchedulerConnector:
     def _lookup(self, request: Request, tracker: _Tracker, num_local: int) -> _Claim:
         first = num_local // self.chunk_tokens
         keys = self._keys(tracker, request.token_ids)[first:]
-        if not keys or not self.availability.available():
+        if not self.availability.available():
             return _Claim(num_local, first, 0)
-        self.stats.add(lookups=1)
-        hit = self._store_call("lookup", lambda: self.store.lookup(keys), 0)
+        hit = 0
+        if keys:
+            self.stats.add(lookups=1)
+            hit = self._store_call("lookup", lambda: self.store.lookup(keys), 0)
         if hit and self._store_call("pin", lambda: self.store.pin(keys[:hit], self.config.pin_ttl_s), 0) < hit:
             # evicted between the lookup and the pin: what is pinned now is what is there
             hit = self._store_call("lookup", lambda: self.store.lookup(keys[:hit]), 0)
         if hit:
             self.pins.hold(request.request_id, keys[:hit])
-        return _Claim(num_local, first, hit)
+        claim = _Claim(num_local, first, hit)
+        self._claim_tail(request, tracker, claim)
+        return claim
+
+    def _claim_tail(self, request: Request, tracker: _Tracker, claim: _Claim) -> None:
+        """Past the hit chunks, the request's session tail, when its tokens match and it is stored."""
+        tail = self.tails.match(getattr(request, "session", ""), request.token_ids, tracker.keys,
+                                claim.first_chunk + claim.hit_chunks)
+        if tail is None or tail.chunk * self.chunk_tokens + tail.tokens(self.block_size) <= claim.num_local:
+            return
+        if not self._store_call("pin", lambda: self.store.pin([tail.key], self.config.pin_ttl_s), 0):
+            return
+        self.pins.hold(request.request_id, [tail.key])
+        claim.tail, claim.tail_tokens = tail, tail.tokens(self.block_size)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """The engine allocated blocks for every token of ``request``: plan its load."""
@@ -116,7 +136,7 @@ class SchedulerConnector:
         claim, tracker.claim = tracker.claim, None
         local_blocks = claim.num_local // self.block_size
         tracker.next_save = max(tracker.next_save, claim.num_local // self.chunk_tokens)
-        if num_external_tokens == 0 or not claim.hit_chunks:
+        if num_external_tokens == 0 or not (claim.hit_chunks or claim.tail):
             self._release(request.request_id, tracker)
             return
         bpc = self.blocks_per_chunk
@@ -125,6 +145,11 @@ class SchedulerConnector:
             skip = max(0, local_blocks - chunk * bpc)
             blocks = tuple(request.block_table[chunk * bpc + skip:(chunk + 1) * bpc])
             loads.append(ChunkLoad(tracker.keys[chunk], blocks, skip))
+        if claim.tail is not None:
+            chunk = claim.tail.chunk
+            skip = max(0, local_blocks - chunk * bpc)
+            blocks = tuple(request.block_table[chunk * bpc + skip:chunk * bpc + claim.tail.num_blocks])
+            loads.append(ChunkLoad(claim.tail.key, blocks, skip))
         tracker.loading = RequestLoad(request.request_id, claim.first_chunk, loads)
         tracker.next_save = claim.first_chunk + claim.hit_chunks
         self._planned.append(tracker.loading)
@@ -178,8 +203,7 @@ class SchedulerConnector:
 
     def _release(self, request_id: str, tracker: _Tracker) -> None:
         tracker.claim = None
-        free = self.pins.release(request_id)
-        if free:
+        for free in by_namespace(self.pins.release(request_id)):  # a session tail is in a namespace of its own
             self._store_call("unpin", lambda: self.store.unpin(free), 0)
 
     @property

@@ -31,8 +31,10 @@ class ChunkMover:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
 
     def _source(self, buf: torch.Tensor, load: ChunkLoad) -> torch.Tensor:
-        """The part of a staged chunk that goes into the request's own blocks."""
-        return buf[:, :, load.skip_blocks * self.block_size:]
+        """The part of a staged chunk that goes into the request's own blocks (a session tail
+        fills fewer blocks than a chunk has)."""
+        start = load.skip_blocks * self.block_size
+        return buf[:, :, start:start + len(load.block_ids) * self.block_size]
 
     def _on_device(self, fn) -> None:
         """Run ``fn`` on this thread's copy stream and wait for it (CUDA), or just run it."""

@@ -19,12 +19,13 @@ import torch
 from connector.availability import Availability
 from connector.config import ConnectorConfig
 from connector.loads import LoadTask
-from connector.metadata import ConnectorMetadata, ConnectorOutput, LoadResult
+from connector.metadata import ChunkSave, ConnectorMetadata, ConnectorOutput, LoadResult
 from connector.saver import Saver
 from connector.staging import StagingPool
 from connector.stats import StatsRecorder
 from connector.transfer import ChunkMover
 from kvstore.api import ChunkStore
+from kvstore.keys import ChunkKey
 
 
 class WorkerConnector:
@@ -164,6 +165,25 @@ class WorkerConnector:
             elapsed = time.perf_counter() - started
             self._save_seconds[request.request_id] = elapsed
             self.stats.add(gather_s=elapsed)
+
+    @torch.inference_mode()  # the save buffers may be inference tensors (made during a forward)
+    def save_tail(self, key: ChunkKey, block_ids: list[int]) -> bool:
+        """Between steps: a paused session's tail (fewer blocks than a chunk, see
+        connector/sessions.py) into the store, zero-padded to the chunk's shape. False when
+        the store is off or the saver is behind (the tail is then recomputed on resume)."""
+        save = ChunkSave(key, None, tuple(block_ids))
+        if not self.availability.available() or not self.saver.claim(save):
+            return False
+        buf = self.save_staging.take()
+        if buf is None:
+            self.saver.unclaim(save)
+            self.stats.add(dropped_saves=1)
+            return False
+        tokens = len(block_ids) * self.mover.block_size
+        self.mover.gather(block_ids, buf[:, :, :tokens])
+        buf[:, :, tokens:].zero_()
+        self.saver.submit([(save, buf)])
+        return True
 
     # -- reports ----------------------------------------------------------------------------
 

@@ -61,13 +61,14 @@ class BlockManager:
         """Tokens of ``seq`` the prefix cache holds now (what ``allocate`` would reuse)."""
         return len(self._match_prefix(seq)) * self.block_size
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, keep_free: int = 0) -> bool:
         """Whether all of ``seq``'s tokens fit while keeping the watermark free for running
-        sequences to grow into (a preempted sequence resuming may use it)."""
+        sequences to grow into (a preempted sequence resuming may use it), and ``keep_free``
+        more blocks (memory reserved for others)."""
         matched = self._match_prefix(seq)
         revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)
         fresh = self.blocks_needed(len(seq)) - len(matched)
-        return self.num_free - revived - fresh >= (0 if seq.preempted else self.watermark_blocks)
+        return self.num_free - revived - fresh >= (0 if seq.preempted else self.watermark_blocks) + keep_free
 
     def allocate(self, seq: Sequence) -> int:
         """Give ``seq`` blocks for all its tokens, reusing cached ones; returns tokens reused."""
@@ -109,15 +110,28 @@ class BlockManager:
                 self.cached[h] = block.block_id
                 block.hash = h
 
-    def free_seq(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; tail blocks first so they are the first to be reused."""
-        for block_id in reversed(seq.block_table):
+    def share(self, block_ids: list[int]) -> None:
+        """One more reference on blocks somebody holds (an agent session keeping its KV on the
+        device across a stall); ``release`` gives it back."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                raise ValueError(f"block {block_id} is free: only held blocks can be shared")
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block; tail blocks first so they are the first to be reused."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
                 if block.hash is None:
                     self.free.move_to_end(block_id, last=False)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; tail blocks first so they are the first to be reused."""
+        self.release(seq.block_table)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connector.config import ConnectorConfig
+from engine.agent_config import AgentConfig
 
 # HF architecture name -> (model family, q/k/v carry a bias, per-head q/k RMSNorm)
 ARCHITECTURES = {
@@ -150,6 +151,8 @@ class EngineConfig:
     admission_watermark: float = 0.01
     # Load and save KV through a store (docs/connector.md); None = the local prefix cache only.
     connector: ConnectorConfig | None = None
+    # Agent sessions across tool calls (engine/sessions.py, docs/agents.md).
+    agents: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -25,10 +25,12 @@ from engine.config import EngineConfig
 from engine.metrics import EngineStats, RequestMetrics
 from engine.models.loader import load_model, model_fingerprint, resolve_model_path
 from engine.policies import make_policy
+from engine.resume_priority import ResumePriority
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.sessions import SessionManager
 from engine.tokenizer import Tokenizer
 from kvstore.api import ChunkStore
 from kvstore.keys import Namespace
@@ -85,9 +87,26 @@ class LLM:
                            mc.dtype, cfg.connector.chunk_tokens, tenant=cfg.connector.tenant)
             self.connector = KVConnector(self.kv_store, ns, cfg.block_size, cfg.connector)
             self.connector.register_kv_cache(self.runner.kv_cache)
-        self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.connector and self.connector.scheduler)
+        agents = cfg.agents
+        policy = ResumePriority(make_policy(cfg.policy), lambda seq: self.sessions.staged(seq),
+                                agents.resume_priority_bound)
+        self.scheduler = Scheduler(self.block_manager, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.connector and self.connector.scheduler,
+                                   int(agents.critical_reserve_fraction * cfg.num_blocks))
+        mc = self.model_config
+        kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * self.runner.kv_cache.element_size()
+        self.sessions = SessionManager(agents, self.block_manager, self.scheduler, self.connector, kv_bytes_per_token,
+                                       self._pin_budget())
         self.totals = EngineStats()
+
+    def _pin_budget(self) -> int | None:
+        """Paused sessions' pinned bytes: as configured, else half an in-process store's host RAM."""
+        cfg = self.config
+        if cfg.agents.pin_budget_bytes is not None or cfg.connector is None:
+            return cfg.agents.pin_budget_bytes
+        if cfg.connector.backend == "store" and self._owns_store:
+            return cfg.connector.store.host.capacity_bytes // 2
+        return None
 
     def with_config(self, kv_store: ChunkStore | None = None, **overrides) -> "LLM":
         """Another engine sharing this one's weights and tokenizer, with its own KV cache, queue
@@ -116,8 +135,26 @@ class LLM:
         """Wait until every chunk saved so far is in the store; False if ``timeout_s`` passed first."""
         return self.connector is None or self.connector.worker.flush_saves(timeout_s)
 
+    def pause(self, session: str, expected_s: float | None = None, tool: str = "") -> bool:
+        """Advisory: ``session``'s agent waits on a tool for about ``expected_s`` seconds (None:
+        predicted from past stalls). Its KV is kept on the device, offloaded to the store
+        (every chunk pinned for ``clamp(4 x expected, 60 s, 1 h)``, the device blocks freed) or
+        dropped, by the cost model (docs/agents.md). False (a no-op) for an unknown session."""
+        return self.sessions.pause(session, expected_s, tool)
+
+    def resume_soon(self, session: str, eta_s: float) -> bool:
+        """Advisory: ``session``'s next turn comes in about ``eta_s`` seconds; its chunks are
+        prefetched into host RAM and its turn is admitted ahead of cold requests (bounded).
+        False (a no-op) for an unknown session or one whose turn is already queued."""
+        return self.sessions.resume_soon(session, eta_s)
+
+    def end_session(self, session: str) -> bool:
+        """``session`` is over: its device blocks and pins are released now."""
+        return self.sessions.end(session)
+
     def close(self) -> None:
         """Stop the connector (queued saves are put first) and close the store this engine opened."""
+        self.sessions.close()
         if self.connector is not None:
             self.connector.close()
         if self._owns_store:
@@ -130,15 +167,19 @@ class LLM:
         self.close()
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str = "",
-                    arrival_time: float | None = None) -> Sequence:
-        """Validate and queue one request; raises ValueError naming the problem."""
+                    arrival_time: float | None = None, session: str = "", critical: bool = False) -> Sequence:
+        """Validate and queue one request; raises ValueError naming the problem. ``session``
+        names the agent session it is a turn of (see ``pause``); ``critical`` lets it use the
+        memory reserved for critical agents."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
         queued = self.scheduler.waiting + self.scheduler.running + self.scheduler.loading
         if request_id and any(s.request_id == request_id for s in queued):
             raise ValueError(f"request id {request_id!r} is already in use")  # the connector tracks requests by id
         now = time.perf_counter() if arrival_time is None else arrival_time
-        seq = Sequence(token_ids, params, now, request_id=request_id)
+        seq = Sequence(token_ids, params, now, request_id=request_id, session=session, critical=critical)
+        if session:
+            self.sessions.on_add(seq, now)
         self.scheduler.add(seq)
         return seq
 
@@ -169,6 +210,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that got a token."""
         now = time.perf_counter()
+        self.sessions.before_step(now)
         batch = self.scheduler.schedule(now)
         plan = self.connector.scheduler.build_connector_meta(batch.items) if self.connector else None
         if not batch.items:
@@ -184,6 +226,7 @@ class LLM:
         else:
             results, output = self.runner.run_with_connector(batch, self.connector.worker, plan)
             voided = self.scheduler.on_connector_output(output)
+        self.sessions.observe_forward(batch.num_tokens, time.perf_counter() - now)
         for seq, n in batch.items:
             if seq in voided:
                 continue
@@ -221,6 +264,8 @@ class LLM:
             reason = "length"
         if reason is not None:
             metrics.finish_time = now
+            if seq.session:
+                self.sessions.on_finish(seq, now)
             self.scheduler.finish(seq, reason)
             self.totals.add(metrics)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [token],

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from connector.metadata import ConnectorOutput
 from connector.scheduler import SchedulerConnector
+from connector.sessions import SESSION_HOLDER
 from engine.block_manager import BlockManager
 from engine.policies import SchedulingPolicy
 from engine.sequence import Sequence, Status
@@ -39,12 +40,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: SchedulingPolicy,
-                 max_num_seqs: int, max_num_batched_tokens: int, connector: SchedulerConnector | None = None):
+                 max_num_seqs: int, max_num_batched_tokens: int, connector: SchedulerConnector | None = None,
+                 critical_reserve_blocks: int = 0):
         self.bm = block_manager
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
+        # Block holders outside the queues: agent sessions keeping their KV on the device
+        # through a stall (engine/sessions.py); each has block_table, request_id, critical.
+        self.held: list = []
+        self.critical_reserve_blocks = critical_reserve_blocks
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []  # WAITING_FOR_KV
@@ -90,6 +96,8 @@ class Scheduler:
             if budget == 0 or len(self.running) + len(self.loading) >= self.max_num_seqs \
                     or not self.bm.can_allocate(seq):
                 break
+            if not self.bm.can_allocate(seq, self._reserved_for_critical(seq)):
+                continue  # the rest of the memory is reserved for critical agents
             external, load_async = 0, False
             if self.connector is not None:
                 external, load_async = self.connector.get_num_new_matched_tokens(seq, self.bm.num_cached_tokens(seq))
@@ -113,6 +121,14 @@ class Scheduler:
             batch.items.append((seq, n))
             budget -= n
         return budget
+
+    def _reserved_for_critical(self, seq: Sequence) -> int:
+        """Blocks a request of a non-critical agent must leave free: the part of the critical
+        agents' reservation they do not use now."""
+        if seq.critical or not self.critical_reserve_blocks:
+            return 0
+        used = sum(len(s.block_table) for s in self.running + self.loading + self.held if s.critical)
+        return max(0, self.critical_reserve_blocks - used)
 
     def on_connector_output(self, output: ConnectorOutput) -> set[Sequence]:
         """Apply finished loads. An asynchronous one moves its request to ``running`` with the
@@ -154,10 +170,11 @@ class Scheduler:
                 seen.add(seq.seq_id)
         for seq in self.waiting:
             assert not seq.block_table, f"waiting {seq.request_id} holds blocks"
-        self.bm.check_integrity(self.running + self.loading)
+        self.bm.check_integrity(self.running + self.loading + self.held)
         if self.connector is not None and not self.has_unfinished():
             assert self.connector.num_tracked == 0, "the connector still tracks finished requests"
-            assert len(self.connector.pins) == 0, "the connector still holds pins"
+            assert all(h.startswith(SESSION_HOLDER) for h in self.connector.pins.holders()), \
+                "the connector still holds pins"
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

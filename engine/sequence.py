@@ -38,6 +38,8 @@ class Sequence:
     preempted: bool = False
     text: str = ""
     generator: torch.Generator | None = None
+    session: str = ""  # the agent session this request is a turn of ("" = none; engine/sessions.py)
+    critical: bool = False  # may use the device memory reserved for critical agents
     metrics: RequestMetrics | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
 
