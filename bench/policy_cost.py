@@ -3,9 +3,11 @@ simulator and in the Store's path.
 
 The Store's figure is a replay of a trace's first requests through a Store with only host
 RAM (tiny chunks, so the policy's share of the time shows): each block is looked up and, on
-a miss, put with its parent. The same replay with LRU, whose bookkeeping is a dict move, is
-the baseline; the policy's cost per access is the difference of the two times, divided by
-the accesses.
+a miss, put with its parent. Every call the Store makes into the tier's policy is timed
+(``TimedPolicy``), which splits the Store's time per access into the policy's own and the
+Store's bookkeeping around it. The same replay with the first policy named (LRU by
+default, whose bookkeeping is a dict move) is the baseline for the difference column; a
+policy with more hits makes fewer puts, so that difference also holds the puts it saved.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from typing import Hashable
 
 import torch
 
@@ -21,6 +24,7 @@ from bench.traces import load_trace
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.policies import make_policy
+from kvstore.policies.base import EvictionPolicy
 from kvstore.store import Store
 
 NS = Namespace("policy-cost", num_layers=1, num_kv_heads=1, head_dim=16, chunk_tokens=8)  # 256-byte chunks
@@ -36,14 +40,65 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def store_seconds(trace, policy: str, capacity_blocks_: int) -> float:
-    """Seconds to replay ``trace`` through a host-RAM-only Store of that many pages."""
+class TimedPolicy(EvictionPolicy):
+    """Forwards every call to ``inner`` and adds the time spent in it to ``seconds``."""
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        super().__init__(inner.capacity_bytes)
+        self.inner = inner
+        self.name = inner.name
+        self.seconds = 0.0
+
+    def _timed(self, method, *args):
+        start = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def on_hit(self, key: Hashable) -> None:
+        self._timed(self.inner.on_hit, key)
+
+    def on_miss(self, key: Hashable) -> None:
+        self._timed(self.inner.on_miss, key)
+
+    def admit(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
+        return self._timed(self.inner.admit, key, size, parent)
+
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._timed(self.inner.on_insert, key, size, parent)
+
+    def on_remove(self, key: Hashable, held: bool = True) -> None:
+        self._timed(self.inner.on_remove, key, held)
+
+    def evict(self) -> Hashable:
+        return self._timed(self.inner.evict)
+
+    def reinstate(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._timed(self.inner.reinstate, key, size, parent)
+
+    def reuse_estimate(self, key: Hashable) -> float:
+        return self._timed(self.inner.reuse_estimate, key)
+
+    def __len__(self) -> int:
+        return self._timed(self.inner.__len__)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return self._timed(self.inner.__contains__, key)
+
+
+def store_seconds(trace, policy: str, capacity_blocks_: int) -> tuple[float, float]:
+    """Seconds to replay ``trace`` through a host-RAM-only Store of that many pages, and the
+    seconds of it spent inside the policy."""
     config = StoreConfig(host=HostTierConfig(capacity_bytes=capacity_blocks_ * PAGE, page_bytes=PAGE, prefault=False),
                          disk=DiskTierConfig(enabled=False), replicate_to=[], eviction_policy=policy)
     kv = torch.zeros(NS.chunk_shape, dtype=NS.torch_dtype)
     out = torch.empty_like(kv)
     keys = {}
     with Store(config) as store:
+        policies = store.index.policies
+        timed = {name: TimedPolicy(p) for name, p in policies.items()}
+        policies.update(timed)
         start = time.perf_counter()
         for request in trace.requests:
             parent = None
@@ -54,7 +109,7 @@ def store_seconds(trace, policy: str, capacity_blocks_: int) -> float:
                 if not store.get_into(key, out):
                     store.put(key, kv, parent=parent)
                 parent = key
-        return time.perf_counter() - start
+        return time.perf_counter() - start, sum(t.seconds for t in timed.values())
 
 
 def run(args) -> int:
@@ -65,13 +120,14 @@ def run(args) -> int:
     head_blocks = capacity_blocks(head, args.capacity)
     print(f"{trace.name}: simulator {trace.accesses} accesses at {args.capacity}% ({blocks} blocks); "
           f"Store {head.accesses} accesses of its first {len(head.requests)} requests ({head_blocks} chunks)", file=sys.stderr)
-    print("policy  simulator_us/access  store_us/access  store_us/access_minus_the_first")
+    print("policy  simulator_us/access  store_us/access  store_policy_us/access  store_rest_us/access  store_us/access_minus_the_first")
     base = None
     for name in names:
         start = time.perf_counter()
         simulate(trace, make_policy(name, blocks), blocks)
         sim_us = 1e6 * (time.perf_counter() - start) / trace.accesses
-        store_us = 1e6 * store_seconds(head, name, head_blocks) / head.accesses
+        total, inside = store_seconds(head, name, head_blocks)
+        store_us, policy_us = 1e6 * total / head.accesses, 1e6 * inside / head.accesses
         base = store_us if base is None else base
-        print(f"{name}  {sim_us:.1f}  {store_us:.1f}  {store_us - base:+.1f}", flush=True)
+        print(f"{name}  {sim_us:.1f}  {store_us:.1f}  {policy_us:.1f}  {store_us - policy_us:.1f}  {store_us - base:+.1f}", flush=True)
     return 0
