@@ -3,9 +3,11 @@ simulator and in the Store's path.
 
 The Store's figure is a replay of a trace's first requests through a Store with only host
 RAM (tiny chunks, so the policy's share of the time shows): each block is looked up and, on
-a miss, put with its parent. Every call the Store makes into the tier's policy is timed
-(``TimedPolicy``), which splits the Store's time per access into the policy's own and the
-Store's bookkeeping around it. The same replay with the first policy named (LRU by
+a miss, put with its parent. A second run logs every call the Store makes into the tier's
+policy (``RecordingPolicy``), and the log replayed against a fresh policy gives the
+policy's own share; the rest of the Store's time per access is its bookkeeping around the
+policy. Times are CPU time (the process's, background threads included), so a busy
+machine inflates them less than it would wall-clock time. The same replay with the first policy named (LRU by
 default, whose bookkeeping is a dict move) is the baseline for the difference column; a
 policy with more hits makes fewer puts, so that difference also holds the puts it saved.
 """
@@ -40,66 +42,79 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-class TimedPolicy(EvictionPolicy):
-    """Forwards every call to ``inner`` and adds the time spent in it to ``seconds``."""
+class RecordingPolicy(EvictionPolicy):
+    """Forwards every call to ``inner`` and logs it, so the calls can be replayed against a
+    fresh policy (``replay_seconds``) and timed apart from the Store."""
 
     def __init__(self, inner: EvictionPolicy) -> None:
         super().__init__(inner.capacity_bytes)
         self.inner = inner
         self.name = inner.name
-        self.seconds = 0.0
-
-    def _timed(self, method, *args):
-        start = time.perf_counter()
-        try:
-            return method(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
+        self.calls: list[tuple[str, tuple]] = []
 
     def on_hit(self, key: Hashable) -> None:
-        self._timed(self.inner.on_hit, key)
+        self.calls.append(("on_hit", (key,)))
+        self.inner.on_hit(key)
 
     def on_miss(self, key: Hashable) -> None:
-        self._timed(self.inner.on_miss, key)
+        self.calls.append(("on_miss", (key,)))
+        self.inner.on_miss(key)
 
     def admit(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
-        return self._timed(self.inner.admit, key, size, parent)
+        self.calls.append(("admit", (key, size, parent)))
+        return self.inner.admit(key, size, parent)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        self._timed(self.inner.on_insert, key, size, parent)
+        self.calls.append(("on_insert", (key, size, parent)))
+        self.inner.on_insert(key, size, parent)
 
     def on_remove(self, key: Hashable, held: bool = True) -> None:
-        self._timed(self.inner.on_remove, key, held)
+        self.calls.append(("on_remove", (key, held)))
+        self.inner.on_remove(key, held)
 
     def evict(self) -> Hashable:
-        return self._timed(self.inner.evict)
+        self.calls.append(("evict", ()))
+        return self.inner.evict()
 
     def reinstate(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        self._timed(self.inner.reinstate, key, size, parent)
+        self.calls.append(("reinstate", (key, size, parent)))
+        self.inner.reinstate(key, size, parent)
 
     def reuse_estimate(self, key: Hashable) -> float:
-        return self._timed(self.inner.reuse_estimate, key)
+        self.calls.append(("reuse_estimate", (key,)))
+        return self.inner.reuse_estimate(key)
 
     def __len__(self) -> int:
-        return self._timed(self.inner.__len__)
+        self.calls.append(("__len__", ()))
+        return len(self.inner)
 
     def __contains__(self, key: Hashable) -> bool:
-        return self._timed(self.inner.__contains__, key)
+        self.calls.append(("__contains__", (key,)))
+        return key in self.inner
 
 
-def store_seconds(trace, policy: str, capacity_blocks_: int) -> tuple[float, float]:
-    """Seconds to replay ``trace`` through a host-RAM-only Store of that many pages, and the
-    seconds of it spent inside the policy."""
-    config = StoreConfig(host=HostTierConfig(capacity_bytes=capacity_blocks_ * PAGE, page_bytes=PAGE, prefault=False),
-                         disk=DiskTierConfig(enabled=False), replicate_to=[], eviction_policy=policy)
+def replay_seconds(policy: str, capacity_bytes: int, calls: list[tuple[str, tuple]]) -> float:
+    """CPU seconds a fresh ``policy`` takes to answer ``calls`` (a deterministic policy makes
+    the same decisions as when they were logged); the replay loop's own cost is included."""
+    fresh = make_policy(policy, capacity_bytes)
+    methods = {name: getattr(fresh, name) for name in {name for name, _ in calls}}
+    log = [(methods[name], args) for name, args in calls]
+    start = time.process_time()
+    for method, args in log:
+        method(*args)
+    return time.process_time() - start
+
+
+def _replay_store(trace, config: StoreConfig, wrap=None) -> float:
+    """CPU seconds (the process's, background threads included) to replay ``trace`` through
+    a Store: each block looked up and, on a miss, put with its parent."""
     kv = torch.zeros(NS.chunk_shape, dtype=NS.torch_dtype)
     out = torch.empty_like(kv)
     keys = {}
     with Store(config) as store:
-        policies = store.index.policies
-        timed = {name: TimedPolicy(p) for name, p in policies.items()}
-        policies.update(timed)
-        start = time.perf_counter()
+        if wrap is not None:
+            store.index.policies.update({name: wrap(p) for name, p in store.index.policies.items()})
+        start = time.process_time()
         for request in trace.requests:
             parent = None
             for block in request:
@@ -109,7 +124,24 @@ def store_seconds(trace, policy: str, capacity_blocks_: int) -> tuple[float, flo
                 if not store.get_into(key, out):
                     store.put(key, kv, parent=parent)
                 parent = key
-        return time.perf_counter() - start, sum(t.seconds for t in timed.values())
+        return time.process_time() - start
+
+
+def store_seconds(trace, policy: str, capacity_blocks_: int) -> tuple[float, float]:
+    """CPU seconds to replay ``trace`` through a host-RAM-only Store of that many pages, and
+    how many of them the policy's own calls take (logged in a second run, then replayed
+    against a fresh policy)."""
+    config = StoreConfig(host=HostTierConfig(capacity_bytes=capacity_blocks_ * PAGE, page_bytes=PAGE, prefault=False),
+                         disk=DiskTierConfig(enabled=False), replicate_to=[], eviction_policy=policy)
+    total = _replay_store(trace, config)
+    recorders: list[RecordingPolicy] = []
+
+    def record(p: EvictionPolicy) -> RecordingPolicy:
+        recorders.append(RecordingPolicy(p))
+        return recorders[-1]
+
+    _replay_store(trace, config, record)
+    return total, sum(replay_seconds(policy, r.capacity_bytes, r.calls) for r in recorders)
 
 
 def run(args) -> int:
@@ -123,9 +155,9 @@ def run(args) -> int:
     print("policy  simulator_us/access  store_us/access  store_policy_us/access  store_rest_us/access  store_us/access_minus_the_first")
     base = None
     for name in names:
-        start = time.perf_counter()
+        start = time.process_time()
         simulate(trace, make_policy(name, blocks), blocks)
-        sim_us = 1e6 * (time.perf_counter() - start) / trace.accesses
+        sim_us = 1e6 * (time.process_time() - start) / trace.accesses
         total, inside = store_seconds(head, name, head_blocks)
         store_us, policy_us = 1e6 * total / head.accesses, 1e6 * inside / head.accesses
         base = store_us if base is None else base

@@ -133,7 +133,7 @@ class ShadowVotePolicy(EvictionPolicy):
         self._drop_tails = drop_tails
         self._shadows = [_Shadow(make(capacity_bytes)) for make in experts]
         self._weights = [1.0] + [0.0] * (len(self._shadows) - 1)  # the first expert leads at first
-        self._bits = [(1 << i, shadow) for i, shadow in enumerate(self._shadows)]
+        self._steps = [(1 << i, shadow, *self._methods(shadow.policy)) for i, shadow in enumerate(self._shadows)]
         self._held: dict[Hashable, int] = {}  # key -> bit mask of the experts holding it (absent: none)
         self._supports: dict[int, float] = {}  # bit mask -> its vote, for the current weights
         self._resident: dict[Hashable, tuple[int, Hashable | None]] = {}  # key -> (size, parent)
@@ -149,6 +149,13 @@ class ShadowVotePolicy(EvictionPolicy):
         self._removed: RemovedKeys[tuple[int, bool, int, Hashable | None]] = RemovedKeys()  # -> (hits, tail, size, parent)
         self._reuse = ReuseClasses()
         self._last_victim: tuple[Hashable, int, bool] | None = None  # (key, hits, tail) of the latest evict
+
+    @staticmethod
+    def _methods(policy: EvictionPolicy) -> tuple:
+        """An expert's calls, bound once; ``admit`` is None where it is the base class's
+        (admit everything), so the step skips the call."""
+        admits = type(policy).admit is not EvictionPolicy.admit
+        return policy.on_hit, policy.on_miss, policy.admit if admits else None, policy.on_insert, policy.evict
 
     def _vote(self, key: Hashable) -> float:
         """The weight of the experts holding ``key``, summed in expert order (so keys held by
@@ -204,22 +211,21 @@ class ShadowVotePolicy(EvictionPolicy):
         held, capacity = self._held, self.capacity_bytes
         mask = held.get(key, 0)
         touched: set[Hashable] = set()  # other keys an expert evicted
-        for bit, shadow in self._bits:
-            policy = shadow.policy
+        for bit, shadow, on_hit, on_miss, admit, on_insert, evict in self._steps:
             if mask & bit:
                 shadow.window_hits += 1
-                policy.on_hit(key)
+                on_hit(key)
                 continue
-            policy.on_miss(key)
-            if not policy.admit(key, size, parent):
+            on_miss(key)
+            if admit is not None and not admit(key, size, parent):
                 continue
             sizes = shadow.sizes
             sizes[key] = size
             shadow.used += size
             mask |= bit
-            policy.on_insert(key, size, parent)
+            on_insert(key, size, parent)
             while shadow.used > capacity:
-                victim = policy.evict()
+                victim = evict()
                 shadow.used -= sizes.pop(victim)
                 if victim == key:
                     mask &= ~bit
