@@ -10,7 +10,8 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
 - Every access is replayed into each expert (LRU, ARC, S3-FIFO, a long-history LIRS and
   LRFU at three half-lives), which keeps its own resident set over the same capacity
   (keys and sizes only, no data). Hits are counted per window of accesses and smoothed
-  into a score.
+  into a score; the first windows are short (``FIRST_WINDOW``, doubling), so the vote
+  leaves the first expert early and a trace shorter than a window is scored too.
 - Each expert's vote weighs ``(score / best score) ** SHARPNESS``: the leader weighs 1,
   an expert 0.1% behind about 0.8, 1% behind about 0.13, 3% behind nothing to speak of.
   Experts that differ only in a parameter (the LRFUs) are rarely far apart, so the vote
@@ -38,8 +39,10 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   back with one more hit to its reuse class.
 
 Cost: one step of every expert per access (O(1), O(log n) for the LRFUs), plus O(log n)
-heap work for the keys the access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
-rebuilds the heap in O(resident keys x experts).
+heap work for the keys the access touched. Which experts hold a key is a bit mask, and the
+vote is looked up per mask (summed once per weighting), so re-rating a key asks no
+expert's set; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
+rebuilds the heap in O(resident keys).
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ class ShadowVotePolicy(EvictionPolicy):
             self._prompt += 1
         held, capacity = self._held, self.capacity_bytes
         mask = held.get(key, 0)
-        touched: set[Hashable] = set()  # other keys an expert evicted
+        touched: dict[Hashable, None] = {}  # other keys an expert evicted, in eviction order
         for bit, shadow, on_hit, on_miss, admit, on_insert, evict in self._steps:
             if mask & bit:
                 shadow.window_hits += 1
@@ -235,7 +238,7 @@ class ShadowVotePolicy(EvictionPolicy):
                     held[victim] = rest
                 else:
                     del held[victim]
-                touched.add(victim)
+                touched[victim] = None
         if mask:
             held[key] = mask
         else:
