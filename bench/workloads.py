@@ -204,6 +204,18 @@ PRESETS: dict[str, MixSpec] = {
         T("chat", 0.90, system_blocks=3, think=400, open_sessions=1500, mean_turns=4, turn_blocks=(1, 6)),
         T("oneoff", 0.10, blocks=(1, 40)),
     )),
+    # Held out for issue 17 (written before any policy ran on it): a fleet whose agent tenant
+    # leaves at 70% of the trace, a large slow-reading document assistant with many
+    # follow-ups, long chat conversations, a small very hot corpus that starts late and a
+    # batch job in the second half.
+    "fleet": MixSpec(requests=15000, seed=11, tenants=(
+        T("agent", 0.30, end=0.70, corpus=20, blocks=(40, 150), zipf=0.8, mean_turns=20, think=20, open_sessions=80),
+        T("docqa", 0.25, corpus=5000, zipf=0.8, followup=0.4, think=300),
+        T("chat", 0.25, think=600, open_sessions=800, mean_turns=6, turn_blocks=(2, 5)),
+        T("batch", 0.10, start=0.50, blocks=(20, 60)),
+        T("docqa", 0.10, start=0.20, corpus=200, blocks=(20, 50), zipf=1.5),
+        T("oneoff", 0.05, blocks=(5, 50)),
+    )),
 }
 del T
 

@@ -554,3 +554,37 @@ def test_shadow_vote_among_equal_support_evicts_the_oldest_prompts_deepest_chunk
     policy.on_hit("a")  # a new prompt through a: it is now the most recent
     policy.on_insert("e", 1, "a")
     assert [policy.evict(), policy.evict()] == ["b", "d"]
+
+
+def test_shadow_vote_support_is_the_weight_of_the_experts_holding_the_key():
+    """The experts holding a key are kept as a bit mask and the vote is looked up per mask:
+    after every access, each resident key's support is still the sum, in expert order, of the
+    weights of the experts whose resident set holds it (exactly, so equal holders tie)."""
+    from kvstore.policies.shadow_vote import TAIL, ShadowVotePolicy
+
+    rng = random.Random(5)
+    capacity = 12
+    policy = ShadowVotePolicy(capacity)
+    resident: set = set()
+    reweighed = 0
+    for i in range(1500):
+        doc = min(int(rng.paretovariate(0.8)), 40)
+        parent = None
+        for j in range(rng.randint(1, 4)):
+            key = (doc, j)
+            if key in resident:
+                policy.on_hit(key)
+            else:
+                policy.on_miss(key)
+                policy.on_insert(key, 1, parent)
+                resident.add(key)
+                while len(resident) > capacity:
+                    resident.remove(policy.evict())
+            parent = key
+        weights = policy._weights
+        reweighed += weights[0] != 1.0
+        for k in resident:
+            holders = [w for shadow, w in zip(policy._shadows, weights) if k in shadow.sizes]
+            assert policy._held.get(k, 0) == sum(1 << i for i, s in enumerate(policy._shadows) if k in s.sizes)
+            assert policy._support[k][0] in (TAIL, sum(holders))
+    assert reweighed  # the weights did move, so supports were re-looked-up

@@ -79,14 +79,16 @@ class LRFUPolicy(EvictionPolicy):
         """Mark ``key`` most recently accessed; forget the CRFs of the least recently accessed
         non-resident keys beyond ``history`` per resident key. A resident key found at the old
         end is moved to the new end (it is never forgotten), which ends this round."""
-        self._recent[key] = None
-        self._recent.move_to_end(key)
-        while len(self._recent) > self._history * max(1, len(self._resident)):
-            oldest = next(iter(self._recent))
+        recent = self._recent
+        recent[key] = None
+        recent.move_to_end(key)
+        limit = self._history * (len(self._resident) or 1)
+        while len(recent) > limit:
+            oldest = next(iter(recent))
             if oldest in self._resident:
-                self._recent.move_to_end(oldest)
+                recent.move_to_end(oldest)
                 return
-            del self._recent[oldest], self._crf[oldest]
+            del recent[oldest], self._crf[oldest]
 
     def on_hit(self, key: Hashable) -> None:
         self._access(key)

@@ -10,7 +10,8 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
 - Every access is replayed into each expert (LRU, ARC, S3-FIFO, a long-history LIRS and
   LRFU at three half-lives), which keeps its own resident set over the same capacity
   (keys and sizes only, no data). Hits are counted per window of accesses and smoothed
-  into a score.
+  into a score; the first windows are short (``FIRST_WINDOW``, doubling), so the vote
+  leaves the first expert early and a trace shorter than a window is scored too.
 - Each expert's vote weighs ``(score / best score) ** SHARPNESS``: the leader weighs 1,
   an expert 0.1% behind about 0.8, 1% behind about 0.13, 3% behind nothing to speak of.
   Experts that differ only in a parameter (the LRFUs) are rarely far apart, so the vote
@@ -38,8 +39,10 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   back with one more hit to its reuse class.
 
 Cost: one step of every expert per access (O(1), O(log n) for the LRFUs), plus O(log n)
-heap work for the keys the access touched; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
-rebuilds the heap in O(resident keys x experts).
+heap work for the keys the access touched. Which experts hold a key is a bit mask, and the
+vote is looked up per mask (summed once per weighting), so re-rating a key asks no
+expert's set; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
+rebuilds the heap in O(resident keys).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from kvstore.policies.removed import RemovedKeys
 from kvstore.policies.s3fifo import S3FIFOPolicy
 
 WINDOW = 2048  # accesses per scoring window
+FIRST_WINDOW = 64  # the first windows double from this up to WINDOW, so a small trace is scored too
 SMOOTHING = 0.1  # weight of the newest window in each expert's score
 SHARPNESS = 200.0  # how fast an expert's vote fades as it falls behind the leader
 REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
@@ -132,6 +136,9 @@ class ShadowVotePolicy(EvictionPolicy):
         self._drop_tails = drop_tails
         self._shadows = [_Shadow(make(capacity_bytes)) for make in experts]
         self._weights = [1.0] + [0.0] * (len(self._shadows) - 1)  # the first expert leads at first
+        self._steps = [(1 << i, shadow, *self._methods(shadow.policy)) for i, shadow in enumerate(self._shadows)]
+        self._held: dict[Hashable, int] = {}  # key -> bit mask of the experts holding it (absent: none)
+        self._supports: dict[int, float] = {}  # bit mask -> its vote, for the current weights
         self._resident: dict[Hashable, tuple[int, Hashable | None]] = {}  # key -> (size, parent)
         self._support: dict[Hashable, tuple[float, tuple]] = {}  # resident key -> (support, order)
         self._heap: list[tuple[float, tuple, Hashable]] = []  # stale entries are skipped
@@ -139,14 +146,28 @@ class ShadowVotePolicy(EvictionPolicy):
         self._prompt = 0  # prompts started so far
         self._depth: dict[Hashable, int] = {}  # resident key -> chunks before it in its prompt
         self._accesses = 0
+        self._next_reweigh = FIRST_WINDOW
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
         self._removed: RemovedKeys[tuple[int, bool, int, Hashable | None]] = RemovedKeys()  # -> (hits, tail, size, parent)
         self._reuse = ReuseClasses()
         self._last_victim: tuple[Hashable, int, bool] | None = None  # (key, hits, tail) of the latest evict
 
+    @staticmethod
+    def _methods(policy: EvictionPolicy) -> tuple:
+        """An expert's calls, bound once; ``admit`` is None where it is the base class's
+        (admit everything), so the step skips the call."""
+        admits = type(policy).admit is not EvictionPolicy.admit
+        return policy.on_hit, policy.on_miss, policy.admit if admits else None, policy.on_insert, policy.evict
+
     def _vote(self, key: Hashable) -> float:
-        return sum(w for s, w in zip(self._shadows, self._weights) if key in s.sizes)
+        """The weight of the experts holding ``key``, summed in expert order (so keys held by
+        the same experts tie exactly), cached per set of holders."""
+        mask = self._held.get(key, 0)
+        support = self._supports.get(mask)
+        if support is None:
+            support = self._supports[mask] = sum(w for i, w in enumerate(self._weights) if mask >> i & 1)
+        return support
 
     def _rate(self, key: Hashable, support: float | None = None, touch: bool = True) -> None:
         """(Re-)rate a resident key. ``touch``: it was just accessed (or inserted), so it is
@@ -176,6 +197,7 @@ class ShadowVotePolicy(EvictionPolicy):
             if tail in shadow.sizes:
                 shadow.used -= shadow.sizes.pop(tail)
                 shadow.policy.on_remove(tail, held=False)
+        self._held.pop(tail, None)
         if held is None:
             self._rate(tail, TAIL)
             return
@@ -189,30 +211,47 @@ class ShadowVotePolicy(EvictionPolicy):
             self._drop_tail()
         if parent is None:
             self._prompt += 1
-        touched = [key]
-        for shadow in self._shadows:
-            policy, sizes = shadow.policy, shadow.sizes
-            if key in sizes:
+        held, capacity = self._held, self.capacity_bytes
+        mask = held.get(key, 0)
+        touched: dict[Hashable, None] = {}  # other keys an expert evicted, in eviction order
+        for bit, shadow, on_hit, on_miss, admit, on_insert, evict in self._steps:
+            if mask & bit:
                 shadow.window_hits += 1
-                policy.on_hit(key)
+                on_hit(key)
                 continue
-            policy.on_miss(key)
-            if not policy.admit(key, size, parent):
+            on_miss(key)
+            if admit is not None and not admit(key, size, parent):
                 continue
+            sizes = shadow.sizes
             sizes[key] = size
             shadow.used += size
-            policy.on_insert(key, size, parent)
-            while shadow.used > self.capacity_bytes:
-                victim = policy.evict()
+            mask |= bit
+            on_insert(key, size, parent)
+            while shadow.used > capacity:
+                victim = evict()
                 shadow.used -= sizes.pop(victim)
-                touched.append(victim)
-        if key in self._resident:
+                if victim == key:
+                    mask &= ~bit
+                    continue
+                rest = held[victim] & ~bit
+                if rest:
+                    held[victim] = rest
+                else:
+                    del held[victim]
+                touched[victim] = None
+        if mask:
+            held[key] = mask
+        else:
+            held.pop(key, None)
+        resident = self._resident
+        if key in resident:
             self._rate(key)
-        for k in touched[1:]:
-            if k in self._resident:
+        for k in touched:
+            if k in resident:
                 self._rate(k, touch=False)
         self._accesses += 1
-        if self._accesses % WINDOW == 0:
+        if self._accesses == self._next_reweigh:
+            self._next_reweigh += min(WINDOW, self._accesses)
             self._reweigh()
 
     def _reweigh(self) -> None:
@@ -226,6 +265,7 @@ class ShadowVotePolicy(EvictionPolicy):
         if max(abs(a - b) for a, b in zip(weights, self._weights)) <= REWEIGH:
             return
         self._weights = weights
+        self._supports = {}
         for key, (support, order) in self._support.items():
             self._support[key] = (TAIL if support == TAIL else self._vote(key), order)
         self._compact()
