@@ -25,7 +25,6 @@ forgotten once its pins expire (or, without a store, its hold is gone) and it is
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +36,9 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
 from engine.stall_policy import Costs, Decision, decide, pin_ttl
 from engine.stall_predictor import StallPredictor
+from kvstore.api import PausesSessions
 from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.sessions import valid_duration
 
 
 class Residency(enum.Enum):
@@ -78,15 +79,6 @@ class Session:
     tool: str = ""
     decision: Decision | None = None
     staged: bool = False  # resume_soon arrived for the coming turn
-
-
-def valid_duration(seconds) -> float | None:
-    """A duration from an event: a finite non-negative number, else None (use the prediction)."""
-    try:
-        seconds = float(seconds)
-    except (TypeError, ValueError):
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class SessionManager:
@@ -305,7 +297,11 @@ class SessionManager:
         elif len(keys) > len(s.keys):
             ledger.hold(holder, [k for k in keys if k not in set(s.keys)])
         s.keys = keys
-        pinned = self._each_namespace("pin", keys, lambda ks: self.connector.store.pin(ks, ttl), len(keys))
+        store = self.connector.store
+        if isinstance(store, PausesSessions):  # the daemon also learns the session, for resume_soon by id
+            pinned = self._each_namespace("pin", keys, lambda ks: store.pause(s.id, ks, ttl_s=ttl), len(keys))
+        else:
+            pinned = self._each_namespace("pin", keys, lambda ks: store.pin(ks, ttl), len(keys))
         s.pin_until = max(s.pin_until, now + ttl)
         if pinned < len(keys):
             s.pin_pending_until = s.pin_pending_until or now + self.PIN_RETRY_S

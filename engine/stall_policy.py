@@ -18,6 +18,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvstore.sessions import pin_ttl  # one lease rule for the engine's pauses and the daemon's
+
+__all__ = ["Costs", "Decision", "decide", "pin_ttl"]
+
 
 class Decision(enum.Enum):
     KEEP = "keep"
@@ -60,8 +64,3 @@ def decide(costs: Costs) -> Decision:
     if costs.keep_s < costs.resume_s:
         return Decision.KEEP
     return Decision.OFFLOAD if costs.can_offload and costs.load_s < costs.recompute_s else Decision.DROP
-
-
-def pin_ttl(stall_s: float, factor: float, low_s: float, high_s: float) -> float:
-    """The lease on a paused session's chunks: ``factor`` x the stall, within [low_s, high_s]."""
-    return min(high_s, max(low_s, factor * stall_s))

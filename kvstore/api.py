@@ -94,3 +94,19 @@ class LendsChunks(Protocol):
 
     def borrow(self, key: ChunkKey) -> AbstractContextManager[torch.Tensor | None]:
         ...
+
+
+@runtime_checkable
+class PausesSessions(Protocol):
+    """An optional capability (the daemon's Client has it): agent-session events the store
+    keeps by session id (kvstore/sessions.py). ``pause`` pins ``keys`` (one namespace) like
+    ``pin`` and remembers them under ``session``, so that ``resume_soon(session, eta_s)``,
+    sent by whoever knows the agent is coming back (the engine, or the agent framework
+    talking to the daemon directly), prefetches them without naming a key."""
+
+    def pause(self, session: str, keys: Sequence[ChunkKey], expected_s: float | None = None,
+              ttl_s: float | None = None) -> int:
+        ...
+
+    def resume_soon(self, session: str, eta_s: float = 0.0) -> int:
+        ...

@@ -84,3 +84,27 @@ def test_a_daemon_restart_during_a_stall_means_at_most_a_recompute(tiny, tmp_pat
     finally:
         llm.close()
         proc.stop()
+
+
+def test_the_daemon_learns_a_paused_session_so_the_framework_can_resume_it_by_id(tiny, tmp_path):
+    """An engine on a daemon pauses through the daemon's Pause, so the agent framework, which
+    knows when the agent comes back but no key, stretches the session's pins by its id alone."""
+    proc = start_daemon(tmp_path / "daemon")
+    backend = DaemonBackendConfig(addr=proc.addr, token_file=proc.token_file, timeout_s=2.0)
+    llm = tiny.with_config(connector=ConnectorConfig(backend="daemon", daemon=backend, chunk_tokens=16),
+                           agents=AgentConfig(policy="offload", min_pin_s=1.0, max_pin_s=1.0))
+    try:
+        turn(llm, list(range(5, 5 + 2 * 16 + 4 + 1)), "a")
+        assert llm.pause("a", expected_s=30.0)  # the engine's lease: 1 s
+        assert llm.flush_saves()
+        llm.step()
+        paused_at = time.monotonic()
+        assert pinned(proc) == 3
+        with Client(proc.addr, token_file=proc.token_file) as framework:
+            assert framework.resume_soon("unknown", eta_s=20.0) == 0
+            framework.resume_soon("a", eta_s=20.0)  # the daemon's lease: 4 x 20 s
+        time.sleep(max(0.0, paused_at + 1.5 - time.monotonic()))  # past the engine's own lease
+        assert pinned(proc) == 3
+    finally:
+        llm.close()
+        proc.stop()

@@ -25,7 +25,7 @@ def test_every_request_names_its_namespace_in_full():
     names = {f.name for f in pb.NamespaceSpec.DESCRIPTOR.fields}
     assert names == {"model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "layout",
                      "tp_rank", "tp_size", "tenant"}
-    for msg in (pb.PutHeader, pb.GetRequest, pb.KeysRequest, pb.PinRequest, pb.PrefetchRequest):
+    for msg in (pb.PutHeader, pb.GetRequest, pb.KeysRequest, pb.PinRequest, pb.PrefetchRequest, pb.PauseRequest):
         assert msg.DESCRIPTOR.fields_by_name["namespace"].message_type is pb.NamespaceSpec.DESCRIPTOR
 
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvstore/_proto/kvstore.proto\x12\nkvstore.v1\"\x07\n\x05\x45mpty\"\xc4\x01\n\rNamespaceSpec\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0e\n\x06tenant\x18\n \x01(\t\">\n\x07SlotRef\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\xb1\x01\n\tPutHeader\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x13\n\x0bprefix_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\x12\n\nblob_bytes\x18\x05 \x01(\x04\x12!\n\x04slot\x18\x06 \x01(\x0b\x32\x13.kvstore.v1.SlotRefJ\x04\x08\x07\x10\x08\"A\n\nPutRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.PutHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\n\n\x08PutReply\"\xca\x01\n\nGetRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12$\n\x07payload\x18\x03 \x01(\x0e\x32\x13.kvstore.v1.Payload\x12\"\n\x05slots\x18\x04 \x03(\x0b\x32\x13.kvstore.v1.SlotRef\x12\x13\n\x0bpiece_bytes\x18\x06 \x01(\r\x12\x12\n\npool_views\x18\x07 \x01(\x08J\x04\x08\x05\x10\x06\"]\n\x08GetReply\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x11\n\tpool_runs\x18\x05 \x03(\x04\"R\n\x0bKeysRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\"d\n\x0fPrefetchRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12\x0c\n\x04wait\x18\x03 \x01(\x08\"`\n\nPinRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\r\" \n\rContainsReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\"\x0e\n\x0cStatsRequest\"\x0f\n\rConfigRequest\"\x1b\n\x0b\x43onfigReply\x12\x0c\n\x04toml\x18\x01 \x01(\t\"\x8e\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x15\n\rbytes_written\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x13\n\x0b\x63orruptions\x18\n \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0b \x01(\x04\x12\x11\n\tread_gbps\x18\x0c \x01(\x01\x12\x0f\n\x07recodes\x18\r \x01(\x04\x12\x12\n\nlossy_hits\x18\x0e \x01(\x04\"\xb5\x02\n\nStatsReply\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x0c\n\x04puts\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x0e\n\x06pinned\x18\x06 \x01(\x04\x12\"\n\x1awrite_behind_pending_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12write_behind_queue\x18\x08 \x01(\x04\x12\x1c\n\x14write_behind_dropped\x18\t \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x16\n\x0eshm_slots_free\x18\x0b \x01(\r\x12\x15\n\rbulk_sessions\x18\x0c \x01(\r\x12\x17\n\x0frecode_failures\x18\r \x01(\x04\"\x1d\n\x0cLeaseRequest\x12\r\n\x05slots\x18\x01 \x01(\r\"\x1c\n\x08LeaseRef\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\xa6\x01\n\nLeaseReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\"\n\x05slots\x18\x05 \x03(\x0b\x32\x13.kvstore.v1.SlotRef\x12\x0f\n\x07offsets\x18\x06 \x03(\x04\x12\r\n\x05ttl_s\x18\x07 \x01(\x01\x12\x11\n\tpool_path\x18\x08 \x01(\t\"\x13\n\x11\x42ulkAttachRequest\"k\n\x0f\x42ulkAttachReply\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\x04\x12\x11\n\tpin_ttl_s\x18\x05 \x01(\x01\"+\n\nErrorReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*\x1f\n\x07Payload\x12\x08\n\x04\x42LOB\x10\x00\x12\n\n\x06TENSOR\x10\x01\x32\xd2\x06\n\x07KVStore\x12\x35\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x14.kvstore.v1.PutReply(\x01\x12\x35\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x14.kvstore.v1.GetReply0\x01\x12\x39\n\x06Lookup\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.CountReply\x12>\n\x08\x43ontains\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.ContainsReply\x12?\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x16.kvstore.v1.CountReply\x12\x35\n\x03Pin\x12\x16.kvstore.v1.PinRequest\x1a\x16.kvstore.v1.CountReply\x12\x38\n\x05Unpin\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.CountReply\x12\x39\n\x06\x44\x65lete\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.CountReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12<\n\x06\x43onfig\x12\x19.kvstore.v1.ConfigRequest\x1a\x17.kvstore.v1.ConfigReply\x12\x39\n\x05Lease\x12\x18.kvstore.v1.LeaseRequest\x1a\x16.kvstore.v1.LeaseReply\x12:\n\nRenewLease\x12\x14.kvstore.v1.LeaseRef\x1a\x16.kvstore.v1.LeaseReply\x12\x37\n\x0cReleaseLease\x12\x14.kvstore.v1.LeaseRef\x1a\x11.kvstore.v1.Empty\x12H\n\nBulkAttach\x12\x1d.kvstore.v1.BulkAttachRequest\x1a\x1b.kvstore.v1.BulkAttachReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvstore/_proto/kvstore.proto\x12\nkvstore.v1\"\x07\n\x05\x45mpty\"\xc4\x01\n\rNamespaceSpec\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0e\n\x06tenant\x18\n \x01(\t\">\n\x07SlotRef\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\xb1\x01\n\tPutHeader\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x13\n\x0bprefix_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\x12\n\nblob_bytes\x18\x05 \x01(\x04\x12!\n\x04slot\x18\x06 \x01(\x0b\x32\x13.kvstore.v1.SlotRefJ\x04\x08\x07\x10\x08\"A\n\nPutRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.PutHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\n\n\x08PutReply\"\xca\x01\n\nGetRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12$\n\x07payload\x18\x03 \x01(\x0e\x32\x13.kvstore.v1.Payload\x12\"\n\x05slots\x18\x04 \x03(\x0b\x32\x13.kvstore.v1.SlotRef\x12\x13\n\x0bpiece_bytes\x18\x06 \x01(\r\x12\x12\n\npool_views\x18\x07 \x01(\x08J\x04\x08\x05\x10\x06\"]\n\x08GetReply\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x11\n\tpool_runs\x18\x05 \x03(\x04\"R\n\x0bKeysRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\"d\n\x0fPrefetchRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12\x0c\n\x04wait\x18\x03 \x01(\x08\"`\n\nPinRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x87\x01\n\x0cPauseRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x15\n\rprefix_hashes\x18\x02 \x03(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x12\n\nexpected_s\x18\x04 \x01(\x01\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\"/\n\rResumeRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x65ta_s\x18\x02 \x01(\x01\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\r\" \n\rContainsReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\"\x0e\n\x0cStatsRequest\"\x0f\n\rConfigRequest\"\x1b\n\x0b\x43onfigReply\x12\x0c\n\x04toml\x18\x01 \x01(\t\"\x8e\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x15\n\rbytes_written\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x13\n\x0b\x63orruptions\x18\n \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0b \x01(\x04\x12\x11\n\tread_gbps\x18\x0c \x01(\x01\x12\x0f\n\x07recodes\x18\r \x01(\x04\x12\x12\n\nlossy_hits\x18\x0e \x01(\x04\"\xb5\x02\n\nStatsReply\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x0c\n\x04puts\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x0e\n\x06pinned\x18\x06 \x01(\x04\x12\"\n\x1awrite_behind_pending_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12write_behind_queue\x18\x08 \x01(\x04\x12\x1c\n\x14write_behind_dropped\x18\t \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x16\n\x0eshm_slots_free\x18\x0b \x01(\r\x12\x15\n\rbulk_sessions\x18\x0c \x01(\r\x12\x17\n\x0frecode_failures\x18\r \x01(\x04\"\x1d\n\x0cLeaseRequest\x12\r\n\x05slots\x18\x01 \x01(\r\"\x1c\n\x08LeaseRef\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\xa6\x01\n\nLeaseReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\"\n\x05slots\x18\x05 \x03(\x0b\x32\x13.kvstore.v1.SlotRef\x12\x0f\n\x07offsets\x18\x06 \x03(\x04\x12\r\n\x05ttl_s\x18\x07 \x01(\x01\x12\x11\n\tpool_path\x18\x08 \x01(\t\"\x13\n\x11\x42ulkAttachRequest\"k\n\x0f\x42ulkAttachReply\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\x04\x12\x11\n\tpin_ttl_s\x18\x05 \x01(\x01\"+\n\nErrorReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*\x1f\n\x07Payload\x12\x08\n\x04\x42LOB\x10\x00\x12\n\n\x06TENSOR\x10\x01\x32\xce\x07\n\x07KVStore\x12\x35\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x14.kvstore.v1.PutReply(\x01\x12\x35\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x14.kvstore.v1.GetReply0\x01\x12\x39\n\x06Lookup\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.CountReply\x12>\n\x08\x43ontains\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.ContainsReply\x12?\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x16.kvstore.v1.CountReply\x12\x35\n\x03Pin\x12\x16.kvstore.v1.PinRequest\x1a\x16.kvstore.v1.CountReply\x12\x38\n\x05Unpin\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.CountReply\x12\x39\n\x06\x44\x65lete\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.CountReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12\x39\n\x05Pause\x12\x18.kvstore.v1.PauseRequest\x1a\x16.kvstore.v1.CountReply\x12?\n\nResumeSoon\x12\x19.kvstore.v1.ResumeRequest\x1a\x16.kvstore.v1.CountReply\x12<\n\x06\x43onfig\x12\x19.kvstore.v1.ConfigRequest\x1a\x17.kvstore.v1.ConfigReply\x12\x39\n\x05Lease\x12\x18.kvstore.v1.LeaseRequest\x1a\x16.kvstore.v1.LeaseReply\x12:\n\nRenewLease\x12\x14.kvstore.v1.LeaseRef\x1a\x16.kvstore.v1.LeaseReply\x12\x37\n\x0cReleaseLease\x12\x14.kvstore.v1.LeaseRef\x1a\x11.kvstore.v1.Empty\x12H\n\nBulkAttach\x12\x1d.kvstore.v1.BulkAttachRequest\x1a\x1b.kvstore.v1.BulkAttachReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore._proto.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAYLOAD']._serialized_start=2274
-  _globals['_PAYLOAD']._serialized_end=2305
+  _globals['_PAYLOAD']._serialized_start=2461
+  _globals['_PAYLOAD']._serialized_end=2492
   _globals['_EMPTY']._serialized_start=44
   _globals['_EMPTY']._serialized_end=51
   _globals['_NAMESPACESPEC']._serialized_start=54
@@ -55,32 +55,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFETCHREQUEST']._serialized_end=1059
   _globals['_PINREQUEST']._serialized_start=1061
   _globals['_PINREQUEST']._serialized_end=1157
-  _globals['_COUNTREPLY']._serialized_start=1159
-  _globals['_COUNTREPLY']._serialized_end=1186
-  _globals['_CONTAINSREPLY']._serialized_start=1188
-  _globals['_CONTAINSREPLY']._serialized_end=1220
-  _globals['_STATSREQUEST']._serialized_start=1222
-  _globals['_STATSREQUEST']._serialized_end=1236
-  _globals['_CONFIGREQUEST']._serialized_start=1238
-  _globals['_CONFIGREQUEST']._serialized_end=1253
-  _globals['_CONFIGREPLY']._serialized_start=1255
-  _globals['_CONFIGREPLY']._serialized_end=1282
-  _globals['_TIERSTATS']._serialized_start=1285
-  _globals['_TIERSTATS']._serialized_end=1555
-  _globals['_STATSREPLY']._serialized_start=1558
-  _globals['_STATSREPLY']._serialized_end=1867
-  _globals['_LEASEREQUEST']._serialized_start=1869
-  _globals['_LEASEREQUEST']._serialized_end=1898
-  _globals['_LEASEREF']._serialized_start=1900
-  _globals['_LEASEREF']._serialized_end=1928
-  _globals['_LEASEREPLY']._serialized_start=1931
-  _globals['_LEASEREPLY']._serialized_end=2097
-  _globals['_BULKATTACHREQUEST']._serialized_start=2099
-  _globals['_BULKATTACHREQUEST']._serialized_end=2118
-  _globals['_BULKATTACHREPLY']._serialized_start=2120
-  _globals['_BULKATTACHREPLY']._serialized_end=2227
-  _globals['_ERRORREPLY']._serialized_start=2229
-  _globals['_ERRORREPLY']._serialized_end=2272
-  _globals['_KVSTORE']._serialized_start=2308
-  _globals['_KVSTORE']._serialized_end=3158
+  _globals['_PAUSEREQUEST']._serialized_start=1160
+  _globals['_PAUSEREQUEST']._serialized_end=1295
+  _globals['_RESUMEREQUEST']._serialized_start=1297
+  _globals['_RESUMEREQUEST']._serialized_end=1344
+  _globals['_COUNTREPLY']._serialized_start=1346
+  _globals['_COUNTREPLY']._serialized_end=1373
+  _globals['_CONTAINSREPLY']._serialized_start=1375
+  _globals['_CONTAINSREPLY']._serialized_end=1407
+  _globals['_STATSREQUEST']._serialized_start=1409
+  _globals['_STATSREQUEST']._serialized_end=1423
+  _globals['_CONFIGREQUEST']._serialized_start=1425
+  _globals['_CONFIGREQUEST']._serialized_end=1440
+  _globals['_CONFIGREPLY']._serialized_start=1442
+  _globals['_CONFIGREPLY']._serialized_end=1469
+  _globals['_TIERSTATS']._serialized_start=1472
+  _globals['_TIERSTATS']._serialized_end=1742
+  _globals['_STATSREPLY']._serialized_start=1745
+  _globals['_STATSREPLY']._serialized_end=2054
+  _globals['_LEASEREQUEST']._serialized_start=2056
+  _globals['_LEASEREQUEST']._serialized_end=2085
+  _globals['_LEASEREF']._serialized_start=2087
+  _globals['_LEASEREF']._serialized_end=2115
+  _globals['_LEASEREPLY']._serialized_start=2118
+  _globals['_LEASEREPLY']._serialized_end=2284
+  _globals['_BULKATTACHREQUEST']._serialized_start=2286
+  _globals['_BULKATTACHREQUEST']._serialized_end=2305
+  _globals['_BULKATTACHREPLY']._serialized_start=2307
+  _globals['_BULKATTACHREPLY']._serialized_end=2414
+  _globals['_ERRORREPLY']._serialized_start=2416
+  _globals['_ERRORREPLY']._serialized_end=2459
+  _globals['_KVSTORE']._serialized_start=2495
+  _globals['_KVSTORE']._serialized_end=3469
 # @@protoc_insertion_point(module_scope)

@@ -138,6 +138,28 @@ class PinRequest(_message.Message):
     ttl_s: float
     def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
+class PauseRequest(_message.Message):
+    __slots__ = ("namespace", "prefix_hashes", "session", "expected_s", "ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_S_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: NamespaceSpec
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    session: str
+    expected_s: float
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., session: _Optional[str] = ..., expected_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("session", "eta_s")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    eta_s: float
+    def __init__(self, session: _Optional[str] = ..., eta_s: _Optional[float] = ...) -> None: ...
+
 class CountReply(_message.Message):
     __slots__ = ("count",)
     COUNT_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/kvstore.v1.KVStore/Pause',
+                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PauseRequest.SerializeToString,
+                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                _registered_method=True)
+        self.ResumeSoon = channel.unary_unary(
+                '/kvstore.v1.KVStore/ResumeSoon',
+                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                _registered_method=True)
         self.Config = channel.unary_unary(
                 '/kvstore.v1.KVStore/Config',
                 request_serializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
@@ -168,6 +178,23 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Agent sessions (advisory, idempotent; docs/agents.md). Pause pins a paused session's
+        chunks of one namespace for its lease and remembers them under the session id, within
+        the caller's tenant; `count` = chunks pinned. ResumeSoon prefetches every chunk the
+        session paused with into host RAM and stretches their pins over the ETA; `count` =
+        promotions started; an unknown or expired session is 0, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeSoon(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Config(self, request, context):
         """The daemon's effective configuration (file, then flags) as TOML: paths and limits, no
         secrets (tokens and keys live in the files it names).
@@ -251,6 +278,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot___proto_dot_kvstore__pb2.StatsReply.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PauseRequest.FromString,
+                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+            ),
+            'ResumeSoon': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSoon,
+                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ResumeRequest.FromString,
+                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Config': grpc.unary_unary_rpc_method_handler(
                     servicer.Config,
@@ -521,6 +558,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Pause',
+            kvstore_dot___proto_dot_kvstore__pb2.PauseRequest.SerializeToString,
+            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSoon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ResumeSoon',
+            kvstore_dot___proto_dot_kvstore__pb2.ResumeRequest.SerializeToString,
+            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,

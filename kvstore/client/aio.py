@@ -149,6 +149,8 @@ class AsyncClient:
     pin = _awaitable(ClientCore.pin)
     unpin = _awaitable(ClientCore.unpin)
     prefetch = _awaitable(ClientCore.prefetch)
+    pause = _awaitable(ClientCore.pause)
+    resume_soon = _awaitable(ClientCore.resume_soon)
     delete = _awaitable(ClientCore.delete)
     stats = _awaitable(ClientCore.stats)
     stats_reply = _awaitable(ClientCore.stats_reply)

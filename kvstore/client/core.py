@@ -493,6 +493,19 @@ class ClientCore:
     def delete(self, keys: Sequence[ChunkKey]):
         return (yield from self._count("Delete", pb.KeysRequest, keys))
 
+    def pause(self, session: str, keys: Sequence[ChunkKey], expected_s: float | None = None,
+              ttl_s: float | None = None):
+        """An agent session paused (advisory): the daemon pins ``keys`` (one namespace) for the
+        lease (``ttl_s``, else from the expected stall) and remembers them under ``session``,
+        so a later ``resume_soon`` by session id alone warms them; the count pinned."""
+        return (yield from self._count("Pause", pb.PauseRequest, keys, session=session,
+                                       expected_s=expected_s or 0.0, ttl_s=ttl_s or 0.0))
+
+    def resume_soon(self, session: str, eta_s: float = 0.0):
+        """The session's next turn comes in about ``eta_s`` (advisory): the daemon prefetches
+        the chunks it paused with into host RAM; the promotions started (0: unknown session)."""
+        return (yield from self._call("ResumeSoon", pb.ResumeRequest(session=session, eta_s=eta_s))).count
+
     def stats_reply(self):
         """The daemon's full stats message (Store stats plus address, free slots, sessions)."""
         return (yield from self._call("Stats", pb.StatsRequest()))

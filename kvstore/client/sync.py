@@ -131,6 +131,8 @@ class Client:
     pin = _blocking(ClientCore.pin)
     unpin = _blocking(ClientCore.unpin)
     prefetch = _blocking(ClientCore.prefetch)
+    pause = _blocking(ClientCore.pause)
+    resume_soon = _blocking(ClientCore.resume_soon)
     delete = _blocking(ClientCore.delete)
     stats = _blocking(ClientCore.stats)
     stats_reply = _blocking(ClientCore.stats_reply)

@@ -80,6 +80,9 @@ class LimitsConfig:
     max_prefetches_per_tenant: int = 64
     max_pin_ttl_s: float = 600.0
     max_model_id_bytes: int = 256
+    # Paused agent sessions remembered per tenant (Pause / ResumeSoon), and a session id's length.
+    max_paused_sessions_per_tenant: int = 4096
+    max_session_id_bytes: int = 256
 
 
 @dataclass

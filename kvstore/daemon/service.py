@@ -39,6 +39,7 @@ from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
 from kvstore.fence import fenced
 from kvstore.keys import ChunkKey
+from kvstore.sessions import MIN_PIN_S, SessionBook, pin_ttl, valid_duration
 from kvstore.store import Store
 from kvstore.wire.auth import METADATA_KEY
 from kvstore.wire.convert import stats_to_proto
@@ -70,6 +71,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
+        self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant)
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
@@ -405,6 +407,40 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s must be in (0, {self.limits.max_pin_ttl_s:g}] seconds, got {ttl}")
         return pb.CountReply(count=await self._run(self.store.pin, keys, ttl))
+
+    # -- agent sessions (advisory: docs/agents.md) --------------------------------------------
+
+    def _session(self, session: str) -> str:
+        if not session or len(session.encode()) > self.limits.max_session_id_bytes:
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"session must be 1 to {self.limits.max_session_id_bytes} bytes, got {len(session.encode())}")
+        return session
+
+    def _lease(self, seconds: float) -> float:
+        return min(seconds, self.limits.max_pin_ttl_s)
+
+    async def Pause(self, request, caller: Tenant):
+        """Pin a paused session's chunks for its lease and remember them under its id."""
+        _, keys = self._keys(request, caller, READ)
+        session = self._session(request.session)
+        ttl, expected = valid_duration(request.ttl_s), valid_duration(request.expected_s)
+        lease = self._lease(ttl if ttl else pin_ttl(expected) if expected else MIN_PIN_S)
+        if not keys:
+            return pb.CountReply(count=0)
+        pinned = await self._run(self.store.pin, keys, lease)
+        self.sessions.pause(caller.name, session, keys[0].namespace, keys, lease)
+        return pb.CountReply(count=pinned)
+
+    async def ResumeSoon(self, request, caller: Tenant):
+        """Bring a paused session's chunks up to host RAM, pinned past its ETA; 0 if unknown."""
+        session = self._session(request.session)
+        lease = self._lease(pin_ttl(valid_duration(request.eta_s) or 0.0))
+        started = 0
+        for keys in self.sessions.resume(caller.name, session, lease):
+            await self._run(self.store.pin, keys, lease)
+            with self.admission.admit(caller):
+                started += len(await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo)))
+        return pb.CountReply(count=started)
 
     async def Unpin(self, request, caller: Tenant):
         _, keys = self._keys(request, caller, WRITE)

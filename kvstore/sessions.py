@@ -1,0 +1,96 @@
+"""Paused agent sessions a daemon remembers: the chunks each one paused with, until when.
+
+The engine knows which chunks an agent's history is; the agent framework knows when the
+agent stalls on a tool and when it will be back. ``pause`` records a session's chunks (the
+daemon pins them for the session's lease); ``resume`` names only the session and returns the
+chunks to prefetch, so a framework can warm a session without knowing one key. Both are
+advisory: an unknown or expired session is nothing to do. A record lives as long as its
+lease and no longer, records are per owner (a tenant never sees another's sessions), and an
+owner's book is bounded: past ``max_sessions`` its record expiring first goes.
+
+The lease rule is TokenCake's (docs/agents.md): ``factor`` x the expected stall, within
+``[low_s, high_s]``. This module imports nothing of the project: keys are opaque, grouped
+by the caller (one group per namespace, since one store call names one namespace).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+PIN_FACTOR = 4.0
+MIN_PIN_S = 60.0
+MAX_PIN_S = 3600.0
+
+
+def pin_ttl(stall_s: float, factor: float = PIN_FACTOR, low_s: float = MIN_PIN_S, high_s: float = MAX_PIN_S) -> float:
+    """The lease on a paused session's chunks: ``factor`` x the stall, within [low_s, high_s]."""
+    return min(high_s, max(low_s, factor * stall_s))
+
+
+def valid_duration(seconds) -> float | None:
+    """A duration from an event: a finite non-negative number, else None (unknown)."""
+    try:
+        seconds = float(seconds)
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+@dataclass
+class _Paused:
+    expires: float
+    groups: dict[Hashable, list] = field(default_factory=dict)  # group (namespace) -> keys
+
+
+class SessionBook:
+    def __init__(self, max_sessions: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_sessions <= 0:
+            raise ValueError(f"max_sessions must be positive, got {max_sessions}")
+        self.max_sessions, self.clock = max_sessions, clock
+        self._lock = threading.Lock()
+        self._by_owner: dict[str, dict[str, _Paused]] = {}
+
+    def pause(self, owner: str, session: str, group: Hashable, keys: Sequence, lease_s: float) -> None:
+        """Record ``keys`` as ``session``'s chunks of ``group`` (replacing what it had there),
+        for ``lease_s`` from now at least (a lease extends, never shortens)."""
+        now = self.clock()
+        with self._lock:
+            book = self._live(owner, now)
+            paused = book.get(session)
+            if paused is None:
+                if len(book) >= self.max_sessions:
+                    del book[min(book, key=lambda s: book[s].expires)]
+                paused = book[session] = _Paused(now + lease_s)
+            paused.expires = max(paused.expires, now + lease_s)
+            paused.groups[group] = list(keys)
+
+    def resume(self, owner: str, session: str, lease_s: float) -> list[list]:
+        """``session``'s keys, one list per group, its lease stretched to ``lease_s`` from now;
+        [] if the session is unknown or its lease is over."""
+        now = self.clock()
+        with self._lock:
+            paused = self._live(owner, now).get(session)
+            if paused is None:
+                return []
+            paused.expires = max(paused.expires, now + lease_s)
+            return [list(keys) for keys in paused.groups.values()]
+
+    def forget(self, owner: str, session: str) -> bool:
+        with self._lock:
+            return self._by_owner.get(owner, {}).pop(session, None) is not None
+
+    def __len__(self) -> int:
+        now = self.clock()
+        with self._lock:
+            return sum(len(self._live(owner, now)) for owner in list(self._by_owner))
+
+    def _live(self, owner: str, now: float) -> dict[str, _Paused]:
+        """``owner``'s records, the expired ones dropped (the lock held)."""
+        book = self._by_owner.setdefault(owner, {})
+        for session in [s for s, p in book.items() if p.expires <= now]:
+            del book[session]
+        return book

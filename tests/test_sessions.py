@@ -1,0 +1,58 @@
+"""The daemon's book of paused sessions: per owner, bounded, forgotten with their lease."""
+
+import math
+
+import pytest
+
+from kvstore.sessions import MAX_PIN_S, MIN_PIN_S, SessionBook, pin_ttl, valid_duration
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_record_lives_as_long_as_its_longest_lease():
+    clock = Clock()
+    book = SessionBook(clock=clock)
+    book.pause("t", "s", "ns", ["a", "b"], 10.0)
+    book.pause("t", "s", "ns", ["a", "b"], 2.0)  # a lease extends, never shortens
+    clock.now = 9.0
+    assert book.resume("t", "s", 5.0) == [["a", "b"]]  # and resuming stretches it
+    clock.now = 13.9
+    assert book.resume("t", "s", 0.0) == [["a", "b"]]
+    clock.now = 14.0
+    assert book.resume("t", "s", 100.0) == [] and len(book) == 0
+
+
+def test_groups_are_replaced_one_namespace_at_a_time():
+    book = SessionBook(clock=Clock())
+    book.pause("t", "s", "full", ["a"], 10.0)
+    book.pause("t", "s", "tail", ["x"], 10.0)
+    book.pause("t", "s", "full", ["a", "b"], 10.0)
+    assert book.resume("t", "s", 1.0) == [["a", "b"], ["x"]]
+
+
+def test_owners_are_apart_and_each_book_is_bounded():
+    clock = Clock()
+    book = SessionBook(max_sessions=2, clock=clock)
+    book.pause("alice", "s", "ns", ["a"], 5.0)
+    assert book.resume("bob", "s", 1.0) == []
+    book.pause("bob", "s", "ns", ["b"], 1.0)
+    book.pause("alice", "s2", "ns", ["c"], 50.0)
+    book.pause("alice", "s3", "ns", ["d"], 20.0)  # alice's third: her record expiring first goes
+    assert book.resume("alice", "s", 1.0) == []
+    assert book.resume("alice", "s2", 1.0) == [["c"]] and book.resume("alice", "s3", 1.0) == [["d"]]
+    assert book.resume("bob", "s", 1.0) == [["b"]]
+    assert book.forget("alice", "s2") and not book.forget("alice", "s2")
+    with pytest.raises(ValueError):
+        SessionBook(max_sessions=0)
+
+
+def test_the_lease_rule_and_durations_from_events():
+    assert pin_ttl(1.0) == MIN_PIN_S and pin_ttl(100.0) == 400.0 and pin_ttl(1e12) == MAX_PIN_S
+    assert [valid_duration(x) for x in (3, "2.5", 0.0)] == [3.0, 2.5, 0.0]
+    assert all(valid_duration(x) is None for x in (-1.0, math.nan, math.inf, "soon", None, object()))
