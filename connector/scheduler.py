@@ -137,7 +137,7 @@ class SchedulerConnector:
         completes (``num_computed + n`` tokens of each scheduled request)."""
         meta = ConnectorMetadata(loads=self._planned)
         self._planned = []
-        if not self.config.save:
+        if not self.config.saves:
             return meta
         bpc = self.blocks_per_chunk
         for request, n in items:

@@ -20,6 +20,7 @@ from connector.availability import Availability
 from connector.config import ConnectorConfig
 from connector.loads import LoadTask
 from connector.metadata import ConnectorMetadata, ConnectorOutput, LoadResult
+from connector.roles import ProducerSaver
 from connector.saver import Saver
 from connector.staging import StagingPool
 from connector.stats import StatsRecorder
@@ -53,7 +54,11 @@ class WorkerConnector:
                                         prefault=in_flight)
         self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
                                         limit=self.config.max_pending_saves)
-        self.saver = Saver(self.store, self.save_staging, self.availability, self.stats)
+        if self.config.role == "producer":
+            self.saver = ProducerSaver(self.store, self.save_staging, self.availability, self.stats,
+                                       self.config.transfer)
+        else:
+            self.saver = Saver(self.store, self.save_staging, self.availability, self.stats)
 
     # -- loads ------------------------------------------------------------------------------
 
