@@ -100,6 +100,14 @@ class RoleEngine:
         self.llm.add_request(tokens, params, request_id=request_id)
         self._running[request_id] = state
 
+    def check(self) -> dict:
+        """Idle bookkeeping (``Scheduler.check_integrity``: no request tracked, no pin held) and
+        the staging buffers still out (nothing in flight: 0), for tests after faults."""
+        self.llm.scheduler.check_integrity()
+        worker = self.llm.connector.worker if self.llm.connector else None
+        staged = worker.load_staging.outstanding + worker.save_staging.outstanding if worker else 0
+        return {"pending": len(self._pending), "running": len(self._running), "staged": staged}
+
     def _admit_ready(self) -> None:
         """Decodes whose promised chunks are visible, or whose wait is over, join the engine."""
         for p in [p for p in self._pending if p.promise.ready()]:
@@ -178,6 +186,11 @@ def serve(conn, engine: RoleEngine) -> None:
                 transfer = msg.get("transfer")
                 engine.submit(msg["request_id"], msg["prompt"], msg["params"],
                               TransferParams.from_dict(transfer) if transfer else None)
+            elif msg["op"] == "check":
+                try:
+                    conn.send({"op": "check", **engine.check()})
+                except AssertionError as exc:
+                    conn.send({"op": "check", "error": str(exc)})
             elif msg["op"] == "stats":
                 conn.send({"op": "stats", "stats": engine.llm.stats(),
                            "store": engine.llm.kv_store.stats() if engine.llm.kv_store else None})

@@ -66,6 +66,10 @@ class EngineProcess:
         self.pid = msg["pid"]
         self.alive = True
 
+    def running(self) -> bool:
+        """Whether the process is up and its connection open."""
+        return self.alive and self.proc.poll() is None
+
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()[-2000:]
@@ -85,14 +89,15 @@ class EngineProcess:
             self.alive = False
             raise EngineDied(f"{self.spec.role} engine is gone: {exc}") from None
 
-    def stats(self, timeout_s: float = 30.0) -> dict:
-        """The engine's and its store's counters (call while it is idle)."""
-        self.conn.send({"op": "stats"})
+    def ask(self, op: str, timeout_s: float = 30.0) -> dict:
+        """``stats`` (the engine's and its store's counters) or ``check`` (its bookkeeping; see
+        ``RoleEngine.check``); ask while it is idle."""
+        self.conn.send({"op": op})
         if not self.conn.poll(timeout_s):
-            raise EngineDied(f"{self.spec.role} engine did not answer stats")
+            raise EngineDied(f"{self.spec.role} engine did not answer {op}")
         msg = self.conn.recv()
-        if msg["op"] != "stats":
-            raise RuntimeError(f"{self.spec.role} engine answered {msg['op']} to stats while busy")
+        if msg["op"] != op:
+            raise RuntimeError(f"{self.spec.role} engine answered {msg['op']} to {op}")
         return msg
 
     def kill(self) -> None:
@@ -167,8 +172,9 @@ class Router:
                 r = queue.pop(0)
                 partial[r.request_id] = Routed(r.request_id, [], start + r.arrival_s, [])
                 self._send_prefill(r)
+            prefill_dead = self.prefill is not None and not self.prefill.running()
             for rid, sent in list(self._at_prefill.items()):
-                if now - sent > self.prefill_timeout_s:
+                if prefill_dead or now - sent > self.prefill_timeout_s:
                     self._reroute(by_id[rid], partial[rid])
             conns = [e.conn for e in (self.prefill, self.decode) if e is not None and e.alive]
             next_arrival = start + queue[0].arrival_s - now if queue else 0.05
