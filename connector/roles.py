@@ -78,8 +78,9 @@ class TransferCodecs:
         else:
             self._root = self._rest = base
 
-    def for_chunk(self, save: ChunkSave) -> Codec:
-        return self._root if save.parent is None else self._rest
+    def for_chunk(self, first: bool) -> Codec:
+        """For a prompt's first chunk (the one with the sink tokens) or any later one."""
+        return self._root if first else self._rest
 
 
 class ProducerSaver(Saver):
@@ -92,7 +93,7 @@ class ProducerSaver(Saver):
         self._lost_ids: set[bytes] = set()
 
     def _put_one(self, save: ChunkSave, buf: torch.Tensor) -> None:
-        self.store.put(save.key, buf, parent=save.parent, durable=True, codec=self.codecs.for_chunk(save))
+        self.store.put(save.key, buf, parent=save.parent, durable=True, codec=self.codecs.for_chunk(save.parent is None))
 
     def _lost(self, saves: list[ChunkSave]) -> None:
         with self._idle:
