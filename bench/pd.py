@@ -50,7 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M GGUF; tiny with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny random model, a few short requests: a smoke test")
     p.add_argument("--codecs", default="mixed75,mixed50,mixed25", help="transfer codecs to compare with raw")
-    p.add_argument("--importance", choices=("keynorm", "recency"), default="keynorm",
+    p.add_argument("--importance", choices=("keynorm", "recency", "attention"), default="keynorm",
                    help="how mixed codecs rank a chunk's tokens (the first 4 of a prompt always on top)")
     p.add_argument("--link-gbps", type=float, default=1.0, help="link between the nodes, GB/s (the PFS tier's cap)")
     p.add_argument("--requests", type=int, default=4, help="timed requests per configuration")
@@ -112,7 +112,7 @@ def daemon_toml(root: Path, name: str, pfs: Path, link_bytes_per_s: int) -> Path
 slots = 8
 slot_bytes = "16MiB"
 [store.host]
-capacity_bytes = "1GiB"
+capacity_bytes = "512MiB"
 [store.disk]
 enabled = false
 [store.pfs]
@@ -129,7 +129,7 @@ def timing(model: str, args, root: Path, requests) -> dict:
     from connector.config import TransferConfig
     from engine.config import EngineConfig
     from engine.pd import EngineSpec
-    from engine.router import EngineProcess, Request, Router
+    from engine.router import EngineProcess, Router
     from kvstore.client import Client
     from kvstore.daemon.spawn import DaemonProcess
 
@@ -140,49 +140,47 @@ def timing(model: str, args, root: Path, requests) -> dict:
                for n in ("prefill-node", "decode-node")}
     longest = max(len(r.prompt) + r.params.max_tokens for r in requests)
     blocks = -(-longest // 16) * 2 + 16
-    results = {}
-    try:
-        for name in ["colocated", "raw"] + args.codecs:
-            def engine(role, node):
-                if role == "colocated":
-                    conn = None
-                else:
-                    d = daemons[node]
-                    conn = ConnectorConfig(
-                        backend="daemon", daemon=DaemonBackendConfig(addr=d.addr, timeout_s=30.0),
-                        chunk_tokens=args.chunk_tokens, role={"prefill": "producer", "decode": "consumer"}[role],
-                        tenant=f"pd-{name}", max_pending_saves=64,
-                        transfer=TransferConfig(codec="raw" if name == "raw" else name, importance=args.importance,
-                                                wait_s=30.0))
-                cfg = EngineConfig(num_blocks=blocks, block_size=16, max_num_batched_tokens=512, dtype="float32",
-                                   connector=conn)
-                return EngineProcess(EngineSpec(model, cfg, role, args.threads))
+    names = ["colocated", "raw"] + args.codecs
 
+    def engine(name, role, node):
+        conn = None
+        if role != "colocated":
+            d = daemons[node]
+            conn = ConnectorConfig(
+                backend="daemon", daemon=DaemonBackendConfig(addr=d.addr, timeout_s=30.0),
+                chunk_tokens=args.chunk_tokens, role={"prefill": "producer", "decode": "consumer"}[role],
+                tenant=f"pd-{name}", max_pending_saves=64,
+                transfer=TransferConfig(codec=name if name != "raw" else "raw", importance=args.importance,
+                                        wait_s=30.0))
+        cfg = EngineConfig(num_blocks=blocks, block_size=16, max_num_batched_tokens=512, dtype="float32",
+                           connector=conn)
+        return EngineProcess(EngineSpec(model, cfg, role, args.threads))
+
+    engines: dict[str, list] = {}
+    try:
+        for name in names:
             progress(f"{name}: starting engines")
-            if name == "colocated":
-                engines = [engine("colocated", None)]
-                router = Router(engines[0])
-            else:
-                engines = [engine("prefill", "prefill-node"), engine("decode", "decode-node")]
-                router = Router(engines[1], engines[0])
-            try:
-                warm = requests[0]
-                router.run([replace(warm, request_id="warm", prompt=warm.prompt[: args.chunk_tokens // 2])])
+            engines[name] = [engine(name, "colocated", None)] if name == "colocated" else \
+                [engine(name, "prefill", "prefill-node"), engine(name, "decode", "decode-node")]
+        routers = {n: Router(e[0]) if n == "colocated" else Router(e[1], e[0]) for n, e in engines.items()}
+        warm = requests[0]
+        for router in routers.values():
+            router.run([replace(warm, request_id="warm", prompt=warm.prompt[: args.chunk_tokens // 2])])
+        served = {n: [] for n in names}
+        links = {n: [] for n in names}
+        for r in requests:  # each request in every configuration back to back: they see the same machine
+            for name in names:
                 before = {n: _pfs(Client, d) for n, d in daemons.items()}
-                served = []
-                for r in requests:
-                    served += router.run([r])
-                    progress(f"{name}: {r.request_id} ({len(r.prompt)} prompt tokens) ttft {served[-1].ttft_s:.3f}s")
-                after = {n: _pfs(Client, d) for n, d in daemons.items()}
-                stats = [e.ask("stats")["stats"] for e in engines]
-            finally:
-                for e in engines:
-                    e.close()
-            results[name] = summarize(served, before, after, stats, name)
+                served[name] += routers[name].run([r])
+                links[name].append((before, {n: _pfs(Client, d) for n, d in daemons.items()}))
+                progress(f"{name}: {r.request_id} ({len(r.prompt)} prompt tokens) ttft {served[name][-1].ttft_s:.3f}s")
+        return {n: summarize(served[n], links[n], [e.ask("stats")["stats"] for e in engines[n]], n) for n in names}
     finally:
+        for es in engines.values():
+            for e in es:
+                e.close()
         for d in daemons.values():
             d.stop()
-    return results
 
 
 def _pfs(client_cls, daemon) -> dict:
@@ -191,8 +189,12 @@ def _pfs(client_cls, daemon) -> dict:
         return {"written": t.bytes_written, "read": t.bytes_read}
 
 
-def summarize(served, before, after, stats, name) -> dict:
+def summarize(served, links, stats, name) -> dict:
     n = len(served)
+
+    def link(node, field):
+        return sum(after[node][field] - before[node][field] for before, after in links) // n
+
     out = {
         "ttft_mean_s": statistics.fmean(s.ttft_s for s in served),
         "ttft_s": [s.ttft_s for s in served],
@@ -205,8 +207,7 @@ def summarize(served, before, after, stats, name) -> dict:
     if name != "colocated":
         producer = stats[0].connector
         out.update(
-            transfer_bytes=(after["prefill-node"]["written"] - before["prefill-node"]["written"]) // n,
-            link_read_bytes=(after["decode-node"]["read"] - before["decode-node"]["read"]) // n,
+            transfer_bytes=link("prefill-node", "written"), link_read_bytes=link("decode-node", "read"),
             put_s=producer.put_s / n, load_s=statistics.fmean(s.decode.kv_load_s for s in served),
             loaded_tokens=sum(s.decode.loaded_tokens for s in served) // n,
             wait_timeouts=sum(s.decode.wait_timed_out for s in served), rerouted=sum(s.rerouted for s in served))
@@ -238,13 +239,23 @@ def quality(base, model_path, args, corpus: list[int]) -> dict:
     mc = base.model_config
 
     def connector(role, tenant):
-        return ConnectorConfig(chunk_tokens=args.chunk_tokens, role=role, tenant=tenant, max_pending_saves=64)
+        return ConnectorConfig(chunk_tokens=args.chunk_tokens, role=role, tenant=tenant, max_pending_saves=64,
+                               transfer=TransferConfig(importance=args.importance))
 
-    progress("quality: prefill of the held and needle prompts (raw)")
+    progress("quality: prefill of the held and needle prompts and the probe text (raw)")
+    ppl = Perplexity(model_path, base, args.chunk_tokens)
     producer = base.with_config(kv_store=store, connector=connector("producer", ""))
-    producer.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    masses = {}  # with --importance attention: the prefill's observed attention, per prompt
+    worker = producer.connector.worker
+    keep = worker.set_attention_mass
+    worker.set_attention_mass = lambda m: (masses.update(m), keep(m))
+    for i, p in enumerate(prompts + [ppl.prefix.tolist()]):
+        producer.add_request(p, SamplingParams(max_tokens=1, temperature=0), request_id=f"q{i}")
+    while producer.has_unfinished():
+        producer.step()
     producer.flush_saves()
     producer.close()
+    ppl.attention = masses.get(f"q{len(prompts)}")
     raw_ns = Namespace(base.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, args.chunk_tokens)
 
     def decode(tenant):
@@ -255,7 +266,6 @@ def quality(base, model_path, args, corpus: list[int]) -> dict:
             consumer.close()
         return outs
 
-    ppl = Perplexity(model_path, base, args.chunk_tokens)
     results = {}
     reference = None
     for name in ["raw"] + args.codecs:
@@ -264,11 +274,12 @@ def quality(base, model_path, args, corpus: list[int]) -> dict:
         if name != "raw":
             codecs = TransferCodecs(TransferConfig(codec=name, importance=args.importance))
             ns = replace(raw_ns, tenant=tenant)
-            for p in prompts:
+            for j, p in enumerate(prompts):
                 raw_keys, keys = chunk_keys(p, raw_ns), chunk_keys(p, ns)
                 for i, (rk, k) in enumerate(zip(raw_keys, keys)):
                     chunk = store.get([rk])[0]
-                    store.put(k, chunk, parent=keys[i - 1] if i else None, codec=codecs.for_chunk(first=i == 0))
+                    store.put(k, chunk, parent=keys[i - 1] if i else None,
+                              codec=codecs.for_chunk(i == 0, _slice(masses.get(f"q{j}"), i, args.chunk_tokens)))
         outs = decode(tenant)
         texts = [o.text for o in outs[len(held):]]
         row = {
@@ -287,6 +298,10 @@ def quality(base, model_path, args, corpus: list[int]) -> dict:
     store.close()
     results["reference_ppl"] = ppl.reference
     return results
+
+
+def _slice(mass, i: int, chunk_tokens: int):
+    return None if mass is None else mass[:, i * chunk_tokens:(i + 1) * chunk_tokens]
 
 
 def _store_config():
@@ -321,6 +336,7 @@ class Perplexity:
         self.kv = probe_model.prefix_kv(self.loaded, self.prefix)
         self.chunk_tokens = chunk_tokens
         self.reference = self._ppl(self.kv)
+        self.attention = None  # the engine's observed attention over the prefix (--importance attention)
 
     def _ppl(self, kv) -> float:
         import torch
@@ -339,7 +355,7 @@ class Perplexity:
         c = self.chunk_tokens
         for i in range(kv.shape[2] // c):
             chunk = kv[:, :, i * c:(i + 1) * c].contiguous()
-            codec = codecs.for_chunk(first=i == 0)
+            codec = codecs.for_chunk(i == 0, _slice(self.attention, i, c))
             kv[:, :, i * c:(i + 1) * c] = codec.decode(codec.encode(chunk), tuple(chunk.shape), chunk.dtype)
         return (self._ppl(kv) / self.reference - 1.0) * 100.0
 

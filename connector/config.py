@@ -13,7 +13,7 @@ BACKENDS = ("store", "daemon")
 LOAD_MODES = ("sync", "async", "layerwise")
 TRANSPORTS = ("auto", "shm", "remote")
 ROLES = ("both", "producer", "consumer")
-IMPORTANCE = ("keynorm", "recency")
+IMPORTANCE = ("keynorm", "recency", "attention")
 
 
 class ConnectorConfigError(ConfigError):
@@ -40,8 +40,11 @@ class TransferConfig:
 
     # The producer's codec for prompt chunks: "raw" (exact) or a lossy one the probe allows.
     codec: str = "raw"
-    # How a mixed codec ranks a chunk's rows: "keynorm" (the codec's own), "recency" (later first).
+    # How a mixed codec ranks a chunk's rows: "keynorm" (the codec's own), "recency" (later first),
+    # "attention" (the attention the prompt's last ``observe_tokens`` queries pay each token, per
+    # layer, exported by the prefill; the prompt's chunks are then put once its prefill is done).
     importance: str = "keynorm"
+    observe_tokens: int = 32
     sink_tokens: int = 4  # a prompt's first tokens, kept at full precision by mixed codecs
     wait_s: float = 10.0  # consumer: promised chunks not visible in this long are recomputed
     poll_s: float = 0.01  # consumer: how often it looks for them meanwhile
@@ -56,7 +59,7 @@ class TransferConfig:
             if self.codec not in codec_names():
                 raise ConnectorConfigError(f"connector.transfer.codec: unknown codec {self.codec!r}; "
                                            f"known: {', '.join(codec_names())}")
-        for name in ("wait_s", "poll_s"):
+        for name in ("wait_s", "poll_s", "observe_tokens"):
             if getattr(self, name) <= 0:
                 raise ConnectorConfigError(f"connector.transfer.{name} must be positive, got {getattr(self, name)}")
         if self.sink_tokens < 0:

@@ -48,13 +48,17 @@ class TransferParams:
         return cls(**d)
 
 
-def sink_ranked(codec: MixedPrecisionCodec, sinks: int, recency: bool) -> Codec:
-    """``codec`` ranking rows by recency (later tokens first) or by its own key norms, with the
-    chunk's first ``sinks`` tokens (attention sinks: only a prompt's first chunk has them) on top."""
+def sink_ranked(codec: MixedPrecisionCodec, sinks: int, recency: bool,
+                attention: torch.Tensor | None = None) -> Codec:
+    """``codec`` ranking rows by ``attention`` (``[layers, tokens]``, the prefill's observed
+    attention), by recency (later tokens first) or by its own key norms, with the chunk's first
+    ``sinks`` tokens (attention sinks: only a prompt's first chunk has them) on top."""
 
     def importance(keys: torch.Tensor) -> torch.Tensor:
         layers, tokens = keys.shape[:2]
-        if recency:
+        if attention is not None:
+            score = attention.float().clone()
+        elif recency:
             score = torch.arange(1, tokens + 1, dtype=torch.float32).expand(layers, tokens).clone()
         else:
             score = codec.importance(keys)
@@ -70,16 +74,20 @@ class TransferCodecs:
 
     def __init__(self, config: TransferConfig) -> None:
         base = get_codec(config.codec)
-        self.name = config.codec
-        if isinstance(base, MixedPrecisionCodec):
+        self.name, self.sinks = config.codec, config.sink_tokens
+        self._mixed = base if isinstance(base, MixedPrecisionCodec) else None
+        if self._mixed is not None:
             recency = config.importance == "recency"
             self._root = sink_ranked(base, config.sink_tokens, recency)
             self._rest = sink_ranked(base, 0, recency) if recency else base
         else:
             self._root = self._rest = base
 
-    def for_chunk(self, first: bool) -> Codec:
-        """For a prompt's first chunk (the one with the sink tokens) or any later one."""
+    def for_chunk(self, first: bool, attention: torch.Tensor | None = None) -> Codec:
+        """For a prompt's first chunk (the one with the sink tokens) or any later one; a mixed
+        codec ranks by ``attention`` (``[layers, chunk tokens]``) when it is given."""
+        if attention is not None and self._mixed is not None:
+            return sink_ranked(self._mixed, self.sinks if first else 0, False, attention)
         return self._root if first else self._rest
 
 
@@ -91,9 +99,26 @@ class ProducerSaver(Saver):
         super().__init__(store, pool, availability, stats)
         self.codecs = TransferCodecs(config)
         self._lost_ids: set[bytes] = set()
+        self._attention: dict[bytes, torch.Tensor] = {}
+
+    def rank(self, save: ChunkSave, attention: torch.Tensor) -> None:
+        """The observed attention over ``save``'s tokens, ``[layers, chunk tokens]``, for its put."""
+        with self._idle:
+            self._attention[save.key.id] = attention
+
+    def _put(self, items) -> None:
+        try:
+            super()._put(items)
+        finally:  # put, skipped or lost: no ranking is kept
+            with self._idle:
+                for save, _ in items:
+                    self._attention.pop(save.key.id, None)
 
     def _put_one(self, save: ChunkSave, buf: torch.Tensor) -> None:
-        self.store.put(save.key, buf, parent=save.parent, durable=True, codec=self.codecs.for_chunk(save.parent is None))
+        with self._idle:
+            attention = self._attention.get(save.key.id)
+        codec = self.codecs.for_chunk(save.parent is None, attention)
+        self.store.put(save.key, buf, parent=save.parent, durable=True, codec=codec)
 
     def _lost(self, saves: list[ChunkSave]) -> None:
         with self._idle:

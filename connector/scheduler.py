@@ -62,6 +62,8 @@ class SchedulerConnector:
         self.pins = PinLedger()
         self._trackers: dict[str, _Tracker] = {}
         self._planned: list[RequestLoad] = []
+        # a producer ranking tokens by the prompt's attention saves its chunks once that is known
+        self._after_prompt = config.role == "producer" and config.transfer.importance == "attention"
 
     def _keys(self, tracker: _Tracker, token_ids: Sequence[int]) -> list[ChunkKey]:
         """Keys of every full chunk of ``token_ids``, extending the ones already computed."""
@@ -143,10 +145,10 @@ class SchedulerConnector:
         for request, n in items:
             tracker = self._trackers[request.request_id]
             full = (request.num_computed + n) // self.chunk_tokens
-            if full <= tracker.next_save:
+            if full <= tracker.next_save or (self._after_prompt and request.num_computed + n < len(request.token_ids)):
                 continue
             keys = self._keys(tracker, request.token_ids)
-            saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]))
+            saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]), i)
                      for i in range(tracker.next_save, full)]
             meta.saves.append(RequestSave(request.request_id, saves))
             tracker.next_save = full

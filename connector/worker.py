@@ -43,6 +43,7 @@ class WorkerConnector:
         self._finished: list[LoadResult] = []
         self._save_seconds: dict[str, float] = {}
         self._meta = ConnectorMetadata()
+        self._attention: dict = {}
         self.mover: ChunkMover | None = None
 
     def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...]) -> None:
@@ -139,6 +140,11 @@ class WorkerConnector:
 
     # -- saves ------------------------------------------------------------------------------
 
+    def set_attention_mass(self, mass: dict) -> None:
+        """This step's observed attention, request id -> ``[layers, tokens]`` (a producer ranks
+        the tokens of the chunks it saves after this forward by it)."""
+        self._attention = mass
+
     def wait_for_save(self) -> None:
         """After the forward: gather the step's newly completed chunks and hand them to the
         saver. A request whose load failed this step computed on bad KV: none of its chunks
@@ -164,6 +170,10 @@ class WorkerConnector:
                     break
                 self.mover.gather(save.block_ids, buf)
                 items.append((save, buf))
+                mass = self._attention.get(request.request_id)
+                if mass is not None:
+                    c = buf.shape[2]
+                    self.saver.rank(save, mass[:, save.index * c:(save.index + 1) * c])
             if items:
                 self.saver.submit(items)
             elapsed = time.perf_counter() - started
@@ -180,7 +190,7 @@ class WorkerConnector:
                 self._inflight.remove(task)
                 self._report(task.finish())
         out = ConnectorOutput(loads=self._finished, save_seconds=self._save_seconds)
-        self._finished, self._save_seconds, self._meta = [], {}, ConnectorMetadata()
+        self._finished, self._save_seconds, self._meta, self._attention = [], {}, ConnectorMetadata(), {}
         return out
 
     def flush_saves(self, timeout_s: float = 60.0) -> bool:

@@ -85,6 +85,9 @@ class LLM:
                            mc.dtype, cfg.connector.chunk_tokens, tenant=cfg.connector.tenant)
             self.connector = KVConnector(self.kv_store, ns, cfg.block_size, cfg.connector)
             self.connector.register_kv_cache(self.runner.kv_cache)
+            t = cfg.connector.transfer
+            if cfg.connector.role == "producer" and t.importance == "attention":
+                self.runner.observe_window = t.observe_tokens
         self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.connector and self.connector.scheduler)
         self.totals = EngineStats()

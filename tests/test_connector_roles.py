@@ -24,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 @pytest.mark.parametrize("kw, message", [
     ({"role": "prefill"}, "connector.role: unknown value 'prefill'"),
     ({"transfer": TransferConfig(codec="zstd")}, "connector.transfer.codec: unknown codec 'zstd'"),
-    ({"transfer": TransferConfig(importance="attention")}, "connector.transfer.importance: unknown value"),
+    ({"transfer": TransferConfig(importance="mass")}, "connector.transfer.importance: unknown value"),
     ({"transfer": TransferConfig(wait_s=0)}, "connector.transfer.wait_s must be positive"),
     ({"transfer": TransferConfig(sink_tokens=-1)}, "connector.transfer.sink_tokens must not be negative"),
 ])
@@ -119,4 +119,47 @@ def test_a_consumer_waits_for_promised_chunks_within_its_bound():
     other = [k.id.hex() for k in chunk_keys(list(range(48)), Namespace("other", 2, 2, 16, "float32", 16))]
     mismatch = PromisedChunks(s, keys, TransferParams("r", other, 48), wait_s=5.0, clock=lambda: 0.0)
     assert mismatch.mismatched and mismatch.keys == [] and mismatch.ready() and not mismatch.timed_out
+    s.close()
+
+
+def test_observed_attention_is_the_causal_softmax_of_the_last_queries():
+    from engine.attention import observed_mass
+
+    q, k = torch.randn(4, 10, 16), torch.randn(30, 2, 16)
+    expected = torch.zeros(30)
+    heads = k.transpose(0, 1).repeat_interleave(2, 0)
+    for h in range(4):
+        for r in range(3):
+            pos = 27 + r
+            expected[:pos + 1] += ((q[h, 7 + r] @ heads[h, :pos + 1].T) * 0.25).softmax(-1)
+    assert torch.allclose(observed_mass(q, k, 30, 3, 0.25), expected, atol=1e-5)
+
+
+def test_an_attention_ranked_producer_puts_every_chunk_once_the_prompt_is_done(tiny):
+    """Prefill in three steps (64-token budget): no chunk is put before the last step, which
+    observes the prompt's attention; every full chunk is then ranked by it and promised."""
+    s = store()
+    base = LLM(tiny, EngineConfig(num_blocks=256, block_size=4, max_num_batched_tokens=64))
+    llm = base.with_config(kv_store=s, connector=ConnectorConfig(chunk_tokens=16, role="producer", transfer=TransferConfig(
+        codec="mixed50", importance="attention", observe_tokens=8)))
+    ranked = []
+    saver = llm.connector.worker.saver
+    rank = saver.rank
+    saver.rank = lambda save, attention: (ranked.append((save.index, tuple(attention.shape), float(attention.sum()))),
+                                          rank(save, attention))
+    engine = RoleEngine(llm, "prefill")
+    prompt = list(range(3, 150))
+    engine.submit("a", prompt, GREEDY)
+    puts = []
+    done = []
+    while not done:
+        done = engine.step()
+        puts.append(s.stats().puts)
+    assert puts[0] == 0 and len(puts) == 3  # nothing put after the first two prefill steps
+    assert [i for i, _, _ in ranked] == list(range(9)) and all(shape == (2, 16) for _, shape, _ in ranked)
+    # 2 layers x 4 heads x 8 observed queries: the mass over the 147 tokens sums to 64
+    assert 60 < sum(m for _, _, m in ranked) <= 64 + 1e-3
+    assert done[0].transfer.num_tokens == 144 and done[0].token_ids == base.generate(prompt, GREEDY)[0].output_token_ids[:1]
+    assert saver._attention == {}
+    llm.close()
     s.close()
