@@ -165,7 +165,8 @@ def timing(model: str, args, root: Path, requests) -> dict:
         routers = {n: Router(e[0]) if n == "colocated" else Router(e[1], e[0]) for n, e in engines.items()}
         warm = requests[0]
         for router in routers.values():
-            router.run([replace(warm, request_id="warm", prompt=warm.prompt[: args.chunk_tokens // 2])])
+            # reversed: no prefix in common with a timed request (it would hit the local prefix cache)
+            router.run([replace(warm, request_id="warm", prompt=warm.prompt[::-1][: args.chunk_tokens + 8])])
         served = {n: [] for n in names}
         links = {n: [] for n in names}
         for r in requests:  # each request in every configuration back to back: they see the same machine
