@@ -169,8 +169,10 @@ def timing(model: str, args, root: Path, requests) -> dict:
             router.run([replace(warm, request_id="warm", prompt=warm.prompt[::-1][: args.chunk_tokens + 8])])
         served = {n: [] for n in names}
         links = {n: [] for n in names}
-        for r in requests:  # each request in every configuration back to back: they see the same machine
-            for name in names:
+        for i, r in enumerate(requests):
+            # each request in every configuration back to back (they see the same machine), in an
+            # order rotated per request (so no configuration always runs first)
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 before = {n: _pfs(Client, d) for n, d in daemons.items()}
                 served[name] += routers[name].run([r])
                 links[name].append((before, {n: _pfs(Client, d) for n, d in daemons.items()}))
@@ -201,6 +203,9 @@ def summarize(served, links, stats, name) -> dict:
         "ttft_s": [s.ttft_s for s in served],
         "tpot_mean_s": statistics.fmean(s.tpot_s for s in served),
         "second_token_mean_s": statistics.fmean(s.token_times[1] - s.token_times[0] for s in served),
+        # steady decoding: from the second token on (the second includes a decode's load)
+        "tpot_decode_mean_s": statistics.fmean((s.token_times[-1] - s.token_times[1]) / (len(s.token_times) - 2)
+                                               for s in served if len(s.token_times) > 2),
         "transfer_bytes": 0, "link_read_bytes": 0, "put_s": 0.0, "load_s": 0.0, "transfer_s": 0.0,
         "loaded_tokens": 0, "wait_timeouts": 0, "rerouted": 0,
         "outputs": [s.token_ids for s in served],
@@ -461,11 +466,12 @@ def format_table(r: dict) -> str:
     lines = [f"model {r['model']}  link {r['link_gbps']} GB/s  chunk {r['chunk_tokens']} tokens  "
              f"KV {r['kv_bytes_per_token']} B/token  {len(reqs)} requests one at a time, prompts "
              f"{[q['prompt_tokens'] for q in reqs]} tokens, outputs {[q['output_tokens'] for q in reqs]}",
-             f"{'run':<10} {'TTFT s':>7} {'TPOT s':>7} {'2nd tok s':>9} {'MB/req':>7} {'put s':>6} {'load s':>6} "
+             f"{'run':<10} {'TTFT s':>7} {'TPOT s':>7} {'2nd tok s':>9} {'TPOT 2+':>7} {'MB/req':>7} {'put s':>6} {'load s':>6} "
              f"{'ppl chg %':>9} {'exact':>5} {'tok match':>9} {'stream=raw':>10}  needle"]
     for name, x in r["runs"].items():
         needle = " ".join(f"{k}:{'y' if v else 'n'}" for k, v in x.get("needle", {}).items())
         lines.append(f"{name:<10} {x['ttft_mean_s']:7.3f} {x['tpot_mean_s']:7.3f} {x['second_token_mean_s']:9.3f} "
+                     f"{x['tpot_decode_mean_s']:7.3f} "
                      f"{x['transfer_bytes'] / 1e6:7.1f} {x['put_s']:6.3f} {x['load_s']:6.3f} "
                      f"{x['ppl_change_pct']:+9.3f} {x.get('exact_match', 1.0):5.2f} {x.get('token_match', 1.0):9.2f} "
                      f"{x['stream_exact_match_vs_raw']:10.2f}  {needle}")
