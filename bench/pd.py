@@ -450,7 +450,11 @@ def checks(runs: dict) -> dict:
     """The issue's targets: raw TTFT vs colocated; the best codec within 2% perplexity of raw
     (the largest cut in bytes over the link) and its needle retrieval against raw's."""
     raw = runs["raw"]
-    out = {"raw_ttft_vs_colocated": raw["ttft_mean_s"] / runs["colocated"]["ttft_mean_s"], "targets": TARGETS}
+    out = {"raw_ttft_vs_colocated": raw["ttft_mean_s"] / runs["colocated"]["ttft_mean_s"],
+           # per request (the same prompt back to back): steadier on a shared machine than the means
+           "raw_ttft_vs_colocated_median": statistics.median(
+               a / b for a, b in zip(raw["ttft_s"], runs["colocated"]["ttft_s"])),
+           "targets": TARGETS}
     ok = [(raw["transfer_bytes"] / r["transfer_bytes"], name) for name, r in runs.items()
           if name not in ("raw", "colocated") and r["transfer_bytes"]
           and abs(r["ppl_change_pct"]) <= TARGETS["max_ppl_change_pct"]]
@@ -476,7 +480,8 @@ def format_table(r: dict) -> str:
                      f"{x['ppl_change_pct']:+9.3f} {x.get('exact_match', 1.0):5.2f} {x.get('token_match', 1.0):9.2f} "
                      f"{x['stream_exact_match_vs_raw']:10.2f}  {needle}")
     c = r["checks"]
-    lines.append(f"raw TTFT / colocated {c['raw_ttft_vs_colocated']:.3f} (target <= {TARGETS['raw_ttft_vs_colocated']})")
+    lines.append(f"raw TTFT / colocated {c['raw_ttft_vs_colocated']:.3f} of the means, "
+                 f"{c['raw_ttft_vs_colocated_median']:.3f} median per request (target <= {TARGETS['raw_ttft_vs_colocated']})")
     if "best_codec" in c:
         lines.append(f"best codec within {TARGETS['max_ppl_change_pct']}% perplexity: {c['best_codec']}, bytes cut "
                      f"{c['best_bytes_cut']:.2f}x (target >= {TARGETS['min_bytes_cut']}), TTFT vs raw "
