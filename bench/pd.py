@@ -150,7 +150,7 @@ def timing(model: str, args, root: Path, requests) -> dict:
                 backend="daemon", daemon=DaemonBackendConfig(addr=d.addr, timeout_s=30.0),
                 chunk_tokens=args.chunk_tokens, role={"prefill": "producer", "decode": "consumer"}[role],
                 tenant=f"pd-{name}", max_pending_saves=64,
-                transfer=TransferConfig(codec=name if name != "raw" else "raw", importance=args.importance,
+                transfer=TransferConfig(codec=name, importance=args.importance,
                                         wait_s=30.0))
         cfg = EngineConfig(num_blocks=blocks, block_size=16, max_num_batched_tokens=512, dtype="float32",
                            connector=conn)
@@ -252,6 +252,8 @@ def quality(base, model_path, args, corpus: list[int]) -> dict:
     ppl = Perplexity(model_path, base, args.chunk_tokens)
     producer = base.with_config(kv_store=store, connector=connector("producer", ""))
     masses = {}  # with --importance attention: the prefill's observed attention, per prompt
+    if args.importance == "attention":  # a raw producer does not observe by itself: ask its runner
+        producer.runner.observe_window = TransferConfig().observe_tokens
     worker = producer.connector.worker
     keep = worker.set_attention_mass
     worker.set_attention_mass = lambda m: (masses.update(m), keep(m))

@@ -49,6 +49,17 @@ class TransferConfig:
     wait_s: float = 10.0  # consumer: promised chunks not visible in this long are recomputed
     poll_s: float = 0.01  # consumer: how often it looks for them meanwhile
 
+    @property
+    def ranks_by_attention(self) -> bool:
+        """Whether the producer ranks tokens by the prefill's attention (a mixed codec with
+        ``importance = "attention"``): it then observes it, and puts a prompt's chunks at its end."""
+        if self.importance != "attention" or self.codec == "raw":
+            return False
+        from kvstore.codecs import get_codec
+        from kvstore.codecs.mixed import MixedPrecisionCodec
+
+        return isinstance(get_codec(self.codec), MixedPrecisionCodec)
+
     def check(self) -> None:
         if self.importance not in IMPORTANCE:
             raise ConnectorConfigError(f"connector.transfer.importance: unknown value {self.importance!r}; "

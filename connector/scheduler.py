@@ -63,7 +63,7 @@ class SchedulerConnector:
         self._trackers: dict[str, _Tracker] = {}
         self._planned: list[RequestLoad] = []
         # a producer ranking tokens by the prompt's attention saves its chunks once that is known
-        self._after_prompt = config.role == "producer" and config.transfer.importance == "attention"
+        self._after_prompt = config.role == "producer" and config.transfer.ranks_by_attention
 
     def _keys(self, tracker: _Tracker, token_ids: Sequence[int]) -> list[ChunkKey]:
         """Keys of every full chunk of ``token_ids``, extending the ones already computed."""

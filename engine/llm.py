@@ -86,7 +86,7 @@ class LLM:
             self.connector = KVConnector(self.kv_store, ns, cfg.block_size, cfg.connector)
             self.connector.register_kv_cache(self.runner.kv_cache)
             t = cfg.connector.transfer
-            if cfg.connector.role == "producer" and t.importance == "attention":
+            if cfg.connector.role == "producer" and t.ranks_by_attention:
                 self.runner.observe_window = t.observe_tokens
         self.scheduler = Scheduler(self.block_manager, make_policy(cfg.policy), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.connector and self.connector.scheduler)

@@ -163,3 +163,11 @@ def test_an_attention_ranked_producer_puts_every_chunk_once_the_prompt_is_done(t
     assert saver._attention == {}
     llm.close()
     s.close()
+
+
+def test_only_a_mixed_codec_ranked_by_attention_defers_the_puts():
+    ranked = TransferConfig(codec="mixed25", importance="attention")
+    assert ranked.ranks_by_attention
+    assert not TransferConfig(importance="attention").ranks_by_attention  # raw: nothing to rank
+    assert not TransferConfig(codec="int8", importance="attention").ranks_by_attention
+    assert not TransferConfig(codec="mixed25").ranks_by_attention
