@@ -38,6 +38,7 @@ class Finished:
     wait_s: float = 0.0  # decode: waiting for promised chunks
     wait_timed_out: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # the engine refused the request (one line); nothing was computed
 
     @property
     def stopped(self) -> bool:
@@ -83,7 +84,13 @@ class RoleEngine:
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                transfer: TransferParams | None = None) -> None:
         """Queue a request. A decode's ``transfer`` names the chunks a producer promised (None:
-        compute the whole prompt); with its ``first_token`` the decode continues after it."""
+        compute the whole prompt); with its ``first_token`` the decode continues after it.
+        A request the engine cannot serve raises ValueError here, before anything is queued."""
+        if self.role == "decode" and transfer and transfer.first_token is not None:
+            self.llm._validate(prompt + [transfer.first_token], dataclasses.replace(params, max_tokens=max(
+                1, params.max_tokens - 1)))
+        else:
+            self.llm._validate(prompt, params)
         if self.role == "prefill":
             self._add(request_id, prompt, dataclasses.replace(params, max_tokens=1), _Running(prompt))
         elif self.role == "colocated":
@@ -184,8 +191,11 @@ def serve(conn, engine: RoleEngine) -> None:
                 return
             if msg["op"] == "submit":
                 transfer = msg.get("transfer")
-                engine.submit(msg["request_id"], msg["prompt"], msg["params"],
-                              TransferParams.from_dict(transfer) if transfer else None)
+                try:
+                    engine.submit(msg["request_id"], msg["prompt"], msg["params"],
+                                  TransferParams.from_dict(transfer) if transfer else None)
+                except ValueError as exc:  # a bad request: answered, and the engine serves on
+                    conn.send({"op": "finished", "finished": Finished(msg["request_id"], [], [], error=str(exc))})
             elif msg["op"] == "check":
                 try:
                     conn.send({"op": "check", **engine.check()})

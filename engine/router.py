@@ -141,9 +141,11 @@ class Routed:
     prefill: Finished | None = None
     decode: Finished | None = None
     rerouted: bool = False  # the prefill failed: the decode engine computed the prompt
+    error: str | None = None  # an engine refused the request (too long, bad token ids...)
 
     @property
     def ttft_s(self) -> float:
+        """Arrival to the first token (not for a refused request: it has none)."""
         return self.token_times[0] - self.arrival
 
     @property
@@ -192,7 +194,11 @@ class Router:
                     continue
                 f: Finished = msg["finished"]
                 r, routed = by_id[f.request_id], partial[f.request_id]
-                if engine is self.decode:
+                if f.error is not None:
+                    self._at_prefill.pop(f.request_id, None)
+                    routed.error = f.error
+                    results[r.request_id] = routed
+                elif engine is self.decode:
                     routed.decode = f
                     routed.token_ids = f.token_ids
                     routed.token_times += f.token_times

@@ -128,6 +128,16 @@ def test_raw_transfer_loads_every_promised_chunk_and_equals_colocated(tiny, pair
     assert daemon_pins(daemon) == 0
 
 
+def test_a_request_an_engine_refuses_is_answered_and_the_engines_serve_on(tiny, pair):
+    """A prompt longer than the model's context: refused by the prefill engine with one line,
+    the router answers it, and the next request is served as colocated would."""
+    pre, dec = pair
+    out = Router(dec, pre).run([Request("long", prompt(9, 600), GREEDY), Request("ok", prompt(10, 40), GREEDY)])
+    assert "context holds 512" in out[0].error and out[0].token_ids == []
+    assert out[1].error is None and out[1].token_ids == colocated(tiny[1], prompt(10, 40))
+    assert_clean(pre, dec)
+
+
 def test_a_consumer_that_starts_first_waits_for_the_chunks_then_loads_them(tiny, pair, daemon):
     """The decode gets the promise (keys computed from the prompt) before the prefill runs;
     it waits, then loads every chunk once the producer's puts land, and computes the first token."""
