@@ -12,6 +12,8 @@ from kvstore.config import ConfigError, StoreConfig
 BACKENDS = ("store", "daemon")
 LOAD_MODES = ("sync", "async", "layerwise")
 TRANSPORTS = ("auto", "shm", "remote")
+ROLES = ("both", "producer", "consumer")
+IMPORTANCE = ("keynorm", "recency", "attention")
 
 
 class ConnectorConfigError(ConfigError):
@@ -29,6 +31,50 @@ class DaemonBackendConfig:
     # Per RPC; with ``retries`` it bounds how long a dead daemon can hold a step.
     timeout_s: float = 5.0
     retries: int = 1
+
+
+@dataclass
+class TransferConfig:
+    """Prefill-decode disaggregation (docs/disaggregation.md): how a producer sends a prompt's
+    chunks and how long a consumer waits for them."""
+
+    # The producer's codec for prompt chunks: "raw" (exact) or a lossy one the probe allows.
+    codec: str = "raw"
+    # How a mixed codec ranks a chunk's rows: "keynorm" (the codec's own), "recency" (later first),
+    # "attention" (the attention the prompt's last ``observe_tokens`` queries pay each token, per
+    # layer, exported by the prefill; the prompt's chunks are then put once its prefill is done).
+    importance: str = "keynorm"
+    observe_tokens: int = 32
+    sink_tokens: int = 4  # a prompt's first tokens, kept at full precision by mixed codecs
+    wait_s: float = 10.0  # consumer: promised chunks not visible in this long are recomputed
+    poll_s: float = 0.01  # consumer: how often it looks for them meanwhile
+
+    @property
+    def ranks_by_attention(self) -> bool:
+        """Whether the producer ranks tokens by the prefill's attention (a mixed codec with
+        ``importance = "attention"``): it then observes it, and puts a prompt's chunks at its end."""
+        if self.importance != "attention" or self.codec == "raw":
+            return False
+        from kvstore.codecs import get_codec
+        from kvstore.codecs.mixed import MixedPrecisionCodec
+
+        return isinstance(get_codec(self.codec), MixedPrecisionCodec)
+
+    def check(self) -> None:
+        if self.importance not in IMPORTANCE:
+            raise ConnectorConfigError(f"connector.transfer.importance: unknown value {self.importance!r}; "
+                                       f"known: {', '.join(IMPORTANCE)}")
+        if self.codec != "raw":
+            from kvstore.codecs import codec_names
+
+            if self.codec not in codec_names():
+                raise ConnectorConfigError(f"connector.transfer.codec: unknown codec {self.codec!r}; "
+                                           f"known: {', '.join(codec_names())}")
+        for name in ("wait_s", "poll_s", "observe_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConnectorConfigError(f"connector.transfer.{name} must be positive, got {getattr(self, name)}")
+        if self.sink_tokens < 0:
+            raise ConnectorConfigError(f"connector.transfer.sink_tokens must not be negative, got {self.sink_tokens}")
 
 
 @dataclass
@@ -56,10 +102,15 @@ class ConnectorConfig:
     unavailable_backoff_s: float = 30.0
     model_id: str = ""  # "" = the engine's fingerprint of its weights
     tenant: str = ""  # a salt in the namespace: tenants never share chunks
+    # both: load and save; producer (prefill): every full prompt chunk saved durably, with the
+    # transfer codec; consumer (decode): loads, never saves (docs/disaggregation.md).
+    role: str = "both"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
         for name, value, known in (("backend", self.backend, BACKENDS), ("load_mode", self.load_mode, LOAD_MODES),
-                                   ("daemon.transport", self.daemon.transport, TRANSPORTS)):
+                                   ("daemon.transport", self.daemon.transport, TRANSPORTS),
+                                   ("role", self.role, ROLES)):
             if value not in known:
                 raise ConnectorConfigError(f"connector.{name}: unknown value {value!r}; known: {', '.join(known)}")
         for name in ("chunk_tokens", "load_workers", "chunks_per_read", "max_pending_saves", "load_timeout_s",
@@ -68,6 +119,12 @@ class ConnectorConfig:
                 raise ConnectorConfigError(f"connector.{name} must be positive, got {getattr(self, name)}")
         if self.staging_chunks < 0:
             raise ConnectorConfigError(f"connector.staging_chunks must not be negative, got {self.staging_chunks}")
+        self.transfer.check()
+
+    @property
+    def saves(self) -> bool:
+        """Whether this engine writes the store: a consumer never saves a producer's chunks."""
+        return self.save and self.role != "consumer"
 
     def check_block_size(self, block_size: int) -> None:
         """A chunk is a whole number of engine blocks, or chunks and blocks cannot line up."""

@@ -36,6 +36,7 @@ class ChunkSave:
     key: ChunkKey
     parent: ChunkKey | None
     block_ids: tuple[int, ...]
+    index: int = 0  # the chunk's place in its request (tokens index * chunk_tokens onwards)
 
 
 @dataclass

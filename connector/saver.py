@@ -66,13 +66,14 @@ class Saver:
     def _put(self, items: list[tuple[ChunkSave, torch.Tensor]]) -> None:
         if not self.availability.available():
             self.stats.add(dropped_saves=len(items))
+            self._lost([save for save, _ in items])
             return
         started = time.perf_counter()
         present = done = 0
         try:
             present = self.store.lookup([save.key for save, _ in items])
             for save, buf in items[present:]:
-                self.store.put(save.key, buf, parent=save.parent)
+                self._put_one(save, buf)
                 done += 1
         except (ValueError, TypeError) as exc:  # a chunk that does not fit its own namespace: a bug
             self.error = exc
@@ -80,10 +81,17 @@ class Saver:
         except Exception as exc:
             self.availability.failed("put", exc)
             self.stats.add(failed_saves=len(items) - present - done)
+            self._lost([save for save, _ in items[present + done:]])
             return
         finally:
             self.stats.add(put_s=time.perf_counter() - started)
         self.stats.add(saved_chunks=done, saved_bytes=done * self.pool.nbytes, skipped_saves=present)
+
+    def _put_one(self, save: ChunkSave, buf: torch.Tensor) -> None:
+        self.store.put(save.key, buf, parent=save.parent)
+
+    def _lost(self, saves: list[ChunkSave]) -> None:
+        """``saves`` were not put (a producer's saver remembers, so it never promises them)."""
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every submitted save is put (or failed); False if ``timeout_s`` passed first."""

@@ -67,6 +67,8 @@ class SchedulerConnector:
         self.tails = TailRegistry(namespace, block_size)  # paused agent sessions' partial chunks
         self._trackers: dict[str, _Tracker] = {}
         self._planned: list[RequestLoad] = []
+        # a producer ranking tokens by the prompt's attention saves its chunks once that is known
+        self._after_prompt = config.role == "producer" and config.transfer.ranks_by_attention
 
     def _keys(self, tracker: _Tracker, token_ids: Sequence[int]) -> list[ChunkKey]:
         """Keys of every full chunk of ``token_ids``, extending the ones already computed."""
@@ -162,16 +164,16 @@ class SchedulerConnector:
         completes (``num_computed + n`` tokens of each scheduled request)."""
         meta = ConnectorMetadata(loads=self._planned)
         self._planned = []
-        if not self.config.save:
+        if not self.config.saves:
             return meta
         bpc = self.blocks_per_chunk
         for request, n in items:
             tracker = self._trackers[request.request_id]
             full = (request.num_computed + n) // self.chunk_tokens
-            if full <= tracker.next_save:
+            if full <= tracker.next_save or (self._after_prompt and request.num_computed + n < len(request.token_ids)):
                 continue
             keys = self._keys(tracker, request.token_ids)
-            saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]))
+            saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]), i)
                      for i in range(tracker.next_save, full)]
             meta.saves.append(RequestSave(request.request_id, saves))
             tracker.next_save = full

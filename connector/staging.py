@@ -28,6 +28,12 @@ class StagingPool:
         return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
 
     @property
+    def outstanding(self) -> int:
+        """Buffers taken and neither given back nor discarded (0 once nothing is in flight)."""
+        with self._lock:
+            return self._out
+
+    @property
     def nbytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 

@@ -20,6 +20,7 @@ from connector.availability import Availability
 from connector.config import ConnectorConfig
 from connector.loads import LoadTask
 from connector.metadata import ChunkSave, ConnectorMetadata, ConnectorOutput, LoadResult
+from connector.roles import ProducerSaver
 from connector.saver import Saver
 from connector.staging import StagingPool
 from connector.stats import StatsRecorder
@@ -43,6 +44,7 @@ class WorkerConnector:
         self._finished: list[LoadResult] = []
         self._save_seconds: dict[str, float] = {}
         self._meta = ConnectorMetadata()
+        self._attention: dict = {}
         self.mover: ChunkMover | None = None
 
     def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...]) -> None:
@@ -54,7 +56,11 @@ class WorkerConnector:
                                         prefault=in_flight)
         self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
                                         limit=self.config.max_pending_saves)
-        self.saver = Saver(self.store, self.save_staging, self.availability, self.stats)
+        if self.config.role == "producer":
+            self.saver = ProducerSaver(self.store, self.save_staging, self.availability, self.stats,
+                                       self.config.transfer)
+        else:
+            self.saver = Saver(self.store, self.save_staging, self.availability, self.stats)
 
     # -- loads ------------------------------------------------------------------------------
 
@@ -135,6 +141,11 @@ class WorkerConnector:
 
     # -- saves ------------------------------------------------------------------------------
 
+    def set_attention_mass(self, mass: dict) -> None:
+        """This step's observed attention, request id -> ``[layers, tokens]`` (a producer ranks
+        the tokens of the chunks it saves after this forward by it)."""
+        self._attention = mass
+
     def wait_for_save(self) -> None:
         """After the forward: gather the step's newly completed chunks and hand them to the
         saver. A request whose load failed this step computed on bad KV: none of its chunks
@@ -160,6 +171,10 @@ class WorkerConnector:
                     break
                 self.mover.gather(save.block_ids, buf)
                 items.append((save, buf))
+                mass = self._attention.get(request.request_id)
+                if mass is not None:
+                    c = buf.shape[2]
+                    self.saver.rank(save, mass[:, save.index * c:(save.index + 1) * c])
             if items:
                 self.saver.submit(items)
             elapsed = time.perf_counter() - started
@@ -195,7 +210,7 @@ class WorkerConnector:
                 self._inflight.remove(task)
                 self._report(task.finish())
         out = ConnectorOutput(loads=self._finished, save_seconds=self._save_seconds)
-        self._finished, self._save_seconds, self._meta = [], {}, ConnectorMetadata()
+        self._finished, self._save_seconds, self._meta, self._attention = [], {}, ConnectorMetadata(), {}
         return out
 
     def flush_saves(self, timeout_s: float = 60.0) -> bool:

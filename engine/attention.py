@@ -30,6 +30,7 @@ class PrefillChunk:
     query_len: int
     context_len: int
     block_ids: torch.Tensor  # int64, blocks covering context_len tokens
+    observe: int = 0  # record the attention of this many last queries over the context (see attention_mass)
 
 
 @dataclass
@@ -41,6 +42,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # For chunks with ``observe``: per layer call, one ``[context_len]`` tensor per such chunk,
+    # the attention its last ``observe`` queries pay each context token, summed over them and
+    # the heads (SnapKV's observation window; a prefill producer ranks tokens by it).
+    attention_mass: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 def decode_attention_sdpa(query, k_cache, v_cache, block_tables, context_lens, scale):
@@ -66,6 +71,7 @@ def paged_attention(q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata, sc
     if nd:
         decode = paged_decode_attention if q.is_cuda else decode_attention_sdpa
         out[:nd] = decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    masses = []
     for chunk in meta.prefills:
         span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         qs = q[span].transpose(0, 1)[None]
@@ -83,4 +89,21 @@ def paged_attention(q, k, v, kv_layer: torch.Tensor, meta: AttentionMetadata, sc
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
         )
         out[span] = o[0].transpose(0, 1)
+        if chunk.observe:
+            masses.append(observed_mass(qs[0], ks, chunk.context_len,
+                                        min(chunk.observe, chunk.query_len), scale))
+    if masses:
+        meta.attention_mass.append(masses)
     return out
+
+
+def observed_mass(q: torch.Tensor, k: torch.Tensor, context_len: int, window: int, scale: float) -> torch.Tensor:
+    """``q`` ``[q_heads, query_len, D]`` (the chunk's queries, the last at ``context_len - 1``),
+    ``k`` ``[context_len, kv_heads, D]`` -> ``[context_len]``: the causal attention of the last
+    ``window`` queries over the context, summed over them and the heads."""
+    qw = q[:, -window:].float()
+    keys = k.float().transpose(0, 1).repeat_interleave(q.shape[0] // k.shape[1], dim=0)
+    scores = qw @ keys.transpose(1, 2) * scale
+    rows = torch.arange(context_len - window, context_len, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(context_len, device=q.device)[None, :] > rows, float("-inf"))
+    return scores.softmax(-1).sum(dim=(0, 1))

@@ -87,6 +87,9 @@ class LLM:
                            mc.dtype, cfg.connector.chunk_tokens, tenant=cfg.connector.tenant)
             self.connector = KVConnector(self.kv_store, ns, cfg.block_size, cfg.connector)
             self.connector.register_kv_cache(self.runner.kv_cache)
+            t = cfg.connector.transfer
+            if cfg.connector.role == "producer" and t.ranks_by_attention:
+                self.runner.observe_window = t.observe_tokens
         agents = cfg.agents
         policy = ResumePriority(make_policy(cfg.policy), lambda seq: self.sessions.staged(seq),
                                 agents.resume_priority_bound)

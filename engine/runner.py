@@ -28,6 +28,10 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        # > 0: record, for prompts whose last tokens a step computes, the attention of that many
+        # last queries over the prompt (a prefill producer ranks tokens by it: connector/roles.py)
+        self.observe_window = 0
+        self._observed: dict[str, torch.Tensor] = {}
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=DTYPES[cfg.dtype], device=self.device,
@@ -47,7 +51,9 @@ class ModelRunner:
             start = seq.num_computed
             if is_prefill:
                 table = torch.tensor(seq.block_table[: -(-(start + n) // self.block_size)], dtype=torch.long)
-                chunks.append(PrefillChunk(len(ids), n, start + n, table.to(self.device)))
+                ends_prompt = self.observe_window and start + n == seq.num_prompt_tokens
+                chunks.append(PrefillChunk(len(ids), n, start + n, table.to(self.device),
+                                           self.observe_window if ends_prompt else 0))
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += self._slots(seq, start, n)
@@ -65,6 +71,15 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids_t, positions_t, meta, sample_rows
 
+    def _attention_mass(self, batch: ScheduledBatch, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+        """request id -> ``[layers, prompt tokens]`` observed attention (see ``observe_window``)."""
+        if not meta.attention_mass:
+            return {}
+        prefills = [s for s, n in batch.items if not (n == 1 and s.num_computed > 0)]
+        observed = [s for s, c in zip(prefills, meta.prefills) if c.observe]
+        return {s.request_id: torch.stack([layer[i] for layer in meta.attention_mass]).cpu()
+                for i, s in enumerate(observed)}
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, torch.Tensor]]:
         """Compute the batch's KV; return float32 logits for each sequence that reached its end."""
@@ -77,12 +92,15 @@ class ModelRunner:
         worker.start_load_kv(plan)
         hook = worker.wait_for_layer_load if plan.loads and worker.mode == "layerwise" else None
         results = self._forward(batch, hook)
+        if self._observed:
+            worker.set_attention_mass(self._observed)
         worker.wait_for_save()
         return results, worker.get_finished()
 
     def _forward(self, batch: ScheduledBatch, before_layer=None) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, before_layer)
+        self._observed = self._attention_mass(batch, meta)
         if not sample_rows:
             return []
         rows = torch.tensor([r for r, _ in sample_rows], device=self.device)

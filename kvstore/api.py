@@ -41,9 +41,10 @@ from kvstore.stats import StoreStats
 @runtime_checkable
 class ChunkStore(Protocol):
     def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None,
-            durable: bool = False, codec: str | None = None) -> None:
+            durable: bool = False, codec=None) -> None:
         """Store one chunk ``[layers, 2, chunk_tokens, kv_heads, head_dim]``; returns once it
-        is in the first tier, or in every replica tier if ``durable``."""
+        is in the first tier, or in every replica tier if ``durable``. ``codec``: a registered
+        codec's name, or an instance of one (``kvstore.codecs.resolve_codec``); None: the default."""
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys are stored somewhere (index only, never chunk I/O)."""

@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kvstore.blob import HEADER_BYTES, UnsealedBlob, decode_header, encode_header
-from kvstore.codecs import get_codec
+from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
 from kvstore.discovery import discover
 from kvstore.eviction import Evictor
@@ -158,11 +158,12 @@ class Store:
     # -- put ----------------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None, durable: bool = False,
-            codec: str | None = None) -> None:
+            codec: "str | Codec | None" = None) -> None:
         """Store one chunk. Returns once it is in host RAM, or, if ``durable``, once it is also
-        written and synced on every replica tier (raises if a copy failed or timed out)."""
+        written and synced on every replica tier (raises if a copy failed or timed out).
+        ``codec``: a registered name, or an instance of a registered codec (``resolve_codec``)."""
         key.namespace.check(kv)
-        chosen = get_codec(codec) if codec else self.codec
+        chosen = resolve_codec(codec) if codec else self.codec
         kv = kv.detach().to("cpu").contiguous()
         payload = chosen.encode(kv)
         with self.index.lock:

@@ -253,13 +253,13 @@ class ClientCore:
     # -- put --------------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None, durable: bool = False,
-            codec: str | None = None):
-        """Store one chunk (encoded here, verified by the daemon)."""
+            codec=None):
+        """Store one chunk (encoded here, verified by the daemon); ``codec`` as ``Store.put``'s."""
         from kvstore.blob import encode_header
-        from kvstore.codecs import get_codec
+        from kvstore.codecs import resolve_codec
 
         self._check(key.namespace, kv, "chunk")
-        chosen = get_codec(codec or "raw")
+        chosen = resolve_codec(codec or "raw")
         kv = kv.detach().to("cpu").contiguous()
         payload = chosen.encode(kv)
         parts = [encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload), payload]

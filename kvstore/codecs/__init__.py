@@ -40,11 +40,22 @@ def codec_names() -> list[str]:
     return sorted(_BY_NAME)
 
 
+def resolve_codec(codec: "str | Codec") -> Codec:
+    """A codec by name, or a codec instance a caller built (the prefill side's per-request
+    ranking of a mixed codec): its id must be registered under its name, so readers can decode it."""
+    if not isinstance(codec, Codec):
+        return get_codec(codec)
+    if codec_by_id(codec.codec_id).name != codec.name:
+        raise ValueError(f"codec {codec.name!r} has id {codec.codec_id}, registered as {codec_by_id(codec.codec_id).name!r}")
+    return codec
+
+
 register(RawCodec())
 register(Lz4PlanesCodec())
 register(Int8Codec())
 register(Int4Codec())
 register(MixedPrecisionCodec(0.50, "mixed50", 4))
 register(MixedPrecisionCodec(0.75, "mixed75", 5))
+register(MixedPrecisionCodec(0.25, "mixed25", 6))  # fp32 KV (int4/int8 rows); below int4 for 16-bit KV
 
-__all__ = ["Codec", "register", "get_codec", "codec_by_id", "codec_names"]
+__all__ = ["Codec", "register", "get_codec", "codec_by_id", "codec_names", "resolve_codec"]

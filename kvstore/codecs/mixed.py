@@ -16,6 +16,9 @@ deciding the whole budget. Layout, allocation and error bound: docs/codecs.md.
 
 from __future__ import annotations
 
+import copy
+from typing import Callable
+
 import torch
 
 from kvstore.codecs import int4, int8
@@ -88,6 +91,14 @@ class MixedPrecisionCodec(Codec):
         """``keys [layers, tokens, heads, head_dim]`` -> importance ``[layers, tokens]``."""
         norms = keys.float().flatten(2).norm(dim=2)
         return norms.mean(dim=1, keepdim=True) / norms.clamp_min(torch.finfo(torch.float32).tiny)
+
+    def with_importance(self, importance: Callable[[torch.Tensor], torch.Tensor]) -> "MixedPrecisionCodec":
+        """This codec (same name, id and budget) ranking rows by ``importance(keys)`` instead of
+        the key norms: a caller that knows more (sink tokens, attention) decides the levels;
+        decoding reads them from the payload, so any reader decodes it with the registered codec."""
+        ranked = copy.copy(self)
+        ranked.importance = importance
+        return ranked
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         layers, heads, head_dim = _check_shape(tuple(tensor.shape), self.name)
