@@ -3,7 +3,9 @@ a step and saves never compete with loads for the loader threads.
 
 The engine gathers a step's new chunks into buffers from a bounded pool; when the pool is
 empty the saver is behind (the store is pushing back, or slow) and the engine drops the save
-and counts it: a dropped save is a future miss, never a wrong load. Before putting, the
+and counts it: a dropped save is a future miss, never a wrong load. A put the store refuses
+for want of room (``kvstore.api.pushed_back``) is dropped and counted the same way; only a
+store that fails otherwise turns the connector off for its back-off. Before putting, the
 saver asks the store which of a request's chunks it already holds and skips those.
 """
 
@@ -19,7 +21,7 @@ from connector.availability import Availability
 from connector.metadata import ChunkSave
 from connector.staging import StagingPool
 from connector.stats import StatsRecorder
-from kvstore.api import ChunkStore
+from kvstore.api import ChunkStore, pushed_back
 
 
 class Saver:
@@ -79,8 +81,11 @@ class Saver:
             self.error = exc
             return
         except Exception as exc:
-            self.availability.failed("put", exc)
-            self.stats.add(failed_saves=len(items) - present - done)
+            if pushed_back(exc):  # full now, not gone: these saves are dropped, loads go on
+                self.stats.add(dropped_saves=len(items) - present - done)
+            else:
+                self.availability.failed("put", exc)
+                self.stats.add(failed_saves=len(items) - present - done)
             self._lost([save for save, _ in items[present + done:]])
             return
         finally:

@@ -111,3 +111,12 @@ class PausesSessions(Protocol):
 
     def resume_soon(self, session: str, eta_s: float = 0.0) -> int:
         ...
+
+
+def pushed_back(exc: BaseException) -> bool:
+    """Whether a store call failed because the store has no room or capacity for it right now
+    (a first tier full of pinned or queued chunks, a daemon shedding load), not because the
+    store is gone: a put to drop and count, not an outage. Implementations mark such errors
+    with a true ``pushback`` attribute (tiers.base.TierFull, the Client's DaemonError for
+    RESOURCE_EXHAUSTED)."""
+    return bool(getattr(exc, "pushback", False))

@@ -26,6 +26,8 @@ class TierError(Exception):
 class TierFull(TierError):
     """Not enough free capacity for this write."""
 
+    pushback = True  # kvstore.api.pushed_back: the store is full now, not gone
+
 
 class TierUnavailable(TierError):
     """The medium is gone or refuses I/O (directory removed, read-only, server down)."""

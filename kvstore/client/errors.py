@@ -15,6 +15,11 @@ class DaemonError(Exception):
         self.code = code
         self.message = message
 
+    @property
+    def pushback(self) -> bool:
+        """The daemon is full or busy now (kvstore.api.pushed_back), not gone."""
+        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
 
 def status(number: int) -> grpc.StatusCode:
     return _STATUS.get(number, grpc.StatusCode.UNKNOWN)
