@@ -72,9 +72,15 @@ class LoadTask:
         self.error: BaseException | None = None
         self.result: LoadResult | None = None
 
-    def submit(self, pool: Executor) -> None:
+    def submit(self, pool: Executor, here: bool = False) -> None:
+        """Start the load on the loader threads; with ``here`` (a synchronous load: the
+        caller would only wait) the chunks the store lends are scattered on the calling
+        thread before this returns, and only the reads go to the pool."""
         if self.lends:
-            pool.submit(self._run_lent_first, pool)
+            if here:
+                self._run_lent_first(pool)
+            else:
+                pool.submit(self._run_lent_first, pool)
             return
         for group in self.groups:
             pool.submit(self._run, group)

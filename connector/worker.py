@@ -73,7 +73,7 @@ class WorkerConnector:
         self._meta = meta
         tasks = [self._task(r) for r in meta.loads]
         for task in tasks:
-            task.submit(self._loaders)
+            task.submit(self._loaders, here=self.mode == "sync")
         if self.mode == "async":
             self._inflight += tasks
             return
