@@ -5,7 +5,8 @@ Direct loads scatter each group of chunks (all layers at once) as soon as its re
 returns, so reading and scattering overlap across the loader threads. Into a CPU cache,
 chunks a store lends (``LendsChunks``: the in-process Store, for raw chunks in host RAM) are
 scattered straight from the store's pages, with no staging copy, in order on one thread
-(each copy uses every core already); what it does not lend is read as above. Layer-wise loads keep
+(each copy uses every core already): the engine's own for a synchronous load, which would
+only wait, else a loader thread; what it does not lend is read as above. Layer-wise loads keep
 the staged chunks until every read is in, then scatter layer by layer on a thread of their
 own, so layer ``i`` lands while the model computes layer ``i - 1``.
 
