@@ -78,6 +78,9 @@ class DiskTierConfig:
     capacity_bytes: int = 8 << 30
     fsync: bool = False
     o_direct: bool = False
+    # Write copies with O_DIRECT (where the file system allows it): no core spent copying
+    # them into the page cache, and no second copy of bytes host RAM holds already.
+    direct_writes: bool = True
     read_threads: int = 4
     verify_payload: bool = True
     # Cold reads in flight; 0 = as many as the device serves best, measured once per device

@@ -65,7 +65,8 @@ def build_tiers(config: StoreConfig) -> list[TierSetup]:
             log.warning("gpu tier disabled: %s", exc)
     d = config.disk
     if d.enabled:
-        disk = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads)
+        disk = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads,
+                        direct_writes=d.direct_writes)
         # 0: as many as the device serves best, measured (tiers/read_probe.py)
         workers = d.fetch_workers or read_parallelism(str(disk.root), disk.o_direct, TMP_SUFFIX,
                                                       None if disk.o_direct else HASH_SLICE_BYTES)

@@ -4,7 +4,8 @@ Files are written under a temporary name and renamed into place, so a crash neve
 half-written file under a real name; temporary files found at start are removed. The index
 (key -> size) is rebuilt from the directory tree on start, so a restart keeps the cache.
 Capacity counts each file rounded up to the 4 KiB block it occupies and is never exceeded:
-a write that does not fit raises ``TierFull`` before touching the disk.
+a write that does not fit raises ``TierFull`` before touching the disk. Writes use O_DIRECT
+where the file system allows it (tiers/direct_write.py), buffered writes elsewhere.
 
 Reads use ``preadv`` straight into the caller's buffers (scatter: a header buffer and the
 tensor's bytes), optionally with O_DIRECT when the buffers are aligned and the file system
@@ -26,6 +27,7 @@ import numpy as np
 
 from kernels.parallel_copy import copy_pairs
 from tiers.base import Buffer, Tier, TierFull, TierUnavailable, as_buffers
+from tiers.direct_write import bounce_buffer, write_direct
 from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, read_fully_hashing, round_up, skip, unlink_quietly
 
 HASH_SLICE_BYTES = 256 << 10  # a slice just read is still in L2 when it is hashed
@@ -45,11 +47,13 @@ class DiskTier(Tier):
         o_direct: bool = False,
         read_threads: int = 4,
         name: str = "disk",
+        direct_writes: bool = True,
     ) -> None:
         super().__init__(name, capacity_bytes)
         self.root = Path(path)
         self.fsync = fsync
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.direct_writes = direct_writes and hasattr(os, "O_DIRECT")
         self.read_threads = max(1, read_threads)
         self._sizes: dict[bytes, int] = {}
         self._used = 0
@@ -138,27 +142,44 @@ class DiskTier(Tier):
         return final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
     def _write_temp(self, key: bytes, views: list[memoryview], length: int) -> Path:
-        """The value in a new temporary file beside its final name (fsync'ed if configured)."""
+        """The value in a new temporary file beside its final name (fsync'ed if configured),
+        written with O_DIRECT unless the file system refuses it (tiers/direct_write.py)."""
         final = self.path_of(key)
-        tmp = self.temp_path(final)
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            raise self._error(exc) from exc
-        try:
-            written = 0
-            while written < length:
-                pending = skip(views, written)
-                written += os.writev(fd, pending[:1024])
-            if self.fsync:
-                os.fsync(fd)
-        except OSError as exc:
+        while True:
+            direct = self.direct_writes
+            tmp = self.temp_path(final)
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
+            except OSError as exc:
+                if direct and exc.errno == errno.EINVAL:
+                    self.direct_writes = False  # this file system does not support O_DIRECT
+                    continue
+                raise self._error(exc) from exc
+            try:
+                if direct:
+                    write_direct(fd, views, self._bounce())
+                else:
+                    written = 0
+                    while written < length:
+                        written += os.writev(fd, skip(views, written)[:1024])
+                if self.fsync:
+                    os.fsync(fd)
+            except OSError as exc:
+                os.close(fd)
+                unlink_quietly(tmp)
+                if direct and exc.errno == errno.EINVAL:
+                    self.direct_writes = False  # it opened, but refuses these writes
+                    continue
+                raise self._error(exc) from exc
             os.close(fd)
-            unlink_quietly(tmp)
-            raise self._error(exc) from exc
-        os.close(fd)
-        return tmp
+            return tmp
+
+    def _bounce(self):
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = bounce_buffer()
+        return bounce
 
     def _rename(self, tmp: Path, final: Path) -> None:
         try:
