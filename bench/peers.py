@@ -52,6 +52,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--destinations", type=int, default=4, help="rotating destination tensors of a get")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="directory for the disk copies (default: a temporary one)")
+    p.add_argument("--direct-writes", action="store_true", help="our disk copies written with O_DIRECT (disk.direct_writes)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -59,11 +60,11 @@ def add_parser(subparsers) -> None:
 class Ours:
     name = "ours (Store)"
 
-    def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str) -> None:
+    def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str, direct_writes: bool = False) -> None:
         room = chunks * (chunk_bytes + (1 << 20))
         self.store = Store(StoreConfig(
             host=HostTierConfig(capacity_bytes=2 * room),
-            disk=DiskTierConfig(path=os.path.join(root, "ours"), capacity_bytes=2 * room),
+            disk=DiskTierConfig(path=os.path.join(root, "ours"), capacity_bytes=2 * room, direct_writes=direct_writes),
             write_behind=WriteBehindConfig(max_pending_bytes=room),
         ))
         self.keys = chunk_keys(list(range(chunks * ns.chunk_tokens)), ns)
@@ -210,7 +211,7 @@ def run(args) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="kvbench-peers-")
     systems = []
     try:
-        systems.append(Ours(ns, args.chunks, chunk_bytes, root))
+        systems.append(Ours(ns, args.chunks, chunk_bytes, root, args.direct_writes))
         if peer_cls is not None:
             systems.append(peer_cls(ns, args.chunks, chunk_bytes, root, args.rounds))
         pairs = [(np.frombuffer(tensor_bytes(outs[i % len(outs)]), dtype=np.uint8),

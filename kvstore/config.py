@@ -79,8 +79,10 @@ class DiskTierConfig:
     fsync: bool = False
     o_direct: bool = False
     # Write copies with O_DIRECT (where the file system allows it): no core spent copying
-    # them into the page cache, and no second copy of bytes host RAM holds already.
-    direct_writes: bool = True
+    # them into the page cache, and no second copy of bytes host RAM holds already; off by
+    # default, since on this VM the first read of host RAM pages after a DMA from them ran
+    # slower (docs/benchmarks.md, "Disk writes").
+    direct_writes: bool = False
     read_threads: int = 4
     verify_payload: bool = True
     # Cold reads in flight; 0 = as many as the device serves best, measured once per device

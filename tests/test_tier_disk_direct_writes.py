@@ -56,7 +56,7 @@ def test_any_views_land_byte_for_byte_and_nothing_stays_cached(tmp_path_factory,
 
 def test_a_tier_writes_its_copies_around_the_page_cache(tmp_path):
     require_o_direct(tmp_path)
-    tier = DiskTier(tmp_path, 64 << 20)
+    tier = DiskTier(tmp_path, 64 << 20, direct_writes=True)
     value = [memoryview(POOL[: 5 * ALIGN]), memoryview(POOL[5 * ALIGN : 5 * ALIGN + 1234])]
     tier.write(b"k" * 32, value)
     assert tier.direct_writes
@@ -84,8 +84,20 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
         monkeypatch.setattr(tiers.disk.os, "open", no_direct_open)
     else:
         monkeypatch.setattr(tiers.direct_write.os, "pwritev", no_direct_write)
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = DiskTier(tmp_path, 1 << 20, direct_writes=True)
     tier.write(b"k" * 32, [memoryview(POOL[: ALIGN + 7])])
     assert not tier.direct_writes
     assert tier.read(b"k" * 32) == bytes(POOL[: ALIGN + 7])
     assert [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"] == [tier.path_of(b"k" * 32).name]
+
+
+def test_the_store_config_turns_direct_writes_on(tmp_path):
+    from helpers import store_config
+    from kvstore.store import Store
+
+    config = store_config(tmp_path)
+    config.disk.direct_writes = True
+    with Store(config) as store:
+        assert store.tier("disk").direct_writes
+    with Store(store_config(tmp_path / "default")) as store:
+        assert not store.tier("disk").direct_writes

@@ -4,8 +4,8 @@ Files are written under a temporary name and renamed into place, so a crash neve
 half-written file under a real name; temporary files found at start are removed. The index
 (key -> size) is rebuilt from the directory tree on start, so a restart keeps the cache.
 Capacity counts each file rounded up to the 4 KiB block it occupies and is never exceeded:
-a write that does not fit raises ``TierFull`` before touching the disk. Writes use O_DIRECT
-where the file system allows it (tiers/direct_write.py), buffered writes elsewhere.
+a write that does not fit raises ``TierFull`` before touching the disk. Writes are buffered,
+or O_DIRECT if asked for and the file system allows it (tiers/direct_write.py).
 
 Reads use ``preadv`` straight into the caller's buffers (scatter: a header buffer and the
 tensor's bytes), optionally with O_DIRECT when the buffers are aligned and the file system
@@ -47,7 +47,7 @@ class DiskTier(Tier):
         o_direct: bool = False,
         read_threads: int = 4,
         name: str = "disk",
-        direct_writes: bool = True,
+        direct_writes: bool = False,
     ) -> None:
         super().__init__(name, capacity_bytes)
         self.root = Path(path)

@@ -57,9 +57,7 @@ class PfsTier(DiskTier):
     ) -> None:
         self.stale_temp_s = stale_temp_s
         self._host = socket.gethostname().replace(".", "-")
-        # buffered writes: a shared file system's O_DIRECT semantics vary by client (untested here)
-        super().__init__(path, capacity_bytes, fsync=fsync, o_direct=False, read_threads=read_threads, name=name,
-                         direct_writes=False)
+        super().__init__(path, capacity_bytes, fsync=fsync, o_direct=False, read_threads=read_threads, name=name)
 
     # -- the view -----------------------------------------------------------------------------
 
