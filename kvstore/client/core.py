@@ -402,6 +402,7 @@ class ClientCore:
         request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots],
                                      pool_views=pool_views)
         got = 0
+        placed = []  # (dst, reply, slot): copied all at once when every reply is in
 
         def place(reply: pb.GetReply, data_len: int):
             nonlocal got
@@ -415,11 +416,16 @@ class ClientCore:
                 outs[i] = bytes(slot[: reply.chunk_bytes])
             else:
                 check_size(outs[i], reply.chunk_bytes)
-                yield Copy(copy_out, (outs[i], reply, slot, lease.pool))
+                placed.append((outs[i], reply, slot))
             got += 1
+            yield from ()
+
+        def copy_placed():
+            if placed:
+                yield Copy(copy_out, (placed, lease.pool))
 
         with self._using(lease, slots):
-            yield from self._each_reply(request, session, place)
+            yield from self._each_reply(request, session, place, copy_placed)
         return got
 
     def _get_stream(self, keys, payload, outs, base: int, session: BulkSession | None):
@@ -436,10 +442,11 @@ class ClientCore:
         outs[base : base + len(keys)] = sink.outs
         return sink.got
 
-    def _each_reply(self, request: pb.GetRequest, session: BulkSession | None, place):
+    def _each_reply(self, request: pb.GetRequest, session: BulkSession | None, place, read_pinned=None):
         """Send a Get and run ``place(reply, data_len)`` (a generator) for each chunk reply:
         on the bulk session (read ``data_len`` bytes there before the next), else on a gRPC
-        stream (data inline)."""
+        stream (data inline). ``read_pinned()`` (a generator) runs after the last reply,
+        while what the replies named is still pinned."""
         if session is None:
             stream = yield OpenGet(request)
             try:
@@ -447,6 +454,8 @@ class ClientCore:
                     yield from place(reply, 0)
             finally:
                 yield CancelGet(stream)  # a no-op once the stream ended; stops it when we give up
+            if read_pinned is not None:
+                yield from read_pinned()
             return
         sent = time.monotonic()
         yield from session.send(GET, request.SerializeToString())
@@ -455,6 +464,8 @@ class ClientCore:
             if kind == END:
                 break
             yield from place(session.chunk(kind, meta), data_len)
+        if read_pinned is not None:
+            yield from read_pinned()
         if time.monotonic() - sent > session.pin_ttl_s * PIN_MARGIN:
             raise ConnectionError("this Get's data was read after the daemon may have unpinned it; discarded")
         yield from session.send(RELEASE)

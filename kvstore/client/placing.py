@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from kernels.parallel_copy import copy, copy_pairs
+from kernels.parallel_copy import copy_pairs
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.errors import DaemonError
 
@@ -24,22 +24,22 @@ def copy_parts(dst: memoryview, views) -> None:
     copy_pairs(pairs)
 
 
-def _copy(dst: memoryview, src: memoryview) -> None:
-    copy(_bytes(dst), _bytes(src))
-
-
-def copy_out(dst: memoryview, reply: pb.GetReply, slot: memoryview, pool: memoryview | None) -> None:
-    """A chunk's bytes into ``dst``: from the host pool ranges the reply names, else its slot."""
-    runs = reply.pool_runs
-    if not runs:
-        _copy(dst, slot[: reply.chunk_bytes])
-        return
-    if pool is None or sum(runs[1::2]) != dst.nbytes or any(o + n > pool.nbytes for o, n in zip(runs[::2], runs[1::2])):
-        raise DaemonError(grpc.StatusCode.INTERNAL, "the daemon named host pool ranges that do not fit the chunk")
-    pairs, off = [], 0
-    for start, length in zip(runs[::2], runs[1::2]):
-        pairs.append((_bytes(dst[off : off + length]), _bytes(pool[start : start + length])))
-        off += length
+def copy_out(placed, pool: memoryview | None) -> None:
+    """Chunks' bytes into their ``dst``: for each (dst, reply, slot), from the host pool
+    ranges the reply names, else its slot; all in one copy over every core (one hand-off
+    to the copy threads for the whole Get, not one a chunk)."""
+    pairs = []
+    for dst, reply, slot in placed:
+        runs = reply.pool_runs
+        if not runs:
+            pairs.append((_bytes(dst), _bytes(slot[: reply.chunk_bytes])))
+            continue
+        if pool is None or sum(runs[1::2]) != dst.nbytes or any(o + n > pool.nbytes for o, n in zip(runs[::2], runs[1::2])):
+            raise DaemonError(grpc.StatusCode.INTERNAL, "the daemon named host pool ranges that do not fit the chunk")
+        off = 0
+        for start, length in zip(runs[::2], runs[1::2]):
+            pairs.append((_bytes(dst[off : off + length]), _bytes(pool[start : start + length])))
+            off += length
     copy_pairs(pairs)
 
 
