@@ -6,7 +6,7 @@ What is modelled, per node: a GPU that prefills (one request at a time, FIFO, at
 ``prefill_tokens_per_s``), host RAM, a local disk, and the node's links to the shared tiers
 (a PFS and Redis). Each of a node's tiers is one server moving one chunk at a time at its
 bandwidth, as the store's throttled fetch workers do (two in flight share one rate); it
-serves the requests loading at once in turn (``ClusterSpec.order``). A
+serves the earliest requests loading at once in turn (``ClusterSpec.window``). A
 shared medium (the PFS, Redis) has an aggregate bandwidth split evenly between the
 transfers in flight on it (processor sharing, water-filled under each link's own cap).
 
@@ -50,11 +50,11 @@ class ClusterSpec:
     redis_link_bps: float = 2.5e9
     redis_aggregate_bps: float = 20e9
     shared: tuple[str, ...] = SHARED_TIERS  # the shared tiers ours reads from
-    # How a node's tier picks among the requests loading at once: "shared" (the one that has
-    # claimed fewest chunks: processor sharing, which is what the daemon's requests see, as
-    # each streams through the shared-memory slots a few chunks at a time) or "fifo" (the
-    # earliest request first).
-    order: str = "shared"
+    # How a node's tier picks among the requests loading at once: of the ``window`` earliest
+    # (0: all), the one that has claimed fewest chunks. 1 is earliest-first; 0 is processor
+    # sharing, what the daemon's Gets saw before its read grants; the daemon now keeps the
+    # reads of about io_threads / get_read_ahead = 8 / 3 earliest Gets in flight: 3.
+    window: int = 3
 
 
 @dataclass
@@ -156,8 +156,8 @@ def simulate(spec: ClusterSpec, requests: list[Request], system: str) -> list[Re
     request's ``ttft`` and ``load_done`` are filled in. Returns the requests."""
     if system not in ("ours", "local_only"):
         raise ValueError(f"system must be ours or local_only, got {system!r}")
-    if spec.order not in ("shared", "fifo"):
-        raise ValueError(f"order must be shared or fifo, got {spec.order!r}")
+    if spec.window < 0:
+        raise ValueError(f"window must be 0 (all) or positive, got {spec.window}")
     events = _Events()
     media = {"pfs": _Medium(events, spec.pfs_link_bps, spec.pfs_aggregate_bps),
              "redis": _Medium(events, spec.redis_link_bps, spec.redis_aggregate_bps)}
@@ -194,7 +194,7 @@ def simulate(spec: ClusterSpec, requests: list[Request], system: str) -> list[Re
             candidates = [r for r in waiting[node] if r.claimed < r.chunks and tier in reachable(r)]
             if not candidates:
                 continue
-            r = candidates[0] if spec.order == "fifo" else min(candidates, key=lambda r: r.claimed)
+            r = min(candidates[: spec.window or None], key=lambda r: r.claimed)
             r.claimed += 1
             r.tiers_used[tier] = r.tiers_used.get(tier, 0) + 1
             busy[node].add(tier)

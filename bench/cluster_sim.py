@@ -45,6 +45,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--pfs-aggregate", default="200GB/s", help="the PFS as a whole")
     p.add_argument("--redis-link", default="2.5GB/s", help="a node's share of Redis")
     p.add_argument("--redis-aggregate", default="40GB/s", help="the Redis Cluster as a whole")
+    p.add_argument("--window", type=int, default=3,
+                   help="a node's tiers serve the N earliest requests in turn (0: all; the daemon: io_threads / "
+                        "get_read_ahead, rounded up)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--plot", help="write the curves here (PNG; needs matplotlib, the plot extra)")
     p.add_argument("--json", help="write the results as JSON here")
@@ -75,9 +78,10 @@ def _prefix_range(text: str) -> tuple[int, int]:
 # -- validation against kvbench cluster ------------------------------------------------------------
 
 
-def validate(report: dict) -> dict:
-    """Per cluster size: the model fed the single-tier bandwidths the run measured, its
-    prediction of the burst with every tier, and the error against the measurement."""
+def validate(report: dict, window: int = 3) -> dict:
+    """Per cluster size: the model fed the single-tier bandwidths the run measured (its
+    tiers serving the ``window`` earliest requests in turn), its prediction of the burst
+    with every tier, and the error against the measurement."""
     chunk_bytes = report["chunk_bytes"]
     prefixes, chunks = report["prefixes_per_node"], report["prefix_chunks"]
     out = {}
@@ -87,7 +91,7 @@ def validate(report: dict) -> dict:
         spec = ClusterSpec(nodes=n, chunk_bytes=chunk_bytes, chunk_tokens=1, prefill_tokens_per_s=math.inf,
                            disk_bps=single.get("disk", measured["local_only_gbps"]) * 1e9 / n,
                            pfs_link_bps=single["pfs"] * 1e9 / n, pfs_aggregate_bps=0,
-                           redis_link_bps=single["redis"] * 1e9 / n, redis_aggregate_bps=0)
+                           redis_link_bps=single["redis"] * 1e9 / n, redis_aggregate_bps=0, window=window)
         burst = [Request(0.0, node, chunks, 0, (node + 1) % n) for node in range(n) for _ in range(prefixes)]
         ours = summary(simulate(spec, copy_requests(burst), "ours"))
         own = [Request(0.0, node, chunks, 0, node) for node in range(n) for _ in range(prefixes)]
@@ -110,7 +114,7 @@ def _spec(args, nodes: int) -> ClusterSpec:
                        chunk_tokens=args.chunk_tokens, prefill_tokens_per_s=args.prefill_tokens_per_s,
                        disk_bps=_rate(args.disk), pfs_link_bps=_rate(args.pfs_link),
                        pfs_aggregate_bps=_rate(args.pfs_aggregate), redis_link_bps=_rate(args.redis_link),
-                       redis_aggregate_bps=_rate(args.redis_aggregate))
+                       redis_aggregate_bps=_rate(args.redis_aggregate), window=args.window)
 
 
 def _point(args, nodes: int, load: float, host_hit: float) -> dict:
@@ -180,6 +184,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
+    if args.window < 0:
+        raise UsageError("--window must be 0 (all) or positive")
     report: dict = {}
     if args.validate:
         try:
@@ -187,7 +193,7 @@ def run(args) -> int:
                 measured = json.load(f)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--validate: cannot read {args.validate}: {exc}") from None
-        report["validation"] = validate(measured)
+        report["validation"] = validate(measured, args.window)
         for n, v in report["validation"].items():
             p, m, e = v["predicted"], v["measured"], v["error"]
             print(f"N={n}: ours GB/s predicted {p['ours_gbps']:.3f}, measured {m['ours_gbps']:.3f} ({e['ours_gbps']:+.0%}); "

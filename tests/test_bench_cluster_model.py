@@ -19,18 +19,23 @@ def spec(nodes=1, disk=100e6, pfs=100e6, redis=100e6, pfs_total=0.0, redis_total
                        pfs_link_bps=pfs, pfs_aggregate_bps=pfs_total, redis_link_bps=redis, redis_aggregate_bps=redis_total)
 
 
-def test_one_tier_serves_requests_in_turn_or_one_after_another():
+def test_one_tier_serves_the_earliest_requests_in_turn():
     s = spec()
-    out = simulate(s, [Request(0.0, 0, 10, 0, 0), Request(0.0, 0, 10, 0, 0)], "local_only")
-    assert [r.ttft for r in out] == [pytest.approx(19 * MB / 100e6), pytest.approx(20 * MB / 100e6)]
-    s.order = "fifo"
-    out = simulate(s, [Request(0.0, 0, 10, 0, 0), Request(0.0, 0, 10, 0, 0)], "local_only")
-    assert [r.ttft for r in out] == [pytest.approx(10 * MB / 100e6), pytest.approx(20 * MB / 100e6)]
+    burst = [Request(0.0, 0, 10, 0, 0) for _ in range(3)]
+    s.window = 0  # all in turn: processor sharing
+    assert [r.ttft for r in simulate(s, copy_requests(burst), "local_only")] == [
+        pytest.approx(28 * MB / 100e6), pytest.approx(29 * MB / 100e6), pytest.approx(30 * MB / 100e6)]
+    s.window = 1  # earliest first
+    assert [r.ttft for r in simulate(s, copy_requests(burst), "local_only")] == [
+        pytest.approx(10 * MB / 100e6), pytest.approx(20 * MB / 100e6), pytest.approx(30 * MB / 100e6)]
+    s.window = 2  # the two earliest in turn; the third joins when the first ends
+    assert [r.ttft for r in simulate(s, copy_requests(burst), "local_only")] == [
+        pytest.approx(19 * MB / 100e6), pytest.approx(29 * MB / 100e6), pytest.approx(30 * MB / 100e6)]
 
 
 def test_free_tier_fetching_sums_the_tiers():
     s = spec(disk=100e6, pfs=200e6, redis=50e6)
-    (r,) = simulate(s, [Request(0.0, 0, 700, 0, 0)], "ours")
+    (r,) = simulate(s, [Request(0.0, 0, 700, 0, 0)], "ours")  # one request: any window
     assert r.ttft == pytest.approx(700 * MB / 350e6, rel=0.01)
     assert r.tiers_used == {"disk": pytest.approx(200, abs=2), "pfs": pytest.approx(400, abs=2),
                             "redis": pytest.approx(100, abs=2)}

@@ -85,6 +85,11 @@ class LimitsConfig:
     max_session_id_bytes: int = 256
 
 
+def io_workers(config: DaemonConfig) -> int:
+    """Threads of the daemon's executor for Store calls (two at least)."""
+    return max(2, config.io_threads)
+
+
 @dataclass
 class DaemonConfig:
     listen: str = "127.0.0.1:50051"

@@ -34,7 +34,7 @@ from kvstore.config import StoreConfig, format_size
 from kvstore.daemon.auth import TokenAuth
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer
-from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.identity import Credentials
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.quotas import DISK, HOST, Quotas
@@ -86,7 +86,7 @@ class Daemon:
         self.arena: SlotArena | None = None
         self.bulk: BulkServer | None = None
         self.metrics: DaemonMetrics | None = None
-        self._executor = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="daemon-io")
+        self._executor = ThreadPoolExecutor(io_workers(config), thread_name_prefix="daemon-io")
         self.pool = BufferPool(config.idle_buffer_bytes)
         self._expiry: asyncio.Task | None = None
         self._pool_file: SharedFile | None = None  # the shared host pool's file, locked while we live

@@ -28,12 +28,13 @@ from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
-from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
 from kvstore.daemon.identity import Credentials, Tenant
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
 from kvstore.daemon.quotas import Quotas
+from kvstore.daemon.read_grants import ReadGrants
 from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
@@ -72,6 +73,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                    metrics)
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant)
+        self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
@@ -286,10 +288,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             not slots or (request.pool_views and self.pool_path is not None))
         chunk_bytes = bound.chunk_bytes
         depth = self.limits.get_read_ahead
+        order = self.read_grants.next_get()
 
-        def start(i: int):  # at most max_pinned_bytes held, plus the reads ahead
-            hold = holdable and channel.can_pin(chunk_bytes)
-            return self._read_one(bound, keys[i], payload, slots[i] if slots else None, hold, caller.name)
+        async def start(i: int):  # at most max_pinned_bytes held, plus the reads ahead
+            async with self.read_grants.hold(order):  # earlier Gets' reads first
+                hold = holdable and channel.can_pin(chunk_bytes)
+                return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, hold, caller.name)
 
         with self.admission.admit(caller, min(len(keys), depth) * chunk_bytes):
             ready = []
