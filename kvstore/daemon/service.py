@@ -291,7 +291,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         order = self.read_grants.next_get()
 
         async def start(i: int):  # at most max_pinned_bytes held, plus the reads ahead
-            async with self.read_grants.hold(order):  # earlier Gets' reads first
+            async with self.read_grants.hold(caller.name, order):  # tenants share; earlier Gets first
                 hold = holdable and channel.can_pin(chunk_bytes)
                 return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, hold, caller.name)
 
