@@ -269,6 +269,8 @@ class ChunkIndex:
     def pin_heap_size(self) -> int:
         return len(self._pins)
 
-    def pinned_count(self) -> int:
-        now = time.monotonic()
+    def pinned_count(self, now: float) -> int:
+        """Pins alive at ``now``: the same instant the caller expired the heap at, so a
+        snapshot never counts no pins while the heap still holds one that ran out between
+        two clock readings."""
         return sum(1 for e in self.entries.values() if e.pinned_until > now)

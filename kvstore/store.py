@@ -512,7 +512,8 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self.index.lock:
-            self.index.expire_pins()
+            now = time.monotonic()
+            self.index.expire_pins(now)
             return StoreStats(
                 tiers={t.name: TierStats(**{**self.index.stats[t.name].__dict__, "used_bytes": t.used_bytes, "chunks": len(t)})
                        for t in self.tiers},
@@ -520,7 +521,7 @@ class Store:
                 puts=self.index.puts,
                 hits=self.index.hits,
                 misses=self.index.misses,
-                pinned=self.index.pinned_count(),
+                pinned=self.index.pinned_count(now),
                 write_behind_pending_bytes=self._write_behind.pending_bytes(),
                 write_behind_queue=self._write_behind.queued(),
                 write_behind_dropped=self._write_behind.dropped,

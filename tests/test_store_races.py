@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -295,6 +296,42 @@ def test_10_the_pin_heap_stays_bounded_and_no_pin_outlives_max_pin_ttl(tmp_path)
         assert store.pin(keys, ttl_s=1e9) == 8 and store.stats().pinned == 8
         wait_until(lambda: store.stats().pinned == 0, what="pins capped at max_pin_ttl_s to end")
         assert store.index.pin_heap_size == 0
+
+
+class SteppingClock:
+    """``time`` for the store's modules, whose monotonic clock moves one second a reading:
+    any two readings in one snapshot differ, so a pin can end between them."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("ttl_s", [1.0, 2.0, 3.0, 4.0, 5.0])
+def test_10_stats_counts_pins_and_expires_the_heap_at_one_instant(tmp_path, monkeypatch, ttl_s):
+    """A snapshot read the clock twice (expire the heap, then count pins): a pin that ran
+    out between the readings was counted gone while its heap item stayed due (CI, once)."""
+    import kvstore.index
+    import kvstore.store
+
+    keys, values = chunks(1)
+    with Store(store_config(tmp_path, disk=None, max_pin_ttl_s=60.0)) as store:
+        store.put(keys[0], values[0])
+        clock = SteppingClock()
+        monkeypatch.setattr(kvstore.store, "time", clock)
+        monkeypatch.setattr(kvstore.index, "time", clock)
+        assert store.pin(keys, ttl_s=ttl_s) == 1
+        pinned = store.stats().pinned
+        heap = store.index.pin_heap_size
+        store.unpin(keys)
+        monkeypatch.undo()
+        assert (pinned, heap) in {(1, 1), (0, 0)}
 
 
 # -- #12 and #13: a hung tier slows only its own work ---------------------------------------------------
