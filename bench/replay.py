@@ -21,18 +21,30 @@ what they save in prefill, and its gains on one kind of request may be losses on
 
 A policy name ending in ``+compress`` (e.g. ``default+compress``) runs that policy with joint
 compression and eviction (kvstore/placement.py): a victim may stay in its tier re-encoded by a
-codec the ``--verdicts`` file allows, valued with the same prefill cost model. Synthetic
-payloads are random fp16, so lossy codecs shrink them as they would real KV (lossless lz4 does
-not, as on real fp16 KV), while the quality cost comes from the verdict file's model.
+codec the ``--verdicts`` file allows, valued with the same prefill cost model, and a copy
+written behind to the disk may be encoded there. ``NAME+CODEC`` (e.g. ``lru+int8``) puts every
+chunk in that codec: fixed-ratio compression. Payloads are random fp16 (lossy codecs shrink
+them as they would real KV; lossless lz4 does not, as on real fp16 KV), or with ``--payloads
+real`` the KV SmolLM2 computes on real prose; the quality cost comes from the verdict file.
+
+With ``--read-gbps``, time is modelled rather than measured, for tiers this machine does not
+have (a disk throttled to 1 GB/s behind no page cache) and for a model larger than the chunks
+replayed: every byte a request reads counts as ``--model-kv-bytes-per-token`` x
+``--model-tokens`` / (the replayed chunk's bytes) bytes of the modelled model, read at the
+tier's bandwidth, tiers in parallel (free-tier fetching); lossy chunks add their decode at
+``--decode-gbps``; each missed block costs ``--model-tokens`` / ``--prefill-tok-s``. Placement
+plans with the same bandwidths and costs, so it decides in the modelled world it is judged in.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +53,10 @@ import torch
 from bench.cli import UsageError
 from bench.progress import Progress
 from bench.traces import load_trace
+from kvstore.codecs import codec_names, get_codec
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.placement import load_verdicts
 from kvstore.policies import POLICIES
 from kvstore.store import Store
 
@@ -64,6 +78,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--verdicts", default=str(DEFAULT_VERDICTS), help="codec verdict file for +compress")
     p.add_argument("--quality-weight-s", type=float, default=PlacementConfig.quality_weight_s,
                    help="placement's lambda: seconds one percent of perplexity change costs per use")
+    p.add_argument("--payloads", choices=["random", "real"], default="random",
+                   help="chunk values: random fp16, or SmolLM2's KV of real prose (its shape: --layers, "
+                        "--kv-heads and --head-dim are then the model's)")
+    p.add_argument("--read-gbps", metavar="host=G,disk=G",
+                   help="model time instead of measuring it: each tier's read bandwidth, GB/s of modelled KV")
+    p.add_argument("--model-kv-bytes-per-token", type=int,
+                   help="with --read-gbps: the modelled model's KV bytes per token (default: the replayed chunks')")
+    p.add_argument("--model-tokens", type=int, help="with --read-gbps: tokens a trace block stands for (default --tokens)")
+    p.add_argument("--decode-gbps", type=float,
+                   help="with --read-gbps: lossy decode speed, GB/s of raw modelled KV (default: int8 measured here)")
     p.add_argument("--dir", help="directory for the disk tier (default: temporary)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
@@ -71,6 +95,86 @@ def add_parser(subparsers) -> None:
 
 COMPRESS = "+compress"
 DEFAULT_VERDICTS = Path(__file__).parent / "data" / "verdicts" / "SmolLM2-135M-Instruct.Q4_1.float16.json"
+PROSE = Path(__file__).parent / "data" / "probe_prose.txt"
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Modelled time, per byte of the replayed chunks (see the module docstring)."""
+
+    read_bytes_per_s: dict[str, float]  # tier -> replayed bytes per second
+    decode_bytes_per_s: float  # raw replayed bytes decoded per second
+    recompute_s: float  # one missed block
+    scale: float  # modelled bytes per replayed byte
+
+    def load_s(self, bytes_read: dict[str, int], lossy_raw_bytes: int) -> float:
+        unknown = [t for t, n in bytes_read.items() if n and t not in self.read_bytes_per_s]
+        if unknown:
+            raise UsageError(f"--read-gbps: no bandwidth for tiers {unknown}")
+        parallel = max((n / self.read_bytes_per_s[t] for t, n in bytes_read.items() if n), default=0.0)
+        return parallel + lossy_raw_bytes / self.decode_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A policy as named on the command line: ``NAME[+compress][+CODEC]``."""
+
+    name: str
+    policy: str
+    compress: bool
+    codec: str | None
+
+
+def parse_variant(name: str) -> Variant:
+    policy, *mods = name.split("+")
+    codecs = [m for m in mods if m != COMPRESS.lstrip("+")]
+    if policy != "default" and policy not in POLICIES:
+        raise UsageError(f"unknown policies [{name!r}]; known: default, {', '.join(sorted(POLICIES))}")
+    if len(codecs) > 1 or any(c not in codec_names() for c in codecs):
+        raise UsageError(f"{name}: after '+', 'compress' or one codec of {codec_names()}")
+    return Variant(name, policy, len(codecs) < len(mods), codecs[0] if codecs else None)
+
+
+def real_chunks(tokens: int, max_tokens: int = 1024) -> list[torch.Tensor]:
+    """SmolLM2-135M's fp16 KV of the probe prose, cut into chunks of ``tokens`` tokens."""
+    from bench import probe_model
+    from engine.assets import smollm2_gguf_path
+
+    loaded = probe_model.load_model(smollm2_gguf_path())
+    ids = probe_model.token_ids(loaded, PROSE.read_text())[:max_tokens]
+    if len(ids) < tokens:
+        raise UsageError(f"--tokens {tokens}: the probe text has only {len(ids)} tokens")
+    kv = probe_model.prefix_kv(loaded, ids).half()
+    return [kv[:, :, i:i + tokens].contiguous() for i in range(0, len(ids) - tokens + 1, tokens)]
+
+
+def int8_decode_bytes_per_s(chunk: torch.Tensor) -> float:
+    """int8's decode speed on this machine for one chunk: raw bytes out per second, best of 3."""
+    codec = get_codec("int8")
+    payload, out = codec.encode(chunk), torch.empty_like(chunk)
+    best = math.inf
+    for _ in range(3):
+        started = time.perf_counter()
+        codec.decode_into(payload, out)
+        best = min(best, time.perf_counter() - started)
+    return chunk.numel() * chunk.element_size() / best
+
+
+def time_model(args, chunk: torch.Tensor) -> TimeModel | None:
+    if args.read_gbps is None:
+        return None
+    try:
+        gbps = {t: float(v) for t, v in (item.split("=") for item in args.read_gbps.split(","))}
+    except ValueError:
+        raise UsageError(f"--read-gbps: expected host=G,disk=G, got {args.read_gbps!r}") from None
+    if not gbps or any(v <= 0 for v in gbps.values()) or (args.decode_gbps is not None and args.decode_gbps <= 0):
+        raise UsageError("--read-gbps and --decode-gbps must be positive")
+    raw = chunk.numel() * chunk.element_size()
+    tokens = args.model_tokens or chunk.shape[2]
+    per_token = args.model_kv_bytes_per_token or raw // chunk.shape[2]
+    scale = tokens * per_token / raw  # modelled bytes per replayed byte
+    decode = args.decode_gbps * 1e9 if args.decode_gbps else int8_decode_bytes_per_s(chunk) * scale
+    return TimeModel({t: v * 1e9 / scale for t, v in gbps.items()}, decode / scale, tokens / args.prefill_tok_s, scale)
 
 
 def _key(ns: Namespace, block_id) -> ChunkKey:
@@ -83,54 +187,68 @@ def _percentiles(values: list[float]) -> dict[str, float]:
             "p90_s": float(np.percentile(a, 90)), "p99_s": float(np.percentile(a, 99))}
 
 
-def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress: Progress,
-               classes: list[str] | None = None) -> dict:
+def replay_one(requests, variant: Variant, args, ns: Namespace, root: Path, progress: Progress,
+               payloads: list[torch.Tensor], model: TimeModel | None, classes: list[str] | None = None) -> dict:
     """One policy's replay; ``classes`` labels each request for the per-class figures."""
-    chunk = torch.randn(ns.chunk_shape).half()
-    blob = chunk.numel() * chunk.element_size() + 4096
+    chunk = payloads[0]
+    raw_bytes = chunk.numel() * chunk.element_size()
+    blob = raw_bytes + 4096
     distinct = len({b for r in requests for b in r})
-    compress = policy.endswith(COMPRESS)
+    placement = PlacementConfig(enabled=variant.compress, verdicts=[args.verdicts] if variant.compress else [],
+                                quality_weight_s=args.quality_weight_s, prefill_tokens_per_s=args.prefill_tok_s)
+    if model is not None:
+        placement.prefill_tokens_per_s = ns.chunk_tokens / model.recompute_s
+        placement.host_read_bytes_per_s = int(model.read_bytes_per_s.get("host", 0))
+        placement.disk_read_bytes_per_s = int(model.read_bytes_per_s.get("disk", 0))
+        placement.decode_bytes_per_s = max(1, int(model.decode_bytes_per_s))
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=max(4, int(distinct * args.host_pct / 100)) * blob, page_bytes=4096, prefault=False),
-        disk=DiskTierConfig(path=str(root / policy), capacity_bytes=max(4, int(distinct * args.disk_pct / 100)) * blob),
-        eviction_policy=policy.removesuffix(COMPRESS),
-        placement=PlacementConfig(enabled=compress, verdicts=[args.verdicts] if compress else [],
-                                  quality_weight_s=args.quality_weight_s, prefill_tokens_per_s=args.prefill_tok_s),
+        disk=DiskTierConfig(path=str(root / variant.name), capacity_bytes=max(4, int(distinct * args.disk_pct / 100)) * blob),
+        eviction_policy=variant.policy,
+        placement=placement,
     )
     longest = max(len(r) for r in requests)
     outs = [torch.empty_like(chunk) for _ in range(longest)]
+    recompute_s = model.recompute_s if model is not None else ns.chunk_tokens / args.prefill_tok_s
     ttft, served, accesses = [], {}, 0
     by_class: dict[str, dict[str, list]] = {}  # class -> {"ttft": [...], "blocks": [hit, accessed]}
     with Store(cfg) as store:
         for done, request in enumerate(requests, 1):
             keys = [_key(ns, b) for b in request]
-            before = {n: s.hits for n, s in store.stats().tiers.items()}
+            before = store.stats().tiers
             start = time.perf_counter()
             present = store.lookup(keys)
             hit = store.get_many_into(keys[:present], outs[:present])
             load_s = time.perf_counter() - start
-            for i in range(hit, len(keys)):
-                store.put(keys[i], chunk, parent=keys[i - 1] if i else None)
-            store.flush()  # the next request sees every copy written: outcomes do not depend on thread timing
             after = store.stats().tiers
+            if model is not None:
+                load_s = model.load_s({n: after[n].bytes_read - before[n].bytes_read for n in after},
+                                      raw_bytes * sum(after[n].lossy_hits - before[n].lossy_hits for n in after))
+            for i in range(hit, len(keys)):
+                store.put(keys[i], payloads[_slot(request[i], len(payloads))], parent=keys[i - 1] if i else None,
+                          codec=variant.codec)
+            store.flush()  # the next request sees every copy written: outcomes do not depend on thread timing
             for name in after:
-                served[name] = served.get(name, 0) + after[name].hits - before[name]
+                served[name] = served.get(name, 0) + after[name].hits - before[name].hits
             accesses += len(keys)
-            ttft.append(load_s + (len(keys) - hit) * ns.chunk_tokens / args.prefill_tok_s)
+            ttft.append(load_s + (len(keys) - hit) * recompute_s)
             if classes is not None:
                 mine = by_class.setdefault(classes[done - 1], {"ttft": [], "blocks": [0, 0]})
                 mine["ttft"].append(ttft[-1])
                 mine["blocks"][0] += hit
                 mine["blocks"][1] += len(keys)
-            progress.step(what=policy)
+            progress.step(what=variant.name)
         store.flush()
         stats = store.stats().tiers
+    hits = sum(served.values())
+    lossy = sum(s.lossy_hits for s in stats.values())
     return {
         "hit_pct": {name: 100 * n / accesses for name, n in served.items()},
-        "total_hit_pct": 100 * sum(served.values()) / accesses,
+        "total_hit_pct": 100 * hits / accesses,
         "bytes_read": {n: s.bytes_read for n, s in stats.items()},
         "bytes_written": {n: s.bytes_written for n, s in stats.items()},
-        "lossy_hit_pct": 100 * sum(s.lossy_hits for s in stats.values()) / accesses,
+        "lossy_hit_pct": 100 * lossy / accesses,
+        "ppl_change_bound_pct": _ppl_bound(args.verdicts, variant, lossy, accesses),
         "recodes": {n: s.recodes for n, s in stats.items()},
         "ttft": _percentiles(ttft),
         "by_class": {c: {"requests": len(v["ttft"]), "prefix_hit_pct": 100 * v["blocks"][0] / v["blocks"][1],
@@ -138,29 +256,71 @@ def replay_one(requests, policy: str, args, ns: Namespace, root: Path, progress:
     }
 
 
+def _slot(block_id, n: int) -> int:
+    return int.from_bytes(hashlib.blake2b(str(block_id).encode(), digest_size=8).digest(), "little") % n
+
+
+def _ppl_bound(verdicts: str, variant: Variant, lossy: int, accesses: int) -> float:
+    """Perplexity change to expect, at most: the share of accessed blocks served lossy times the
+    worst perplexity change of the codecs the variant may have served them in (the probe's
+    figure for a prefix whose every chunk is in that codec)."""
+    if not lossy:
+        return 0.0
+    allowed = load_verdicts([verdicts]).get("float16", {})
+    names = [variant.codec] if variant.codec else [c for c in PlacementConfig().codecs if c in allowed]
+    worst = max((allowed.get(c, math.nan) for c in names), default=math.nan)
+    return lossy / accesses * worst
+
+
+def floor(requests, recompute_s: float) -> dict:
+    """What no policy or encoding can beat: an unbounded cache that loads in no time, so a
+    request recomputes only the blocks from its first never-seen one on (prefix-usable)."""
+    seen: set = set()
+    ttft, hits, accesses = [], 0, 0
+    for request in requests:
+        hit = next((i for i, b in enumerate(request) if b not in seen), len(request))
+        seen.update(request)
+        hits += hit
+        accesses += len(request)
+        ttft.append((len(request) - hit) * recompute_s)
+    return {"hit_pct": 100 * hits / accesses, "ttft_mean_s": float(np.mean(ttft))}
+
+
 def run(args) -> int:
     if args.requests <= 0 or args.prefill_tok_s <= 0:
         raise UsageError("--requests and --prefill-tok-s must be positive")
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in names if p.removesuffix(COMPRESS) != "default" and p.removesuffix(COMPRESS) not in POLICIES]
-    if unknown:
-        raise UsageError(f"unknown policies {unknown}; known: default, {', '.join(sorted(POLICIES))}")
+    variants = [parse_variant(p.strip()) for p in args.policies.split(",") if p.strip()]
     trace = load_trace(args.trace)
     requests = trace.requests[: args.requests]
-    ns = Namespace("kvbench-replay", args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
+    if args.payloads == "real":
+        payloads = real_chunks(args.tokens)
+        layers, _, _, heads, dim = payloads[0].shape
+        ns = Namespace("kvbench-replay", layers, heads, dim, "float16", args.tokens)
+    else:
+        ns = Namespace("kvbench-replay", args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
+        payloads = [torch.randn(ns.chunk_shape).half()]
+    model = time_model(args, payloads[0])
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvbench-replay-"))
     results = {}
-    progress = Progress(len(names) * len(requests), "requests replayed")
+    progress = Progress(len(variants) * len(requests), "requests replayed")
     try:
-        for policy in names:
-            results[policy] = replay_one(requests, policy, args, ns, root, progress,
-                                         None if trace.classes is None else trace.classes[: args.requests])
+        for variant in variants:
+            results[variant.name] = replay_one(requests, variant, args, ns, root, progress, payloads, model,
+                                               None if trace.classes is None else trace.classes[: args.requests])
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+    recompute_s = model.recompute_s if model is not None else ns.chunk_tokens / args.prefill_tok_s
     report = {"trace": trace.name, "requests": len(requests), "host_pct": args.host_pct,
-              "disk_pct": args.disk_pct, "prefill_tok_s": args.prefill_tok_s,
-              "quality_weight_s": args.quality_weight_s, "policies": results}
+              "floor": floor(requests, recompute_s),
+              "disk_pct": args.disk_pct, "prefill_tok_s": args.prefill_tok_s, "payloads": args.payloads,
+              "chunk_shape": list(ns.chunk_shape), "quality_weight_s": args.quality_weight_s,
+              "time_model": None if model is None else {
+                  "read_gbps": args.read_gbps, "model_kv_bytes_per_token": args.model_kv_bytes_per_token,
+                  "model_tokens": args.model_tokens or args.tokens, "recompute_s_per_block": model.recompute_s,
+                  "decode_gbps": model.decode_bytes_per_s * model.scale / 1e9,
+                  "decode_measured_here": not args.decode_gbps},
+              "policies": results}
     _print(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -170,12 +330,20 @@ def run(args) -> int:
 def _print(report: dict) -> None:
     print(f"{report['trace']}: {report['requests']} requests; host {report['host_pct']}%, "
           f"disk {report['disk_pct']}% of distinct blocks")
-    print(f"{'policy':<18} {'host hit%':>9} {'disk hit%':>9} {'lossy%':>7} {'read MB':>8} {'written MB':>10} "
+    if report["time_model"]:
+        m = report["time_model"]
+        print(f"time modelled: read {m['read_gbps']} GB/s, decode {m['decode_gbps']:.2f} GB/s"
+              f"{' (int8, measured here)' if m['decode_measured_here'] else ''}, "
+              f"{m['recompute_s_per_block'] * 1e3:.1f} ms to recompute a block")
+    f = report["floor"]
+    print(f"floor (an unbounded cache loading in no time): {f['hit_pct']:.2f}% hits, TTFT mean {f['ttft_mean_s']:.4f} s")
+    print(f"{'policy':<18} {'host hit%':>9} {'disk hit%':>9} {'lossy%':>7} {'ppl<=%':>7} {'read MB':>8} {'written MB':>10} "
           f"{'TTFT mean':>10} {'p50':>8} {'p90':>8} {'p99':>8}")
     for name, r in report["policies"].items():
         h, t = r["hit_pct"], r["ttft"]
         read, written = sum(r["bytes_read"].values()) / 1e6, sum(r["bytes_written"].values()) / 1e6
-        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('disk', 0):9.2f} {r['lossy_hit_pct']:7.2f} {read:8.1f} "
+        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('disk', 0):9.2f} {r['lossy_hit_pct']:7.2f} "
+              f"{r['ppl_change_bound_pct']:7.3f} {read:8.1f} "
               f"{written:10.1f} {t['mean_s']:10.4f} {t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")
     classes = sorted({c for r in report["policies"].values() for c in r["by_class"]})
     if classes:

@@ -198,6 +198,16 @@ class PlacementConfig:
     prefill_tokens_per_s: float = 20000.0
     # A tier's read bandwidth until the store has measured reads from it.
     assumed_read_bytes_per_s: int = 1_000_000_000
+    # Read bandwidths to plan with instead of the measured ones (0 = measured), for a tier
+    # whose reads here do not show its real speed (a page cache in front of a throttled disk).
+    host_read_bytes_per_s: int = 0
+    disk_read_bytes_per_s: int = 0
+    # Decode speed, raw bytes out per second (0 = measured on this host's CPU at the first
+    # put of a shape); set it where chunks are decoded elsewhere (e.g. on the device).
+    decode_bytes_per_s: int = 0
+    # Copies written behind to a tier in `tiers` (not the first) get the encoding with the
+    # most time saved per byte there, the put's own included, not always the put's.
+    encode_on_write: bool = True
 
 
 @dataclass
@@ -245,6 +255,9 @@ class StoreConfig:
         bad = [c for c in self.placement.codecs if c not in codec_names()]
         if bad:
             raise ConfigError(f"placement.codecs: unknown codecs {bad}; known: {codec_names()}")
+        for name in ("host_read_bytes_per_s", "disk_read_bytes_per_s", "decode_bytes_per_s"):
+            if getattr(self.placement, name) < 0:
+                raise ConfigError(f"placement.{name}: must be 0 (measured) or positive, got {getattr(self.placement, name)}")
         for path, value in (("write_behind.stall_s", self.write_behind.stall_s),
                             ("write_behind.durable_timeout_s", self.write_behind.durable_timeout_s),
                             ("max_pin_ttl_s", self.max_pin_ttl_s), ("fetch_stall_s", self.fetch_stall_s)):

@@ -36,13 +36,11 @@ class _Recode:
 
 class Evictor:
     def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, tiers: dict[str, Tier],
-                 placement: Placement | None, placement_tiers: set[str], copies_pending: Callable[[], bool],
-                 assumed_read_bytes_per_s: float) -> None:
+                 placement: Placement | None, placement_tiers: set[str], copies_pending: Callable[[], bool]) -> None:
         self.index, self.locks, self.io, self.tiers = index, locks, io, tiers
         self.placement = placement
         self.placement_tiers = placement_tiers if placement is not None else set()
         self._copies_pending = copies_pending
-        self._assumed_read = assumed_read_bytes_per_s
         self.recode_failures = 0
 
     def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
@@ -112,8 +110,21 @@ class Evictor:
     # -- placement: re-encoding victims in place ------------------------------------------------
 
     def _read_bytes_per_s(self, tier_name: str) -> float:
-        gbps = self.index.stats[tier_name].read_gbps
-        return gbps * 1e9 if gbps > 0 else self._assumed_read
+        return self.placement.read_bytes_per_s(tier_name, self.index.stats[tier_name].read_gbps)
+
+    def write_codec(self, tier: Tier, entry: Entry, source: Replica) -> Codec | None:
+        """The encoding placement wants for the copy of ``entry`` written behind to ``tier``,
+        or None for the put's own (index lock held): only raw chunks of known shape, and
+        only for a placement tier other than the first."""
+        header = entry.header
+        if (self.placement is None or not self.placement.config.encode_on_write or tier.name not in self.placement_tiers
+                or tier.name == self.index.first or header is None or source.codec_id != 0
+                or source.version != entry.version or not self.placement.profiled(header.dtype, header.shape)):
+            return None
+        room = tier.capacity_bytes - tier.used_bytes >= tier.footprint(source.size)
+        choice = self.placement.choose_on_write(header.dtype, header.shape, source.size,
+                                                self._read_bytes_per_s(tier.name), tier.footprint, room)
+        return None if choice is None else choice.codec
 
     def _plan_recode(self, tier: Tier, key_id: bytes, entry: Entry, replica: Replica) -> _Recode | None:
         """The re-encoding placement wants for a victim just evicted from ``tier``, or None to

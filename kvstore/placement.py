@@ -76,6 +76,7 @@ class Placement:
         if config.quality_weight_s < 0 or config.prefill_tokens_per_s <= 0 or config.assumed_read_bytes_per_s <= 0:
             raise ValueError("placement: quality_weight_s must be >= 0, prefill_tokens_per_s and "
                              "assumed_read_bytes_per_s positive")
+        self._planned_read = {"host": config.host_read_bytes_per_s, "disk": config.disk_read_bytes_per_s}
         self.config = config
         try:
             self._codecs = [get_codec(name) for name in config.codecs]
@@ -97,6 +98,13 @@ class Placement:
         """Prefill cost model: a chunk ``[layers, 2, tokens, heads, head_dim]`` costs its tokens."""
         return shape[2] / self.config.prefill_tokens_per_s
 
+    def read_bytes_per_s(self, tier_name: str, measured_gbps: float) -> float:
+        """The bandwidth to plan with for a tier: the configured one, else the measured one,
+        else the assumed one."""
+        if self._planned_read.get(tier_name):
+            return float(self._planned_read[tier_name])
+        return measured_gbps * 1e9 if measured_gbps > 0 else float(self.config.assumed_read_bytes_per_s)
+
     def profiled(self, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         return (dtype, shape) in self._profiles
 
@@ -115,7 +123,8 @@ class Placement:
                 started = time.perf_counter()
                 codec.decode_into(payload, out)
                 times.append(time.perf_counter() - started)
-            profiles[codec.codec_id] = CodecProfile(len(payload) / raw_bytes, min(times))
+            decode_s = raw_bytes / self.config.decode_bytes_per_s if self.config.decode_bytes_per_s else min(times)
+            profiles[codec.codec_id] = CodecProfile(len(payload) / raw_bytes, decode_s)
         self._profiles[(dtype, shape)] = profiles
 
     def load_s(
@@ -144,11 +153,47 @@ class Placement:
         capacity the tier charges for a blob of so many bytes (pages, blocks), which is what
         an encoding must shrink and what utility is counted per.
         """
-        profiles = self._profiles[(dtype, shape)]
-        raw_bytes = math.prod(shape) * dtype.itemsize
-        raw_blob = HEADER_BYTES + raw_bytes
+        raw_blob = HEADER_BYTES + math.prod(shape) * dtype.itemsize
         raw_gain = fallback_s - self.load_s(dtype, shape, raw_blob, 0, read_bytes_per_s)
         price = max(0.0, raw_gain / footprint(raw_blob))
+        return self._densest(dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price)
+
+    def choose_on_write(
+        self, dtype: torch.dtype, shape: tuple[int, ...], blob_bytes: int, read_bytes_per_s: float,
+        footprint: Callable[[int], int], room: bool,
+    ) -> Choice | None:
+        """The encoding a raw chunk's new copy in a tier should have, or None to write it raw.
+
+        Valued against recomputing (the copy is what saves it once the faster tiers let the
+        chunk go), at a typical reuse. With ``room`` in the tier for the raw copy, bytes cost
+        nothing yet and the encoding that saves the most time per use wins: raw on a fast
+        tier (decoding costs more than the bytes it saves), a smaller one on a tier so slow
+        that loading the raw copy costs about what recomputing does. Without room, bytes are
+        what the copy displaces, and the most time saved per byte wins, as for a victim.
+        """
+        recompute_s = self.recompute_s(shape)
+        raw_gain = recompute_s - self.load_s(dtype, shape, blob_bytes, 0, read_bytes_per_s)
+        if not room:
+            return self._densest(dtype, shape, blob_bytes, 1.0, recompute_s, read_bytes_per_s, footprint,
+                                 max(0.0, raw_gain / footprint(blob_bytes)))
+        profiles = self._profiles[(dtype, shape)]
+        raw_bytes = math.prod(shape) * dtype.itemsize
+        best, best_gain = None, max(0.0, raw_gain)
+        for codec in self.candidates(dtype):
+            size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
+            if footprint(size) >= footprint(blob_bytes):
+                continue
+            gain = (recompute_s - self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
+                    - self.config.quality_weight_s * self.quality_loss(codec, dtype))
+            if gain > best_gain:
+                best, best_gain = Choice(codec, footprint(size), gain / footprint(size)), gain
+        return best
+
+    def _densest(self, dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price) -> Choice | None:
+        """The candidate that shrinks a blob of ``blob_bytes`` with the highest ``reuse x gain /
+        footprint``, if its gain is positive and that beats ``price``."""
+        profiles = self._profiles[(dtype, shape)]
+        raw_bytes = math.prod(shape) * dtype.itemsize
         best: Choice | None = None
         for codec in self.candidates(dtype):
             size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)

@@ -121,8 +121,7 @@ class Store:
         self._locks = KeyLocks()
         self._io = TierIO(self.index, self._locks, self.shared_index)
         self._evictor = Evictor(self.index, self._locks, self._io, self._by_name, self.placement,
-                                set(config.placement.tiers), lambda: self._write_behind.queued() > 0,
-                                float(config.placement.assumed_read_bytes_per_s))
+                                set(config.placement.tiers), lambda: self._write_behind.queued() > 0)
         fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
         self._fetch_pools = {n: ThreadPoolExecutor(w, thread_name_prefix=f"fetch-{n}") for n, w in fetch_workers.items()}
         self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
@@ -141,7 +140,7 @@ class Store:
                 discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024])
         wb = config.write_behind
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
-                                         wb.workers, wb.stall_s, self._evictor.make_room)
+                                         wb.workers, wb.stall_s, self._evictor.make_room, self._evictor.write_codec)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
 
     def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:

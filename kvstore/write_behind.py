@@ -14,6 +14,10 @@ tier's copy, pinned while it reads. Per tier:
   later one) is written and synced on every replica tier, or failed with that tier's error.
   Nobody else's put can clear it (review #3), and a copy that cannot be made (the first
   tier's copy is gone, the tier is stalled) fails it instead of passing silently (#2).
+
+With placement, a copy may be written in another encoding than the put's (``write_codec``,
+kvstore/eviction.py): the worker decodes the pinned first-tier copy and encodes it before
+writing; if that fails, it writes the put's encoding.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from kvstore.blob import CorruptBlob, reencoded_header, verify_blob
+from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
 from kvstore.tier_io import TierIO
 from tiers.base import Tier, TierError, TierFull, TierUnavailable
@@ -93,8 +99,10 @@ class _Queue:
 class WriteBehind:
     def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, first: Tier, tiers: Sequence[Tier],
                  max_pending_bytes: int, workers: int, stall_s: float,
-                 make_room: Callable[..., None]) -> None:
+                 make_room: Callable[..., None],
+                 write_codec: Callable[[Tier, Entry, Replica], Codec | None] = lambda tier, entry, source: None) -> None:
         self.index, self.locks, self.io, self.first = index, locks, io, first
+        self._write_codec = write_codec
         self.queues = {t.name: _Queue(t) for t in tiers}
         self.max_pending_bytes = max_pending_bytes
         self.stall_s = stall_s
@@ -239,6 +247,7 @@ class WriteBehind:
                     source = entry.current(self.first.name) if live else None
                     target = entry.current(tier.name) if live else None
                     sync = bool(job.tickets)
+                    codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
                 views = None
                 if live and target is None and source is not None:
                     views = stack.enter_context(self.first.pinned(key_id))
@@ -254,9 +263,27 @@ class WriteBehind:
                     self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is gone; nothing to copy"))
                 return
             replica = Replica(source.size, source.codec_id, source.version)
-            self._write(q, job, views, replica, sync)
+            recoded = self._encode(tier, key_id, views, codec, replica) if codec is not None else None
+            if recoded is not None:
+                views, replica = recoded
+            self._write(q, job, views, replica, sync, recoded is not None)
 
-    def _write(self, q: _Queue, job: CopyJob, views, replica: Replica, sync: bool) -> None:
+    @staticmethod
+    def _encode(tier: Tier, key_id: bytes, views, codec: Codec, source: Replica):
+        """The pinned first-tier copy decoded and encoded by ``codec``, as (parts, replica),
+        or None (logged) to write the put's encoding instead."""
+        try:
+            header, payload = verify_blob(b"".join(views))
+            tensor = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
+            encoded = codec.encode(tensor)
+        except (CorruptBlob, ValueError, KeyError) as exc:
+            log.warning("%s: encoding the copy of %s as %s failed (%s); writing it as put", tier.name,
+                        key_id.hex(), codec.name, exc)
+            return None
+        parts = [reencoded_header(header, codec.codec_id, encoded), encoded]
+        return parts, Replica(sum(len(p) for p in parts), codec.codec_id, source.version)
+
+    def _write(self, q: _Queue, job: CopyJob, views, replica: Replica, sync: bool, recoded: bool = False) -> None:
         """Make room and write; room is made without the key lock, the write under it, and a
         worker that finds the room taken meanwhile makes room again. A TierFull while the
         tier's own count shows room is the medium's (file system full, Redis out of memory)."""
@@ -286,6 +313,8 @@ class WriteBehind:
                         error = exc
                 replica.synced = sync
                 with self.index.lock:
+                    if recoded and error is None:
+                        self.index.stats[tier.name].recodes += 1
                     deleted = self._finish(q, job, replica if error is None else None, error, wrote=error is None)
                 if deleted:
                     self.io.delete_held(tier, key_id)

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from bench.cli import main
+from bench.replay import DEFAULT_VERDICTS
 
 
 def test_replay_counts_prefix_hits_through_the_real_store(tmp_path):
@@ -63,3 +64,61 @@ def test_replay_with_joint_compression_keeps_more_chunks_than_fit_raw(tmp_path):
     assert plain["total_hit_pct"] == 0
     assert compressed["recodes"]["disk"] > 0 and compressed["total_hit_pct"] > 0
     assert compressed["lossy_hit_pct"] > 0
+
+
+def test_modelled_time_counts_bytes_at_the_tiers_bandwidth_and_misses_at_the_prefill_rate(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1\n1\n")  # a miss, then a host RAM hit
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--trace", str(trace), "--policies", "lru", "--layers", "1", "--head-dim", "16",
+                 "--tokens", "16", "--prefill-tok-s", "1000", "--read-gbps", "host=0.001,disk=0.001",
+                 "--model-kv-bytes-per-token", "2048", "--model-tokens", "64", "--dir", str(tmp_path / "d"),
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    r = report["policies"]["lru"]
+    assert report["time_model"]["recompute_s_per_block"] == pytest.approx(0.064)
+    # the hit reads one blob (header + 1 KiB raw) of a chunk standing for 64 x 2 KiB at 1 MB/s
+    hit_s = r["bytes_read"]["host"] * (64 * 2048 / 1024) / 1e6
+    assert r["bytes_read"]["host"] > 1024
+    assert r["ttft"]["mean_s"] == pytest.approx((0.064 + hit_s) / 2)
+
+
+def test_fixed_ratio_compression_serves_every_hit_lossy_and_bounds_the_quality_change(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1 2\n1 2\n")
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--trace", str(trace), "--policies", "lru+int8", "--layers", "1", "--head-dim", "16",
+                 "--tokens", "16", "--read-gbps", "host=10,disk=1", "--decode-gbps", "5",
+                 "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["policies"]["lru+int8"]
+    assert r["lossy_hit_pct"] == r["total_hit_pct"] == 50
+    int8 = json.loads(open(DEFAULT_VERDICTS).read())["codecs"]["int8"]["ppl_change_pct"]
+    assert r["ppl_change_bound_pct"] == pytest.approx(0.5 * int8)
+
+
+@pytest.mark.parametrize("policies, message", [("lru+zstd", "after '+'"), ("lru+int8+int4", "after '+'"),
+                                                ("mru+compress", "unknown policies")])
+def test_replay_rejects_unknown_variants(tmp_path, capsys, policies, message):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1 2\n")
+    assert main(["replay", "--trace", str(trace), "--policies", policies]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_real_payloads_are_the_models_kv(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("1 2\n1 3\n")
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--trace", str(trace), "--policies", "lru", "--payloads", "real", "--tokens", "16",
+                 "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["chunk_shape"] == [30, 2, 16, 3, 64]  # SmolLM2-135M: 30 layers, 3 KV heads of 64
+    assert report["policies"]["lru"]["total_hit_pct"] == 25
+
+
+def test_the_floor_is_an_unbounded_cache_that_loads_in_no_time():
+    from bench.replay import floor
+
+    f = floor([[1, 2, 3], [1, 2, 4], [5, 1, 2]], recompute_s=0.5)
+    assert f["hit_pct"] == pytest.approx(100 * 2 / 9)  # block 1 and 2 again in request 2; request 3 starts new
+    assert f["ttft_mean_s"] == pytest.approx((1.5 + 0.5 + 1.5) / 3)

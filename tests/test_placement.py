@@ -106,6 +106,31 @@ def test_an_encoding_must_shrink_the_tiers_footprint(tmp_path):
     assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, whole_units) is None
 
 
+def test_a_new_copy_on_a_tier_with_room_takes_the_encoding_that_saves_most_time(tmp_path):
+    p = placement(tmp_path, decode_bytes_per_s=10**9)  # int8 decodes 16 KiB in 16 us
+    fast, slow = 10**10, 2 * 10**6  # a raw copy loads in 1.6 us, or in 8 ms: what recomputing costs
+    assert p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, fast, lambda n: n, room=True) is None
+    choice = p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, slow, lambda n: n, room=True)
+    assert choice is not None and choice.codec.name == "int8"
+
+
+def test_a_new_copy_on_a_full_tier_takes_the_encoding_that_saves_most_per_byte(tmp_path):
+    p = placement(tmp_path, decode_bytes_per_s=10**9)
+    choice = p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False)
+    assert choice is not None and choice.codec.name == "int8"
+    priced_out = placement(tmp_path, decode_bytes_per_s=10**9, quality_weight_s=1.0)
+    assert priced_out.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False) is None
+
+
+def test_a_configured_decode_speed_replaces_the_measured_one(tmp_path):
+    p = placement(tmp_path, decode_bytes_per_s=16384 * 1000)  # 16 KiB chunks: 1 ms each
+    int8 = next(c for c in p.candidates(torch.float16) if c.name == "int8")
+    assert p.load_s(torch.float16, SHAPE, 0, int8.codec_id, 1e9) == pytest.approx(1e-3)
+    assert p.read_bytes_per_s("disk", 0.0) == p.config.assumed_read_bytes_per_s
+    assert p.read_bytes_per_s("disk", 2.5) == 2.5e9
+    assert placement(tmp_path, disk_read_bytes_per_s=10**6).read_bytes_per_s("disk", 2.5) == 1e6
+
+
 def test_verdict_files_are_checked(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
@@ -164,6 +189,29 @@ def test_host_keeps_nothing_lossy_while_the_disk_holds_the_raw_copy(tmp_path):
         for k, v in zip(keys, values):
             assert torch.equal(store.get([k])[0], v)
         assert {n: t.recodes for n, t in store.stats().tiers.items()} == {"host": 0, "disk": 0}
+
+
+@pytest.mark.parametrize("encode_on_write", [True, False])
+def test_copies_written_behind_to_a_slow_disk_are_encoded_when_that_saves_time(tmp_path, encode_on_write):
+    """A disk planned at 2 MB/s loads a raw chunk in about the 8 ms recomputing takes; int8
+    halves that, so its copies are written int8 while it still has room, and read back within
+    the bound once host RAM has let them go. Without ``encode_on_write`` they stay raw."""
+    keys, values = chunks(12)
+    cfg = store_config(tmp_path, host_chunks=4, disk_chunks=64)
+    cfg.placement.disk_read_bytes_per_s = 2_000_000
+    cfg.placement.decode_bytes_per_s = 10**9
+    cfg.placement.encode_on_write = encode_on_write
+    with Store(cfg) as store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+            store.flush()
+        disk = store.stats().tiers["disk"]
+        assert disk.evictions == 0
+        assert disk.recodes == (12 if encode_on_write else 0)
+        assert disk.used_bytes == 12 * (3 if encode_on_write else CHUNK_PAGES) * PAGE
+        for k, v in zip(keys[:8], values[:8]):  # host RAM holds the last four only
+            got = store.get([k])
+            assert len(got) == 1 and (within_int8(got[0], v) if encode_on_write else torch.equal(got[0], v))
 
 
 def test_disk_victims_are_compressed_and_promoted_as_they_are(tmp_path):
