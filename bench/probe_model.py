@@ -56,12 +56,31 @@ def prefix_kv(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def continuation_logits(loaded: LoadedModel, kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``[len(ids), vocab]`` for ``ids`` following a prefix whose KV is ``kv``."""
+def prefix_attention(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities of the prefix ``ids`` ``[layers, heads, queries, keys]`` (eager
+    attention for this call, the only kind that returns them)."""
+    model = loaded.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        attentions = model(ids.unsqueeze(0), use_cache=False, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    return torch.stack([a[0] for a in attentions])
+
+
+@torch.no_grad()
+def continuation_logits(loaded: LoadedModel, kv: torch.Tensor, ids: torch.Tensor,
+                        keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[len(ids), vocab]`` for ``ids`` following a prefix whose KV is ``kv``; with
+    ``keep`` (bool per prefix token), the other prefix tokens are dropped (masked out)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     dtype = loaded.model.dtype
     for index, layer in enumerate(kv.to(dtype).permute(0, 1, 3, 2, 4)):
         cache.update(layer[0].unsqueeze(0).contiguous(), layer[1].unsqueeze(0).contiguous(), index)
-    return loaded.model(ids.unsqueeze(0), cache=cache, use_cache=True).logits[0].float()
+    kwargs = {}
+    if keep is not None:
+        kwargs["attention_mask"] = torch.cat([keep.long(), torch.ones(len(ids), dtype=torch.long)]).unsqueeze(0)
+    return loaded.model(ids.unsqueeze(0), cache=cache, use_cache=True, **kwargs).logits[0].float()
