@@ -173,7 +173,7 @@ def time_model(args, chunk: torch.Tensor) -> TimeModel | None:
     tokens = args.model_tokens or chunk.shape[2]
     per_token = args.model_kv_bytes_per_token or raw // chunk.shape[2]
     scale = tokens * per_token / raw  # modelled bytes per replayed byte
-    decode = args.decode_gbps * 1e9 if args.decode_gbps else int8_decode_bytes_per_s(chunk) * scale
+    decode = args.decode_gbps * 1e9 if args.decode_gbps else int8_decode_bytes_per_s(chunk)  # modelled bytes/s
     return TimeModel({t: v * 1e9 / scale for t, v in gbps.items()}, decode / scale, tokens / args.prefill_tok_s, scale)
 
 

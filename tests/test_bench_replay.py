@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from bench.cli import main
 from bench.replay import DEFAULT_VERDICTS
@@ -122,3 +123,23 @@ def test_the_floor_is_an_unbounded_cache_that_loads_in_no_time():
     f = floor([[1, 2, 3], [1, 2, 4], [5, 1, 2]], recompute_s=0.5)
     assert f["hit_pct"] == pytest.approx(100 * 2 / 9)  # block 1 and 2 again in request 2; request 3 starts new
     assert f["ttft_mean_s"] == pytest.approx((1.5 + 0.5 + 1.5) / 3)
+
+
+def test_the_measured_decode_speed_is_per_byte_whatever_model_the_bytes_stand_for(monkeypatch):
+    """A block standing for 100x the bytes takes 100x as long to decode (it once took as long)."""
+    import argparse
+
+    import bench.replay
+    from bench.replay import time_model
+
+    monkeypatch.setattr(bench.replay, "int8_decode_bytes_per_s", lambda chunk: 4e9)
+
+    chunk = torch.randn(2, 2, 16, 1, 64).half()
+    args = argparse.Namespace(read_gbps="host=1", decode_gbps=None, model_tokens=None, prefill_tok_s=1000.0,
+                              model_kv_bytes_per_token=None)
+    small = time_model(args, chunk)
+    args.model_kv_bytes_per_token = 100 * chunk[:, :, :1].numel() * 2
+    large = time_model(args, chunk)
+    assert large.scale == pytest.approx(100 * small.scale)
+    assert small.decode_bytes_per_s == pytest.approx(4e9 / small.scale)
+    assert small.decode_bytes_per_s / large.decode_bytes_per_s == pytest.approx(100)
