@@ -185,11 +185,13 @@ class PlacementConfig:
     """Joint compression and eviction (docs/placement.md): when a tier needs room, its
     eviction victim may stay re-encoded smaller instead of leaving."""
 
-    enabled: bool = False
+    # On by default, and inert until a verdict file allows a lossy codec (no default
+    # candidate is lossless: lz4 does not shrink fp16 KV); then the utility decides per chunk.
+    enabled: bool = True
     # Private tiers whose victims may be re-encoded in place (shared tiers never are).
     tiers: list[str] = field(default_factory=lambda: ["host", "disk"])
     # Candidate codecs; a lossy one is used only where a verdict file allows it for the dtype.
-    codecs: list[str] = field(default_factory=lambda: ["lz4", "int8", "mixed75", "mixed50", "int4"])
+    codecs: list[str] = field(default_factory=lambda: ["int8", "mixed75", "mixed50", "int4"])
     # Codec verdict files written by `kvbench probe-codec` for the served model.
     verdicts: list[str] = field(default_factory=list)
     # Lambda: seconds of load time that one percent of perplexity change costs, per use.

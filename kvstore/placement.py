@@ -112,10 +112,14 @@ class Placement:
         """Measure every candidate's size ratio and decode time on a random chunk of this
         shape and dtype (once; lossy sizes do not depend on the values, and lz4 barely
         shrinks real fp16 KV either)."""
+        profiles: dict[int, CodecProfile] = {}
+        candidates = self.candidates(dtype)
+        if not candidates:  # nothing to measure (no verdict for this dtype): no sample either
+            self._profiles[(dtype, shape)] = profiles
+            return
         sample = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
         raw_bytes = sample.numel() * sample.element_size()
-        profiles = {}
-        for codec in self.candidates(dtype):
+        for codec in candidates:
             payload = codec.encode(sample)
             out = torch.empty(shape, dtype=dtype)
             times = []
@@ -170,23 +174,26 @@ class Placement:
         tier (decoding costs more than the bytes it saves), a smaller one on a tier so slow
         that loading the raw copy costs about what recomputing does. Without room, bytes are
         what the copy displaces, and the most time saved per byte wins, as for a victim.
+        The copy is written either way and a hit on it is loaded, so where no encoding beats
+        recomputing the least costly one is still the one to write.
         """
         recompute_s = self.recompute_s(shape)
-        raw_gain = recompute_s - self.load_s(dtype, shape, blob_bytes, 0, read_bytes_per_s)
-        if not room:
-            return self._densest(dtype, shape, blob_bytes, 1.0, recompute_s, read_bytes_per_s, footprint,
-                                 max(0.0, raw_gain / footprint(blob_bytes)))
         profiles = self._profiles[(dtype, shape)]
         raw_bytes = math.prod(shape) * dtype.itemsize
-        best, best_gain = None, max(0.0, raw_gain)
+
+        def merit(gain: float, size: int) -> float:
+            return gain if room else gain / footprint(size)
+
+        raw_gain = recompute_s - self.load_s(dtype, shape, blob_bytes, 0, read_bytes_per_s)
+        best, best_merit = None, merit(raw_gain, blob_bytes)
         for codec in self.candidates(dtype):
             size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
             if footprint(size) >= footprint(blob_bytes):
                 continue
             gain = (recompute_s - self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
                     - self.config.quality_weight_s * self.quality_loss(codec, dtype))
-            if gain > best_gain:
-                best, best_gain = Choice(codec, footprint(size), gain / footprint(size)), gain
+            if merit(gain, size) > best_merit:
+                best, best_merit = Choice(codec, footprint(size), gain / footprint(size)), merit(gain, size)
         return best
 
     def _densest(self, dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price) -> Choice | None:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from kvstore.codecs import get_codec
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.placement import Placement, load_verdicts
@@ -72,7 +73,7 @@ def store_config(tmp_path, host_chunks, disk_chunks=None, policy="lru") -> Store
 
 
 def test_only_codecs_a_verdict_allows_for_the_dtype_are_candidates(tmp_path):
-    p = placement(tmp_path)
+    p = placement(tmp_path, codecs=["lz4", "int8", "int4"])
     assert [c.name for c in p.candidates(torch.float16)] == ["lz4", "int8"]  # int4 is not allowed
     assert [c.name for c in p.candidates(torch.bfloat16)] == ["lz4"]  # no verdict for bf16: lossless only
 
@@ -122,6 +123,15 @@ def test_a_new_copy_on_a_full_tier_takes_the_encoding_that_saves_most_per_byte(t
     assert priced_out.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False) is None
 
 
+def test_where_no_copy_beats_recomputing_the_least_costly_one_is_written(tmp_path):
+    """A disk at 1 MB/s loads a raw chunk in 16 ms, twice what recomputing it costs: int8's
+    copy still costs more than recomputing, but half as much as raw's, and a hit is loaded."""
+    p = placement(tmp_path, decode_bytes_per_s=10**9)
+    for room in (True, False):
+        choice = p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**6, lambda n: n, room=room)
+        assert choice is not None and choice.codec.name == "int8" and choice.utility_per_byte < 0
+
+
 def test_a_configured_decode_speed_replaces_the_measured_one(tmp_path):
     p = placement(tmp_path, decode_bytes_per_s=16384 * 1000)  # 16 KiB chunks: 1 ms each
     int8 = next(c for c in p.candidates(torch.float16) if c.name == "int8")
@@ -129,6 +139,16 @@ def test_a_configured_decode_speed_replaces_the_measured_one(tmp_path):
     assert p.read_bytes_per_s("disk", 0.0) == p.config.assumed_read_bytes_per_s
     assert p.read_bytes_per_s("disk", 2.5) == 2.5e9
     assert placement(tmp_path, disk_read_bytes_per_s=10**6).read_bytes_per_s("disk", 2.5) == 1e6
+
+
+def test_by_default_placement_is_on_and_does_nothing_without_a_verdict(tmp_path):
+    config = PlacementConfig()
+    assert config.enabled and all(not get_codec(c).lossless for c in config.codecs)
+    p = Placement(config)
+    p.profile(torch.float16, SHAPE)
+    assert p.candidates(torch.float16) == []
+    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+    assert p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 1e6, lambda n: n, room=True) is None
 
 
 def test_verdict_files_are_checked(tmp_path):
