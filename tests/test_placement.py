@@ -300,16 +300,46 @@ def test_concurrent_readers_see_whole_chunks_while_victims_are_re_encoded(tmp_pa
     assert errors == []
 
 
+def test_concurrent_readers_see_whole_chunks_while_copies_are_encoded_on_write(tmp_path):
+    keys, values = chunks(40)
+    cfg = store_config(tmp_path, host_chunks=6, disk_chunks=64)
+    cfg.placement.disk_read_bytes_per_s, cfg.placement.decode_bytes_per_s = 2_000_000, 10**9
+    errors = []
+    with Store(cfg) as store:
+        def read():
+            out = torch.empty(SHAPE, dtype=torch.float16)
+            for _ in range(10):
+                for i in range(40):
+                    if store.get_into(keys[i], out) and not within_int8(out, values[i]):
+                        errors.append(i)
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for t in readers:
+            t.start()
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        for t in readers:
+            t.join()
+        store.flush()
+        assert store.stats().tiers["disk"].recodes == 40
+        assert all(store.contains(k) for k in keys)
+    assert errors == []
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 23)), min_size=1, max_size=80),
        host_chunks=st.integers(4, 10), disk_chunks=st.sampled_from([None, 6, 12]),
-       policy=st.sampled_from(["lru", "arc", "default"]))
+       policy=st.sampled_from(["lru", "arc", "default"]), slow_disk=st.booleans())
 def test_placement_never_exceeds_capacity_and_never_serves_a_wrong_chunk(
-    tmp_path_factory, ops, host_chunks, disk_chunks, policy
+    tmp_path_factory, ops, host_chunks, disk_chunks, policy, slow_disk
 ):
+    """``slow_disk``: the disk is planned at 2 MB/s, so its copies are written int8 too."""
     tmp_path = tmp_path_factory.mktemp("p")
     keys, values = chunks(24)
-    with Store(store_config(tmp_path, host_chunks, disk_chunks, policy)) as store:
+    cfg = store_config(tmp_path, host_chunks, disk_chunks, policy)
+    if slow_disk:
+        cfg.placement.disk_read_bytes_per_s, cfg.placement.decode_bytes_per_s = 2_000_000, 10**9
+    with Store(cfg) as store:
         out = torch.empty(SHAPE, dtype=torch.float16)
         for op, i in ops:
             if op == "put":
