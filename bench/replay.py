@@ -54,7 +54,8 @@ from bench.cli import UsageError
 from bench.progress import Progress
 from bench.traces import load_trace
 from kvstore.codecs import codec_names, get_codec
-from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig
+from kvstore.config import (DiskTierConfig, HostTierConfig, PfsTierConfig, PlacementConfig, ReplicationConfig,
+                            StoreConfig)
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.placement import load_verdicts
 from kvstore.policies import POLICIES
@@ -70,6 +71,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--requests", type=int, default=1000, help="replay the first N requests")
     p.add_argument("--host-pct", type=float, default=1.0, help="host RAM capacity, %% of distinct blocks")
     p.add_argument("--disk-pct", type=float, default=10.0, help="local disk capacity, %% of distinct blocks")
+    p.add_argument("--pfs-pct", type=float, default=0.0,
+                   help="a PFS tier (a directory) of this capacity, %% of distinct blocks (0: none)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=64)
@@ -117,22 +120,23 @@ class TimeModel:
 
 @dataclass(frozen=True)
 class Variant:
-    """A policy as named on the command line: ``NAME[+compress][+CODEC]``."""
+    """A policy as named on the command line: ``NAME[+compress][+replicate][+CODEC]``."""
 
     name: str
     policy: str
     compress: bool
+    replicate: bool
     codec: str | None
 
 
 def parse_variant(name: str) -> Variant:
     policy, *mods = name.split("+")
-    codecs = [m for m in mods if m != COMPRESS.lstrip("+")]
+    codecs = [m for m in mods if m not in ("compress", "replicate")]
     if policy != "default" and policy not in POLICIES:
         raise UsageError(f"unknown policies [{name!r}]; known: default, {', '.join(sorted(POLICIES))}")
     if len(codecs) > 1 or any(c not in codec_names() for c in codecs):
-        raise UsageError(f"{name}: after '+', 'compress' or one codec of {codec_names()}")
-    return Variant(name, policy, len(codecs) < len(mods), codecs[0] if codecs else None)
+        raise UsageError(f"{name}: after '+', 'compress', 'replicate' or one codec of {codec_names()}")
+    return Variant(name, policy, "compress" in mods, "replicate" in mods, codecs[0] if codecs else None)
 
 
 def real_chunks(tokens: int, max_tokens: int = 1024) -> list[torch.Tensor]:
@@ -202,12 +206,16 @@ def replay_one(requests, variant: Variant, args, ns: Namespace, root: Path, prog
         placement.prefill_tokens_per_s = ns.chunk_tokens / model.recompute_s
         placement.host_read_bytes_per_s = int(model.read_bytes_per_s.get("host", 0))
         placement.disk_read_bytes_per_s = int(model.read_bytes_per_s.get("disk", 0))
+        placement.pfs_read_bytes_per_s = int(model.read_bytes_per_s.get("pfs", 0))
         placement.decode_bytes_per_s = max(1, int(model.decode_bytes_per_s))
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=max(4, int(distinct * args.host_pct / 100)) * blob, page_bytes=4096, prefault=False),
-        disk=DiskTierConfig(path=str(root / variant.name), capacity_bytes=max(4, int(distinct * args.disk_pct / 100)) * blob),
+        disk=DiskTierConfig(path=str(root / variant.name / "disk"), capacity_bytes=max(4, int(distinct * args.disk_pct / 100)) * blob),
+        pfs=PfsTierConfig(enabled=args.pfs_pct > 0, path=str(root / variant.name / "pfs"),
+                          capacity_bytes=max(4, int(distinct * args.pfs_pct / 100)) * blob),
         eviction_policy=variant.policy,
         placement=placement,
+        replication=ReplicationConfig(mode="utility" if variant.replicate else "all"),
     )
     longest = max(len(r) for r in requests)
     outs = [torch.empty_like(chunk) for _ in range(longest)]
@@ -313,7 +321,7 @@ def run(args) -> int:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     recompute_s = model.recompute_s if model is not None else ns.chunk_tokens / args.prefill_tok_s
-    report = {"trace": trace.name, "requests": len(requests), "host_pct": args.host_pct,
+    report = {"trace": trace.name, "requests": len(requests), "host_pct": args.host_pct, "pfs_pct": args.pfs_pct,
               "floor": floor(requests, recompute_s),
               "disk_pct": args.disk_pct, "prefill_tok_s": args.prefill_tok_s, "payloads": args.payloads,
               "chunk_shape": list(ns.chunk_shape), "quality_weight_s": args.quality_weight_s,
@@ -331,7 +339,7 @@ def run(args) -> int:
 
 def _print(report: dict) -> None:
     print(f"{report['trace']}: {report['requests']} requests; host {report['host_pct']}%, "
-          f"disk {report['disk_pct']}% of distinct blocks")
+          f"disk {report['disk_pct']}%{', PFS ' + str(report['pfs_pct']) + '%' if report['pfs_pct'] else ''} of distinct blocks")
     if report["time_model"]:
         m = report["time_model"]
         print(f"time modelled: read {m['read_gbps']} GB/s, decode {m['decode_gbps']:.2f} GB/s"
@@ -339,12 +347,12 @@ def _print(report: dict) -> None:
               f"{m['recompute_s_per_block'] * 1e3:.1f} ms to recompute a block")
     f = report["floor"]
     print(f"floor (an unbounded cache loading in no time): {f['hit_pct']:.2f}% hits, TTFT mean {f['ttft_mean_s']:.4f} s")
-    print(f"{'policy':<18} {'host hit%':>9} {'disk hit%':>9} {'lossy%':>7} {'ppl<=%':>7} {'read MB':>8} {'written MB':>10} "
+    print(f"{'policy':<18} {'host hit%':>9} {'disk hit%':>9} {'pfs hit%':>8} {'lossy%':>7} {'ppl<=%':>7} {'read MB':>8} {'written MB':>10} "
           f"{'TTFT mean':>10} {'p50':>8} {'p90':>8} {'p99':>8}")
     for name, r in report["policies"].items():
         h, t = r["hit_pct"], r["ttft"]
         read, written = sum(r["bytes_read"].values()) / 1e6, sum(r["bytes_written"].values()) / 1e6
-        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('disk', 0):9.2f} {r['lossy_hit_pct']:7.2f} "
+        print(f"{name:<18} {h.get('host', 0):9.2f} {h.get('disk', 0):9.2f} {h.get('pfs', 0):8.2f} {r['lossy_hit_pct']:7.2f} "
               f"{r['ppl_change_bound_pct']:7.3f} {read:8.1f} "
               f"{written:10.1f} {t['mean_s']:10.4f} {t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")
     classes = sorted({c for r in report["policies"].values() for c in r["by_class"]})

@@ -204,12 +204,24 @@ class PlacementConfig:
     # whose reads here do not show its real speed (a page cache in front of a throttled disk).
     host_read_bytes_per_s: int = 0
     disk_read_bytes_per_s: int = 0
+    pfs_read_bytes_per_s: int = 0
+    redis_read_bytes_per_s: int = 0
     # Decode speed, raw bytes out per second (0 = measured on this host's CPU at the first
     # put of a shape); set it where chunks are decoded elsewhere (e.g. on the device).
     decode_bytes_per_s: int = 0
     # Copies written behind to a tier in `tiers` (not the first) get the encoding with the
     # most time saved per byte there, the put's own included, not always the put's.
     encode_on_write: bool = True
+
+
+@dataclass
+class ReplicationConfig:
+    """Which replica tiers get a copy of a chunk (docs/placement.md, "Replication")."""
+
+    # "all": every chunk to every replica tier. "utility": per chunk, the tiers whose copy
+    # saves more load time per byte than it displaces (the planning bandwidths and prefill
+    # cost model of [placement]); a chunk read again from below host RAM gains copies.
+    mode: str = "all"
 
 
 @dataclass
@@ -223,6 +235,7 @@ class StoreConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     write_behind: WriteBehindConfig = field(default_factory=WriteBehindConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     # Tiers that receive a copy of every new chunk, written behind; unset = every enabled
     # tier below host RAM. Names: gpu, disk, pfs, redis.
     replicate_to: list[str] | None = None
@@ -257,7 +270,10 @@ class StoreConfig:
         bad = [c for c in self.placement.codecs if c not in codec_names()]
         if bad:
             raise ConfigError(f"placement.codecs: unknown codecs {bad}; known: {codec_names()}")
-        for name in ("host_read_bytes_per_s", "disk_read_bytes_per_s", "decode_bytes_per_s"):
+        if self.replication.mode not in ("all", "utility"):
+            raise ConfigError(f"replication.mode: expected \"all\" or \"utility\", got {self.replication.mode!r}")
+        for name in ("host_read_bytes_per_s", "disk_read_bytes_per_s", "pfs_read_bytes_per_s",
+                     "redis_read_bytes_per_s", "decode_bytes_per_s"):
             if getattr(self.placement, name) < 0:
                 raise ConfigError(f"placement.{name}: must be 0 (measured) or positive, got {getattr(self.placement, name)}")
         for path, value in (("write_behind.stall_s", self.write_behind.stall_s),

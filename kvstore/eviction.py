@@ -17,6 +17,7 @@ from kvstore.blob import CorruptBlob, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
 from kvstore.placement import Placement
+from kvstore.replication import DisplacedReuse
 from kvstore.tier_io import TierIO
 from tiers.base import Tier, TierError, TierFull
 
@@ -41,6 +42,7 @@ class Evictor:
         self.placement = placement
         self.placement_tiers = placement_tiers if placement is not None else set()
         self._copies_pending = copies_pending
+        self.displaced = DisplacedReuse()  # what a new copy in each tier would displace (replication)
         self.recode_failures = 0
 
     def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
@@ -97,6 +99,7 @@ class Evictor:
                     index.sync(victim, entry)
                     return deletes, job
                 index.stats[tier.name].evictions += 1
+                self.displaced.evicted(tier.name, policy.reuse_estimate(victim))
                 freed += tier.footprint(replica.size)
                 index.remove_replica(victim, entry, tier.name)
                 deletes.append((tier.name, victim))

@@ -71,12 +71,20 @@ def load_verdicts(paths: list[str]) -> dict[str, dict[str, float]]:
     return allowed
 
 
+def planned_read_bytes_per_s(config: PlacementConfig, tier_name: str, measured_gbps: float) -> float:
+    """The bandwidth to plan with for a tier: the configured one, else the measured one,
+    else the assumed one."""
+    configured = getattr(config, f"{tier_name}_read_bytes_per_s", 0)
+    if configured:
+        return float(configured)
+    return measured_gbps * 1e9 if measured_gbps > 0 else float(config.assumed_read_bytes_per_s)
+
+
 class Placement:
     def __init__(self, config: PlacementConfig) -> None:
         if config.quality_weight_s < 0 or config.prefill_tokens_per_s <= 0 or config.assumed_read_bytes_per_s <= 0:
             raise ValueError("placement: quality_weight_s must be >= 0, prefill_tokens_per_s and "
                              "assumed_read_bytes_per_s positive")
-        self._planned_read = {"host": config.host_read_bytes_per_s, "disk": config.disk_read_bytes_per_s}
         self.config = config
         try:
             self._codecs = [get_codec(name) for name in config.codecs]
@@ -99,11 +107,7 @@ class Placement:
         return shape[2] / self.config.prefill_tokens_per_s
 
     def read_bytes_per_s(self, tier_name: str, measured_gbps: float) -> float:
-        """The bandwidth to plan with for a tier: the configured one, else the measured one,
-        else the assumed one."""
-        if self._planned_read.get(tier_name):
-            return float(self._planned_read[tier_name])
-        return measured_gbps * 1e9 if measured_gbps > 0 else float(self.config.assumed_read_bytes_per_s)
+        return planned_read_bytes_per_s(self.config, tier_name, measured_gbps)
 
     def profiled(self, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         return (dtype, shape) in self._profiles

@@ -40,7 +40,8 @@ from kvstore.eviction import Evictor
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica, StoreClosed
 from kvstore.integrity import check_integrity
 from kvstore.keys import ChunkKey
-from kvstore.placement import Placement
+from kvstore.placement import Placement, planned_read_bytes_per_s
+from kvstore.replication import TierOption, plan as replication_plan
 from kvstore.policies import make_policy
 from kvstore.quota import ReplicaUsage
 from kvstore.read_path import ReadPath
@@ -241,8 +242,27 @@ class Store:
             entry.parent = parent if parent is not None else entry.parent
         index.set_replica(key_id, entry, self.first.name, Replica(size, header.codec_id, entry.version))
         index.stats[self.first.name].bytes_written += size
-        self._write_behind.queue(key_id, entry, reservation, ticket)
+        # a durable put is a promise about every replica tier; a plain one gets the planned copies
+        self._write_behind.queue(key_id, entry, reservation, ticket, None if ticket else self._planned_copies(key_id, entry))
         return True
+
+    def _planned_copies(self, key_id: bytes, entry: Entry) -> list[str] | None:
+        """The replica tiers that should get a copy of ``entry`` besides those that have one
+        (index lock held): None for every one (``replication.mode = "all"``), else the
+        replication planner's choice (kvstore/replication.py)."""
+        if self.config.replication.mode == "all" or entry.header is None:
+            return None
+        stats, placement = self.index.stats, self.config.placement
+
+        def bandwidth(name: str) -> float:
+            return planned_read_bytes_per_s(placement, name, stats[name].read_gbps)
+
+        have = {t.name: bandwidth(t.name) for t in self.replica_tiers if entry.current(t.name) is not None}
+        options = [TierOption(t.name, bandwidth(t.name), t.footprint(entry.size),
+                              t.capacity_bytes - t.used_bytes >= t.footprint(entry.size), self._evictor.displaced[t.name])
+                   for t in self.replica_tiers if t.name not in have]
+        reuse = self.index.policies[self.first.name].reuse_estimate(key_id)
+        return replication_plan(reuse, entry.size, entry.header.shape[2] / placement.prefill_tokens_per_s, have, options)
 
     def _write_first(self, key_id: bytes, parts, size: int, wait: bool, precheck, commit) -> bool:
         """Write a blob into the first tier under its key lock, making room first (without the
@@ -296,6 +316,10 @@ class Store:
             entry = self.index.get(key_id)
             self.index.set_replica(key_id, entry, self.first.name, Replica(size, codec_id, version))
             self.index.stats[self.first.name].bytes_written += size
+            more = self._planned_copies(key_id, entry)
+            if more:  # read again from below: it may have earned more copies (never waited for)
+                room = self._write_behind.try_reserve(entry.size, more)
+                self._write_behind.queue(key_id, entry, room, None, list(room.tiers))
             return True
 
         with self.index.lock:

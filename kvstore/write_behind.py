@@ -142,6 +142,20 @@ class WriteBehind:
                 reserved.append(name)
         return Reservation(size, reserved, stalled)
 
+    def try_reserve(self, size: int, tier_names: Sequence[str]) -> Reservation:
+        """Room for ``size`` bytes in each named queue that has it now, without waiting (index
+        lock held): for copies nobody waits for."""
+        now, reserved = time.monotonic(), []
+        for name in tier_names:
+            q = self.queues[name]
+            if q.pending_bytes == 0:
+                q.last_progress = now
+            elif q.pending_bytes + size > self.max_pending_bytes or self._stalled(q, now):
+                continue
+            q.pending_bytes += size
+            reserved.append(name)
+        return Reservation(size, reserved, [])
+
     def release(self, reservation: Reservation) -> None:
         with self.index.lock:
             for name in reservation.tiers:
@@ -151,16 +165,19 @@ class WriteBehind:
 
     # -- queueing (index lock held) -------------------------------------------------------------
 
-    def queue(self, key_id: bytes, entry: Entry, reservation: Reservation, ticket: Ticket | None) -> None:
+    def queue(self, key_id: bytes, entry: Entry, reservation: Reservation, ticket: Ticket | None,
+              only: Sequence[str] | None = None) -> None:
         """Queue the copies ``entry``'s latest version still needs (index lock held), using
-        the reserved room; with a ticket, also syncs of copies written without one. ``entry``
+        the reserved room; with a ticket, also syncs of copies written without one; with
+        ``only``, copies to those tiers alone (the rest of the room is given back). ``entry``
         must be the key's entry in the index now."""
         assert self.index.get(key_id) is entry, "copies queued for an entry no longer in the index"
         for name, q in self.queues.items():
             reserved = name in reservation.tiers
             current = entry.current(name)
             job = None
-            if current is None or (ticket is not None and not current.synced):
+            wanted = only is None or name in only
+            if wanted and (current is None or (ticket is not None and not current.synced)):
                 job = q.waiting.get(key_id)
                 if job is not None and job.entry is not entry:
                     job = None

@@ -143,3 +143,15 @@ def test_the_measured_decode_speed_is_per_byte_whatever_model_the_bytes_stand_fo
     assert large.scale == pytest.approx(100 * small.scale)
     assert small.decode_bytes_per_s == pytest.approx(4e9 / small.scale)
     assert small.decode_bytes_per_s / large.decode_bytes_per_s == pytest.approx(100)
+
+
+def test_replay_with_a_pfs_and_planned_replication(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("".join(f"{i}\n" for i in range(12)) * 3)
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--trace", str(trace), "--policies", "lru,lru+replicate", "--layers", "1", "--head-dim",
+                 "16", "--tokens", "16", "--host-pct", "10", "--disk-pct", "40", "--pfs-pct", "40",
+                 "--read-gbps", "host=10,disk=1,pfs=2", "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    plain, planned = (json.loads(out.read_text())["policies"][p] for p in ("lru", "lru+replicate"))
+    # every chunk in both tiers holds 4 of 12 below host RAM; one copy each, 8
+    assert plain["hit_pct"]["pfs"] + plain["hit_pct"]["disk"] < planned["hit_pct"]["pfs"] + planned["hit_pct"]["disk"]

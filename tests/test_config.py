@@ -61,6 +61,8 @@ assumed_read_bytes_per_s = "2GB/s"
         ({"placement": {"tiers": ["tape"]}}, "placement.tiers: unknown tiers"),
         ({"placement": {"codecs": ["zstd"]}}, "placement.codecs: unknown codecs"),
         ({"write_behind": {"stall_s": 0}}, "write_behind.stall_s: must be positive"),
+        ({"replication": {"mode": "some"}}, "replication.mode: expected"),
+        ({"placement": {"pfs_read_bytes_per_s": -1}}, "placement.pfs_read_bytes_per_s: size must not be negative"),
     ],
 )
 def test_errors_name_the_key(data, where):
