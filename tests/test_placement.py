@@ -1,5 +1,6 @@
 import json
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -275,27 +276,36 @@ def test_placement_refuses_shared_tiers(tmp_path):
         Store(cfg)
 
 
+@contextmanager
+def checking_readers(store, keys, values, rounds: int, errors: list):
+    """Two threads reading every key ``rounds`` times while the block runs; a chunk read
+    outside int8's bound of its value goes into ``errors``."""
+    def read():
+        out = torch.empty(SHAPE, dtype=torch.float16)
+        for _ in range(rounds):
+            for i, key in enumerate(keys):
+                if store.get_into(key, out) and not within_int8(out, values[i]):
+                    errors.append(i)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in readers:
+            t.join()
+
+
 def test_concurrent_readers_see_whole_chunks_while_victims_are_re_encoded(tmp_path):
     keys, values = chunks(40)
     errors = []
     with Store(store_config(tmp_path, host_chunks=10)) as store:
         for k, v in zip(keys[:10], values[:10]):
             store.put(k, v)
-
-        def read():
-            out = torch.empty(SHAPE, dtype=torch.float16)
-            for _ in range(20):
-                for i in range(40):
-                    if store.get_into(keys[i], out) and not within_int8(out, values[i]):
-                        errors.append(i)
-
-        readers = [threading.Thread(target=read) for _ in range(2)]
-        for t in readers:
-            t.start()
-        for k, v in zip(keys[10:], values[10:]):
-            store.put(k, v)
-        for t in readers:
-            t.join()
+        with checking_readers(store, keys, values, rounds=20, errors=errors):
+            for k, v in zip(keys[10:], values[10:]):
+                store.put(k, v)
         assert store.stats().tiers["host"].recodes > 0
     assert errors == []
 
@@ -306,20 +316,9 @@ def test_concurrent_readers_see_whole_chunks_while_copies_are_encoded_on_write(t
     cfg.placement.disk_read_bytes_per_s, cfg.placement.decode_bytes_per_s = 2_000_000, 10**9
     errors = []
     with Store(cfg) as store:
-        def read():
-            out = torch.empty(SHAPE, dtype=torch.float16)
-            for _ in range(10):
-                for i in range(40):
-                    if store.get_into(keys[i], out) and not within_int8(out, values[i]):
-                        errors.append(i)
-
-        readers = [threading.Thread(target=read) for _ in range(2)]
-        for t in readers:
-            t.start()
-        for k, v in zip(keys, values):
-            store.put(k, v)
-        for t in readers:
-            t.join()
+        with checking_readers(store, keys, values, rounds=10, errors=errors):
+            for k, v in zip(keys, values):
+                store.put(k, v)
         store.flush()
         assert store.stats().tiers["disk"].recodes == 40
         assert all(store.contains(k) for k in keys)
