@@ -93,6 +93,12 @@ class Placement:
         self._quality = load_verdicts(config.verdicts)
         self._profiles: dict[tuple[torch.dtype, tuple[int, ...]], dict[int, CodecProfile]] = {}
 
+    @property
+    def inert(self) -> bool:
+        """No chunk of any dtype can have a candidate: nothing for placement to decide."""
+        return not any(c.lossless or any(c.name in allowed for allowed in self._quality.values())
+                       for c in self._codecs)
+
     def candidates(self, dtype: torch.dtype) -> list[Codec]:
         """Lossless codecs always; a lossy one only where a verdict allows it for ``dtype``."""
         allowed = self._quality.get(DTYPE_NAMES[dtype], {})

@@ -113,6 +113,8 @@ class Store:
         self.shared_tiers = [t for t in self.tiers if t.shared]
         self.shared_index = SharedIndexClient(config) if config.shared_index.enabled else None
         self.placement = Placement(config.placement) if config.placement.enabled else None
+        if self.placement is not None and self.placement.inert:
+            self.placement = None  # the default without a verdict file: no per-put work for nothing
         shared_named = [t.name for t in self.shared_tiers if t.name in config.placement.tiers]
         if self.placement is not None and shared_named:
             raise ValueError(f"placement.tiers names shared tiers {shared_named}; only private tiers are re-encoded")

@@ -150,6 +150,11 @@ def test_by_default_placement_is_on_and_does_nothing_without_a_verdict(tmp_path)
     assert p.candidates(torch.float16) == []
     assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
     assert p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 1e6, lambda n: n, room=True) is None
+    assert p.inert and not placement(tmp_path).inert
+    assert not Placement(PlacementConfig(codecs=["lz4"])).inert  # a lossless candidate needs no verdict
+    with Store(StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, prefault=False),
+                           disk=DiskTierConfig(enabled=False))) as store:
+        assert store.placement is None
 
 
 def test_verdict_files_are_checked(tmp_path):
