@@ -219,7 +219,7 @@ def replay_one(requests, variant: Variant, args, ns: Namespace, root: Path, prog
     )
     longest = max(len(r) for r in requests)
     outs = [torch.empty_like(chunk) for _ in range(longest)]
-    recompute_s = model.recompute_s if model is not None else ns.chunk_tokens / args.prefill_tok_s
+    recompute_s = _recompute_s(model, ns, args)
     ttft, served, accesses = [], {}, 0
     by_class: dict[str, dict[str, list]] = {}  # class -> {"ttft": [...], "blocks": [hit, accessed]}
     with Store(cfg) as store:
@@ -264,6 +264,11 @@ def replay_one(requests, variant: Variant, args, ns: Namespace, root: Path, prog
         "by_class": {c: {"requests": len(v["ttft"]), "prefix_hit_pct": 100 * v["blocks"][0] / v["blocks"][1],
                          "ttft": _percentiles(v["ttft"])} for c, v in sorted(by_class.items())},
     }
+
+
+def _recompute_s(model: TimeModel | None, ns: Namespace, args) -> float:
+    """What a missed block costs: modelled, or the replayed chunk's tokens at the prefill rate."""
+    return model.recompute_s if model is not None else ns.chunk_tokens / args.prefill_tok_s
 
 
 def _slot(block_id, n: int) -> int:
@@ -320,7 +325,7 @@ def run(args) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    recompute_s = model.recompute_s if model is not None else ns.chunk_tokens / args.prefill_tok_s
+    recompute_s = _recompute_s(model, ns, args)
     report = {"trace": trace.name, "requests": len(requests), "host_pct": args.host_pct, "pfs_pct": args.pfs_pct,
               "floor": floor(requests, recompute_s),
               "disk_pct": args.disk_pct, "prefill_tok_s": args.prefill_tok_s, "payloads": args.payloads,

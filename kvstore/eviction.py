@@ -37,12 +37,14 @@ class _Recode:
 
 class Evictor:
     def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, tiers: dict[str, Tier],
-                 placement: Placement | None, placement_tiers: set[str], copies_pending: Callable[[], bool]) -> None:
+                 placement: Placement | None, placement_tiers: set[str], copies_pending: Callable[[], bool],
+                 track_displaced: bool = False) -> None:
         self.index, self.locks, self.io, self.tiers = index, locks, io, tiers
         self.placement = placement
         self.placement_tiers = placement_tiers if placement is not None else set()
         self._copies_pending = copies_pending
-        self.displaced = DisplacedReuse()  # what a new copy in each tier would displace (replication)
+        # what a new copy in each tier would displace: kept only for replication's planner
+        self.displaced = DisplacedReuse() if track_displaced else None
         self.recode_failures = 0
 
     def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
@@ -99,7 +101,8 @@ class Evictor:
                     index.sync(victim, entry)
                     return deletes, job
                 index.stats[tier.name].evictions += 1
-                self.displaced.evicted(tier.name, policy.reuse_estimate(victim))
+                if self.displaced is not None:
+                    self.displaced.evicted(tier.name, policy.reuse_estimate(victim))
                 freed += tier.footprint(replica.size)
                 index.remove_replica(victim, entry, tier.name)
                 deletes.append((tier.name, victim))

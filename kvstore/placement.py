@@ -188,36 +188,33 @@ class Placement:
         recomputing the least costly one is still the one to write.
         """
         recompute_s = self.recompute_s(shape)
-        profiles = self._profiles[(dtype, shape)]
-        raw_bytes = math.prod(shape) * dtype.itemsize
 
         def merit(gain: float, size: int) -> float:
             return gain if room else gain / footprint(size)
 
         raw_gain = recompute_s - self.load_s(dtype, shape, blob_bytes, 0, read_bytes_per_s)
         best, best_merit = None, merit(raw_gain, blob_bytes)
-        for codec in self.candidates(dtype):
-            size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
-            if footprint(size) >= footprint(blob_bytes):
-                continue
-            gain = (recompute_s - self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
-                    - self.config.quality_weight_s * self.quality_loss(codec, dtype))
+        for codec, size, gain in self._shrinking(dtype, shape, blob_bytes, recompute_s, read_bytes_per_s, footprint):
             if merit(gain, size) > best_merit:
                 best, best_merit = Choice(codec, footprint(size), gain / footprint(size)), merit(gain, size)
         return best
 
+    def _shrinking(self, dtype, shape, blob_bytes, fallback_s, read_bytes_per_s, footprint):
+        """(codec, encoded blob size, seconds saved per use against ``fallback_s``) of every
+        candidate whose blob takes less of the tier than one of ``blob_bytes``."""
+        profiles = self._profiles[(dtype, shape)]
+        raw_bytes = math.prod(shape) * dtype.itemsize
+        for codec in self.candidates(dtype):
+            size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
+            if footprint(size) < footprint(blob_bytes):
+                load_s = self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
+                yield codec, size, fallback_s - load_s - self.config.quality_weight_s * self.quality_loss(codec, dtype)
+
     def _densest(self, dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price) -> Choice | None:
         """The candidate that shrinks a blob of ``blob_bytes`` with the highest ``reuse x gain /
         footprint``, if its gain is positive and that beats ``price``."""
-        profiles = self._profiles[(dtype, shape)]
-        raw_bytes = math.prod(shape) * dtype.itemsize
         best: Choice | None = None
-        for codec in self.candidates(dtype):
-            size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
-            if footprint(size) >= footprint(blob_bytes):
-                continue
-            load_s = self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
-            gain = fallback_s - load_s - self.config.quality_weight_s * self.quality_loss(codec, dtype)
+        for codec, size, gain in self._shrinking(dtype, shape, blob_bytes, fallback_s, read_bytes_per_s, footprint):
             density = reuse * gain / footprint(size)
             if gain > 0 and density > price and (best is None or density > best.utility_per_byte):
                 best = Choice(codec, footprint(size), density)

@@ -48,6 +48,7 @@ def plan(reuse: float, size: int, recompute_s: float, have: dict[str, float], op
     added: list[str] = []
     while True:
         now = load_s(size, list(chosen.values()), recompute_s)
+        first = not chosen  # the first copy is ranked by what it saves alone
         best, best_rank = None, None
         for option in options:
             if option.name in chosen:
@@ -55,7 +56,6 @@ def plan(reuse: float, size: int, recompute_s: float, have: dict[str, float], op
             gain = now - load_s(size, [*chosen.values(), option.read_bytes_per_s], recompute_s)
             displaced = 0.0 if option.room else option.displaced * max(0.0, recompute_s - size / option.read_bytes_per_s)
             net = (reuse * gain - displaced) / option.footprint
-            first = not chosen  # the first copy is ranked by what it saves alone
             rank = (reuse * gain / option.footprint,) if first else (net, reuse * gain / option.footprint)
             if gain > 0 and reuse > 0 and (first or net >= 0) and (best_rank is None or rank > best_rank):
                 best, best_rank = option, rank

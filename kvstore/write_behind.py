@@ -133,28 +133,22 @@ class WriteBehind:
                         break
                     self.index.changed.wait(timeout=max(self.stall_s / 4, 0.01))
                     self.index.check_open()
-                if q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
-                    stalled.append(name)
-                    continue
-                if q.pending_bytes == 0:
-                    q.last_progress = time.monotonic()  # the stall clock starts with the queue
-                q.pending_bytes += size
-                reserved.append(name)
+                (reserved if self._take(q, size) else stalled).append(name)
         return Reservation(size, reserved, stalled)
 
     def try_reserve(self, size: int, tier_names: Sequence[str]) -> Reservation:
         """Room for ``size`` bytes in each named queue that has it now, without waiting (index
         lock held): for copies nobody waits for."""
-        now, reserved = time.monotonic(), []
-        for name in tier_names:
-            q = self.queues[name]
-            if q.pending_bytes == 0:
-                q.last_progress = now
-            elif q.pending_bytes + size > self.max_pending_bytes or self._stalled(q, now):
-                continue
-            q.pending_bytes += size
-            reserved.append(name)
-        return Reservation(size, reserved, [])
+        return Reservation(size, [name for name in tier_names if self._take(self.queues[name], size)], [])
+
+    def _take(self, q: _Queue, size: int) -> bool:
+        """Room for ``size`` bytes in ``q`` if it has it (index lock held)."""
+        if q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
+            return False
+        if q.pending_bytes == 0:
+            q.last_progress = time.monotonic()  # the stall clock starts with the queue
+        q.pending_bytes += size
+        return True
 
     def release(self, reservation: Reservation) -> None:
         with self.index.lock:
