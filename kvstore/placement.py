@@ -121,7 +121,8 @@ class Placement:
     def profile(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Measure every candidate's size ratio and decode time on a random chunk of this
         shape and dtype (once; lossy sizes do not depend on the values, and lz4 barely
-        shrinks real fp16 KV either)."""
+        shrinks real fp16 KV either). A codec that cannot encode the shape (a mixed budget
+        below what its scales take) is no candidate for it."""
         profiles: dict[int, CodecProfile] = {}
         candidates = self.candidates(dtype)
         if not candidates:  # nothing to measure (no verdict for this dtype): no sample either
@@ -130,7 +131,10 @@ class Placement:
         sample = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
         raw_bytes = sample.numel() * sample.element_size()
         for codec in candidates:
-            payload = codec.encode(sample)
+            try:
+                payload = codec.encode(sample)
+            except ValueError:
+                continue
             out = torch.empty(shape, dtype=dtype)
             times = []
             for _ in range(PROFILE_DECODES):
@@ -205,6 +209,8 @@ class Placement:
         profiles = self._profiles[(dtype, shape)]
         raw_bytes = math.prod(shape) * dtype.itemsize
         for codec in self.candidates(dtype):
+            if codec.codec_id not in profiles:
+                continue  # cannot encode this shape
             size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
             if footprint(size) < footprint(blob_bytes):
                 load_s = self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)

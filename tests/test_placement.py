@@ -157,6 +157,22 @@ def test_by_default_placement_is_on_and_does_nothing_without_a_verdict(tmp_path)
         assert store.placement is None
 
 
+def test_a_codec_that_cannot_encode_the_shape_is_no_candidate_and_puts_still_succeed(tmp_path):
+    """mixed25's budget at head_dim 64 is below what its scales take: it raises on encode.
+    Profiling it used to raise out of every put of that shape."""
+    p = placement(tmp_path, codecs=["mixed25", "int8"], verdicts=[verdict_file(tmp_path, mixed25=0.1, int8=0.02)])
+    choice = p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n)
+    assert choice is not None and choice.codec.name == "int8"
+    cfg = store_config(tmp_path, host_chunks=2)
+    cfg.placement.codecs, cfg.placement.verdicts = ["mixed25"], [verdict_file(tmp_path, mixed25=0.1)]
+    keys, values = chunks(3)
+    with Store(cfg) as store:
+        for key, value in zip(keys, values):
+            store.put(key, value)
+        out = torch.empty_like(values[-1])
+        assert store.get_into(keys[-1], out) and torch.equal(out, values[-1])
+
+
 def test_verdict_files_are_checked(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
