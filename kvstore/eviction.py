@@ -93,6 +93,7 @@ class Evictor:
                 entry = index.get(victim)
                 replica = entry.replicas.get(tier.name) if entry is not None else None
                 if replica is None:
+                    self.io.doom(tier.name, victim)
                     deletes.append((tier.name, victim))  # a policy key the index lost: free it anyway
                     continue
                 job = self._plan_recode(tier, victim, entry, replica) if recode else None
@@ -105,6 +106,7 @@ class Evictor:
                     self.displaced.evicted(tier.name, policy.reuse_estimate(victim))
                 freed += tier.footprint(replica.size)
                 index.remove_replica(victim, entry, tier.name)
+                self.io.doom(tier.name, victim)
                 deletes.append((tier.name, victim))
             return deletes, None
         finally:
@@ -184,14 +186,15 @@ class Evictor:
         keep = parts is not None and tier.footprint(size) < tier.footprint(job.replica.size)
         with index.lock:
             keep = keep and self._planned(job)
-        written = keep and self._replace(tier, key_id, parts)
+            synced = job.replica.synced
+        written = keep and self._replace(tier, key_id, parts, synced)
         with index.lock:
             entry.recoding.discard(name)
             if not self._planned(job):
                 index.sync(key_id, entry)
                 return
             if written:
-                index.record(key_id, entry, name, Replica(size, job.codec.codec_id, job.replica.version, job.replica.synced))
+                index.record(key_id, entry, name, Replica(size, job.codec.codec_id, job.replica.version, synced))
                 index.stats[name].recodes += 1
                 index.stats[name].bytes_written += size
                 if index.evictable(name, entry):
@@ -204,19 +207,24 @@ class Evictor:
         self.io.delete_held(tier, key_id)
 
     @staticmethod
-    def _replace(tier: Tier, key_id: bytes, parts: list) -> bool:
-        """Replace a value atomically; where the tier has no room for both copies at once (host
-        pages), delete the old one first. False if the tier ends up without the new copy."""
+    def _replace(tier: Tier, key_id: bytes, parts: list, sync: bool) -> bool:
+        """Replace a value atomically, synced if the old one was (a durable put's copy stays
+        one); where the tier has no room for both copies at once, delete the old one first
+        (the victim is out for that moment, as if evicted). False if the tier ends up without
+        the new copy, or without it synced where it must be."""
         try:
             tier.write(key_id, parts)
-            return True
         except TierFull:
-            pass
+            try:
+                tier.delete(key_id)
+                tier.write(key_id, parts)
+            except TierError:
+                return False
         except TierError:
             return False
         try:
-            tier.delete(key_id)
-            tier.write(key_id, parts)
-            return True
-        except TierError:
+            if sync:
+                tier.sync(key_id)
+        except (TierError, OSError):
             return False
+        return True

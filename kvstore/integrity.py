@@ -13,18 +13,19 @@ import time
 from typing import Mapping
 
 from kvstore.index import ChunkIndex, KeyLocks
+from kvstore.tier_io import TierIO
 from kvstore.write_behind import WriteBehind
 from tiers.base import Tier
 
 
 def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: WriteBehind | None,
-                    locks: KeyLocks) -> None:
+                    locks: KeyLocks, io: TierIO | None = None) -> None:
     """Raise AssertionError listing every invariant that does not hold."""
     problems: list[str] = []
     with index.lock:
         now = time.monotonic()
         index.expire_pins(now)
-        busy = {key_id for _, key_id in locks.held()}
+        busy = {key_id for _, key_id in locks.held()} | (io.doomed() if io is not None else set())
         jobs: dict[bytes, int] = {}
         if write_behind is not None:
             for name, q in write_behind.queues.items():

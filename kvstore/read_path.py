@@ -201,6 +201,7 @@ class ReadPath:
             entry = self.index.get(key_id)
             if entry is not None:
                 self.index.remove_replica(key_id, entry, tier.name)
+            self.io.doom(tier.name, key_id)
         self.io.delete(tier, key_id)
 
     def _hit(self, key_id: bytes, tier: Tier, replica: Replica, header: BlobHeader, elapsed: float,

@@ -9,6 +9,9 @@ A private tier's values are checked at start by their headers (a read of 128 byt
 a zero-length or truncated file, which a power loss can leave under its final name when it
 was written without fsync, or a file whose header is damaged or names another chunk, is
 removed and counted, never reported present (review #15). Payloads are verified on read.
+Once listed, a private tier's values are synced (``Tier.sync_all``, one call) and count as
+synced: whether one was a durable put's is not known after a restart, and a copy that later
+replaces it must not turn a durable file into one a power loss takes.
 Shared tiers are only listed: their values belong to every daemon.
 """
 
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 def recover(index: ChunkIndex, tier: Tier) -> None:
     """Add ``tier``'s values to the index (call before the Store serves)."""
     found = dropped = 0
+    recovered: list[Replica] = []
     for key_id in tier.keys():
         size = tier.size_of(key_id)
         if size is None:
@@ -43,9 +47,19 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
         entry = index.entries.get(key_id)
         if entry is None:
             entry = index.entries[key_id] = Entry(version=0, size=size, header=header)
-        index.record(key_id, entry, tier.name, Replica(size, header.codec_id if header is not None else None, 0))
+        replica = Replica(size, header.codec_id if header is not None else None, 0)
+        index.record(key_id, entry, tier.name, replica)
         index.sync(key_id, entry)
+        recovered.append(replica)
         found += 1
+    if recovered and not tier.shared:
+        try:
+            tier.sync_all()
+        except TierError as exc:
+            log.warning("%s: cannot sync the values found at start (they count as unsynced): %s", tier.name, exc)
+        else:
+            for replica in recovered:
+                replica.synced = True
     index.stats[tier.name].corruptions += dropped
     if found or dropped:
         log.info("%s: recovered %d chunks (%d bytes)%s", tier.name, found, tier.used_bytes,

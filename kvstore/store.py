@@ -509,6 +509,7 @@ class Store:
                 entry = self.index.get(key.id)
                 if entry is not None and tier_name in entry.replicas:
                     self.index.remove_replica(key.id, entry, tier_name)
+                    self._io.doom(tier_name, key.id)
                     deletes.append(key.id)
         for key_id in deletes:
             self._io.delete(tier, key_id)
@@ -526,9 +527,10 @@ class Store:
                 if entry is None:
                     continue
                 present += entry.readable()
-                tiers = self.index.pop(key.id)
-                running = self._write_behind.cancel(key.id, entry)
-                deletes.append((key.id, set(tiers) | set(running)))
+                tiers = set(self.index.pop(key.id)) | set(self._write_behind.cancel(key.id, entry))
+                for name in tiers:
+                    self._io.doom(name, key.id)
+                deletes.append((key.id, tiers))
         for key_id, tiers in deletes:
             for name in tiers:
                 self._io.delete(self._by_name[name], key_id)
@@ -557,7 +559,7 @@ class Store:
     def check_integrity(self) -> None:
         """Assert that index, tiers, policies, queues and pins agree (tests; call with no
         operation in flight)."""
-        check_integrity(self.index, self._by_name, self._write_behind, self._locks)
+        check_integrity(self.index, self._by_name, self._write_behind, self._locks, self._io)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued copy is written (or has failed); False on timeout."""

@@ -4,12 +4,15 @@ Deletes decided under the index lock (evictions, corrupt or stale replicas, ``de
 run after it is released, each under its (tier, key) mutation lock (kvstore/index.py): a
 write of the same key either finished before (and the index lists it, so the delete is
 skipped) or starts after. Shared tiers also update the shared index here, in that same
-order, so a stale removal can never erase a fresh entry (review #20).
+order, so a stale removal can never erase a fresh entry (review #20). Until it runs, the
+value is ``doomed``: the tier holds it though the index does not list it, which
+``check_integrity`` must not take for an orphan.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from kvstore.index import ChunkIndex, KeyLocks
 from tiers.base import Tier, TierError
@@ -22,6 +25,16 @@ class TierIO:
         self.index = index
         self.locks = locks
         self.shared_index = shared_index
+        self._doomed: Counter[tuple[str, bytes]] = Counter()
+
+    def doom(self, tier_name: str, key_id: bytes) -> None:
+        """The index dropped a replica whose value the caller deletes once the index lock is
+        released (index lock held)."""
+        self._doomed[tier_name, key_id] += 1
+
+    def doomed(self) -> set[bytes]:
+        """Keys with a value waiting for its delete (index lock held)."""
+        return {key_id for _, key_id in self._doomed}
 
     def delete(self, tier: Tier, key_id: bytes) -> None:
         """Delete ``tier``'s value of ``key_id`` unless the index lists a replica there again."""
@@ -29,20 +42,33 @@ class TierIO:
             with self.index.lock:
                 entry = self.index.get(key_id)
                 if entry is not None and tier.name in entry.replicas:
+                    self._spared(tier.name, key_id)
                     return
             self.delete_held(tier, key_id)
 
     def delete_held(self, tier: Tier, key_id: bytes) -> None:
         """Delete the value; the caller holds its key lock. A tier that cannot be reached keeps
         it (counted and logged, not raised)."""
+        error = None
         try:
             tier.delete(key_id)
         except TierError as exc:
-            with self.index.lock:
-                self.index.stats[tier.name].errors += 1
+            error = exc
             log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
+        with self.index.lock:
+            if error is not None:
+                self.index.stats[tier.name].errors += 1
+            self._spared(tier.name, key_id)
         if tier.shared and self.shared_index is not None:
             self.shared_index.remove(tier.name, [key_id])
+
+    def _spared(self, tier_name: str, key_id: bytes) -> None:
+        """The doomed value's delete ran, or was called off (index lock held)."""
+        slot = (tier_name, key_id)
+        if self._doomed[slot] <= 1:
+            self._doomed.pop(slot, None)
+        else:
+            self._doomed[slot] -= 1
 
     def vanished(self, tier: Tier, key_id: bytes) -> None:
         """A shared tier no longer holds a value (another daemon deleted it): the shared index

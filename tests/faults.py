@@ -89,6 +89,10 @@ class FaultyTier(WrappedTier):
         self.failures: dict[str, int] = {}
         self.flip_reads = 0
         self.calls: dict[str, int] = {}
+        # what a power loss could take: keys whose last write was not synced since (the
+        # medium's truth, not what the store believes); and every key the tier deleted
+        self.unsynced: set[bytes] = set()
+        self.deleted: set[bytes] = set()
 
     def _enter(self, op: str, key: bytes) -> None:
         self.calls[op] = self.calls.get(op, 0) + 1
@@ -102,6 +106,7 @@ class FaultyTier(WrappedTier):
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         self._enter("write", key)
         self.inner.write(key, parts)
+        self.unsynced.add(key)
 
     def read_into(self, key: bytes, out) -> int | None:
         self._enter("read", key)
@@ -123,7 +128,10 @@ class FaultyTier(WrappedTier):
 
     def delete(self, key: bytes) -> bool:
         self._enter("delete", key)
-        return self.inner.delete(key)
+        gone = self.inner.delete(key)
+        self.unsynced.discard(key)
+        self.deleted.add(key)
+        return gone
 
     def size_of(self, key: bytes) -> int | None:
         self._enter("size_of", key)
@@ -132,6 +140,12 @@ class FaultyTier(WrappedTier):
     def sync(self, key: bytes) -> None:
         self._enter("sync", key)
         self.inner.sync(key)
+        self.unsynced.discard(key)
+
+    def sync_all(self) -> None:
+        self._enter("sync_all", b"")
+        self.inner.sync_all()
+        self.unsynced.clear()
 
     def close(self) -> None:
         for gates in self.gates.values():

@@ -14,10 +14,16 @@ Promises checked after every step:
 
 Faults: a write that fails, a read that returns flipped bytes, the disk tier hanging for
 a while, files truncated to zero by a power loss, and restarts between any two steps.
+
+With ``placement``, the Store re-encodes victims in place and writes its disk copies in the
+encoding placement chooses, and plans replicas by utility: a read may then also return
+the put's bytes re-encoded by any chain of placement's codecs, each smaller than the last
+(a victim kept as int8 may later be kept as int4 of that), never another put's.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import tempfile
@@ -28,6 +34,7 @@ import torch
 from faults import FaultyTier, Gate
 from helpers import PAGE, chunks, same, store_config
 from kvstore.codecs import get_codec
+from kvstore.config import PlacementConfig
 from kvstore.keys import Namespace
 from kvstore.store import Store
 from tiers.base import TierError
@@ -35,18 +42,29 @@ from tiers.disk import DiskTier
 
 CODECS = ("raw", "lz4", "int8", "int4", "mixed75")
 NS = Namespace("model-ns", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=8)  # every codec encodes it
+# With placement: chunks of 5 pages raw, so re-encoding frees pages (int8 takes 3, int4 2)
+NS_PLACED = Namespace("model-ns-placed", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)
+PLACEMENT_CODECS = ("int8", "mixed50", "mixed25", "int4")  # mixed25 cannot encode NS_PLACED: no candidate
 MISS = None
 SENTINEL = 3.0
+
+
+def roundtrip(value: torch.Tensor, codec: str) -> torch.Tensor:
+    """What a read of ``value`` put with ``codec`` returns."""
+    c = get_codec(codec)
+    return c.decode(c.encode(value), value.shape, value.dtype)
 
 
 class StoreModel:
     """One Store on a temporary directory, the model of it, and one method per operation.
     Methods raise AssertionError when the Store breaks a promise."""
 
-    def __init__(self, keys: int = 10, seed: int = 0) -> None:
+    def __init__(self, keys: int = 10, seed: int = 0, placement: bool = False) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="store-model-"))
-        self.keys, values = chunks(keys, NS, seed=seed)
-        self.expected = {(i, c): self._roundtrip(values[i], c) for i in range(keys) for c in CODECS}
+        self.placement = placement
+        self.keys, values = chunks(keys, NS_PLACED if placement else NS, seed=seed)
+        # what a read of each put may return: its roundtrip, or with placement any re-encoding chain of it
+        self.expected = {(i, c): self._reachable(values[i], c) for i in range(keys) for c in CODECS}
         self.values = values
         n = len(self.keys)
         self.ok: list[set] = [{MISS} for _ in range(n)]  # what a read may return now
@@ -54,25 +72,74 @@ class StoreModel:
         self.must_survive = [False] * n
         self.synced_here = [False] * n  # durable put acknowledged since the last restart
         self.outs = [torch.full_like(v, SENTINEL) for v in values]
+        self.evicted: set[bytes] = set()  # keys the disk policy chose as victims
         self.hung: Gate | None = None
         self.steps = 0
         self._open()
 
-    @staticmethod
-    def _roundtrip(value: torch.Tensor, codec: str) -> torch.Tensor:
-        c = get_codec(codec)
-        return c.decode(c.encode(value), value.shape, value.dtype)
+    def _reachable(self, value: torch.Tensor, codec: str) -> list[torch.Tensor]:
+        """The put's decoded bytes, then (with placement) every chain of re-encodings whose
+        payloads shrink at each step."""
+        found, todo = [], [(roundtrip(value, codec), len(get_codec(codec).encode(value)))]
+        while todo:
+            decoded, size = todo.pop()
+            if not any(same(decoded, f) for f in found):
+                found.append(decoded)
+            if not self.placement:
+                continue
+            for name in PLACEMENT_CODECS:
+                try:
+                    smaller = get_codec(name).encode(decoded)
+                except ValueError:
+                    continue
+                if len(smaller) < size:
+                    todo.append((get_codec(name).decode(smaller, value.shape, value.dtype), len(smaller)))
+        return found
 
     def _open(self) -> None:
         # no takeovers (fetch_stall_s): so no read of a returned call runs on in the background
         # and a read right after a put must hit; tests/test_fetch.py and test_store_races.py
         # cover takeovers
-        cfg = store_config(self.root, host=12 * PAGE, disk=None, pending=4 * PAGE, max_pin_ttl_s=0.5,
-                           fetch_stall_s=10.0)
+        cfg = store_config(self.root, host=(24 if self.placement else 12) * PAGE, disk=None,
+                           pending=(12 if self.placement else 4) * PAGE, max_pin_ttl_s=0.5, fetch_stall_s=10.0)
         cfg.write_behind.stall_s = 0.2
         cfg.write_behind.durable_timeout_s = 0.3
-        self.disk = FaultyTier(DiskTier(self.root / "disk", 1 << 20, name="disk"))
+        disk_bytes = 1 << 20
+        if self.placement:
+            self._place(cfg)
+            disk_bytes = 6 * 5 * PAGE  # six raw chunks of the ten: disk victims are re-encoded too
+        old = getattr(self, "disk", None)
+        self.disk = FaultyTier(DiskTier(self.root / "disk", disk_bytes, name="disk"))
+        if old is not None:  # the same files: what is unsynced stays so until synced
+            self.disk.unsynced, self.disk.deleted = old.unsynced, old.deleted
         self.store = Store(cfg, extra_tiers=[self.disk])
+        self._watch_disk_evictions()
+
+    def _watch_disk_evictions(self) -> None:
+        """Record the disk policy's victims: a durable chunk the disk evicts for room is lost
+        by design, not by a fault."""
+        policy = self.store.index.policies["disk"]
+        evict = policy.evict
+
+        def watched() -> bytes:
+            victim = evict()
+            self.evicted.add(victim)
+            return victim
+
+        policy.evict = watched
+
+    def _place(self, cfg) -> None:
+        """Placement that re-encodes: every codec allowed, a disk slow enough that its copies
+        are written small, replicas planned by utility."""
+        verdicts = self.root / "verdicts.json"
+        verdicts.write_text(json.dumps({
+            "schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": "float16",
+            "codecs": {name: {"ppl_change_pct": 0.1 * (n + 1), "allowed": True}
+                       for n, name in enumerate(PLACEMENT_CODECS)}}))
+        cfg.placement = PlacementConfig(codecs=list(PLACEMENT_CODECS), verdicts=[str(verdicts)],
+                                        prefill_tokens_per_s=2000.0, quality_weight_s=0.0001, host_read_bytes_per_s=10**10,
+                                        disk_read_bytes_per_s=10**7, decode_bytes_per_s=10**11)
+        cfg.replication.mode = "utility"
 
     def close(self) -> None:
         self.end_hang()
@@ -84,7 +151,7 @@ class StoreModel:
     def _matches(self, i: int, got: torch.Tensor | None, allowed: set) -> bool:
         if got is None:
             return MISS in allowed
-        return any(c is not MISS and same(got, self.expected[(i, c)]) for c in allowed)
+        return any(c is not MISS and any(same(got, e) for e in self.expected[(i, c)]) for c in allowed)
 
     def _check(self, i: int, got: torch.Tensor | None, what: str) -> None:
         assert self._matches(i, got, self.ok[i]), (
@@ -103,9 +170,18 @@ class StoreModel:
     # -- operations -----------------------------------------------------------------------------
 
     def put(self, i: int, codec: str, durable: bool) -> None:
+        key_id = self.keys[i].id
+        lost = key_id in self.evicted, key_id in self.disk.deleted
+        if durable:  # whatever happened to earlier copies, this put's must be kept
+            self.evicted.discard(key_id)
+            self.disk.deleted.discard(key_id)
         try:
             self.store.put(self.keys[i], self.values[i], codec=codec, durable=durable)
         except (TierError, TimeoutError):
+            if lost[0]:  # no new promise: the earlier durable put's copy is still gone
+                self.evicted.add(key_id)
+            if lost[1]:
+                self.disk.deleted.add(key_id)
             self.ok[i].add(codec)
             self.survives[i].add(codec)
             return
@@ -185,31 +261,30 @@ class StoreModel:
         assert self.store.flush(timeout_s=30), f"step {self.steps}: copies not done after 30 s"
 
     def restart(self, power_loss: bool = False, rng: random.Random | None = None) -> None:
-        """Close and reopen the Store; with ``power_loss``, unsynced files may come back empty.
-        (Files found at start are not known to be synced: only those of durable puts since the
-        last restart must be, and a power loss spares those of earlier durable puts.)"""
+        """Close and reopen the Store; with ``power_loss``, files written since their last sync
+        (the medium's record, not the store's) may come back empty. A durable chunk may be
+        missing only if the disk evicted it for room."""
         self.end_hang()
         self.store.flush()
-        with self.store.index.lock:
-            unsynced = [i for i, k in enumerate(self.keys)
-                        if (e := self.store.index.get(k.id)) is not None and "disk" in e.replicas
-                        and not e.replicas["disk"].synced]
-        paths = {i: self.disk.path_of(self.keys[i].id) for i in unsynced}
         self.store.close()
-        for i in unsynced:
-            assert not self.synced_here[i], f"step {self.steps}: key {i}'s durable put left an unsynced file"
-            if power_loss and not self.must_survive[i] and (rng or random).random() < 0.5 and paths[i].exists():
-                paths[i].write_bytes(b"")
+        evicted = [key.id in self.evicted and key.id in self.disk.deleted for key in self.keys]
+        for i, key in enumerate(self.keys):
+            if key.id not in self.disk.unsynced:
+                continue
+            assert not self.synced_here[i] or evicted[i], f"step {self.steps}: key {i}'s durable put left an unsynced file"
+            path = self.disk.path_of(key.id)
+            if power_loss and (rng or random).random() < 0.5 and path.exists():
+                path.write_bytes(b"")
         self.synced_here = [False] * len(self.keys)
         self._open()
         for i, key in enumerate(self.keys):
             out = torch.empty_like(self.values[i])
             got = out if self.store.get_into(key, out) else None
-            allowed = set(self.survives[i]) | ({MISS} if not self.must_survive[i] else set())
+            allowed = set(self.survives[i]) | ({MISS} if evicted[i] or not self.must_survive[i] else set())
             assert self._matches(i, got, allowed or {MISS}), (
                 f"step {self.steps}: after a restart key {i} returned {'a miss' if got is None else 'bytes'}; "
                 f"allowed: {sorted(map(str, allowed))}")
-            found = next((c for c in CODECS if got is not None and same(got, self.expected[(i, c)])), None)
+            found = next((c for c in CODECS if got is not None and self._matches(i, got, {c})), None)
             self.ok[i] = {MISS} | ({found} if found else set())
             self.survives[i] = {found} if found else set()
             self.must_survive[i] = self.must_survive[i] and found is not None

@@ -20,17 +20,16 @@ import torch
 from faults import FaultyTier
 from helpers import PAGE, same, store_config
 from kvstore.store import Store
-from store_model import CODECS, NS, StoreModel
+from store_model import CODECS, NS, roundtrip
 from tiers.base import TierError
 from tiers.disk import DiskTier
 
 
 def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
-    model_values = StoreModel._roundtrip
     from helpers import chunks
 
     keys, values = chunks(12, NS, seed=3)
-    expected = [[model_values(v, c) for c in CODECS] for v in values]
+    expected = [[roundtrip(v, c) for c in CODECS] for v in values]
     cfg = store_config(tmp_path, host=10 * PAGE, disk=None, pending=4 * PAGE, max_pin_ttl_s=0.2)
     cfg.write_behind.stall_s = 0.2
     cfg.write_behind.durable_timeout_s = 0.5

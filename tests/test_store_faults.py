@@ -3,7 +3,9 @@ against a reference model after every step (tests/store_model.py says what is ch
 
 CI runs a bounded hypothesis state machine (it shrinks a failure to a short sequence); the
 long run is a random walk of ``KVSTORE_FAULT_STEPS`` steps (default one million), outside
-CI: ``.venv/bin/python -m pytest -m long tests/test_store_faults.py -s``.
+CI: ``.venv/bin/python -m pytest -m long tests/test_store_faults.py -s`` (``-k placement``
+for the walk with placement only). Both run plain and with placement (re-encoded copies,
+replicas planned by utility, a disk that fills up).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ key = st.integers(0, KEYS - 1)
 
 
 class StoreMachine(RuleBasedStateMachine):
+    placement = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.model = StoreModel(keys=KEYS)
+        self.model = StoreModel(keys=KEYS, placement=self.placement)
 
     @rule(i=key, codec=st.sampled_from(CODECS), durable=st.booleans())
     def put(self, i, codec, durable):
@@ -90,17 +94,27 @@ class StoreMachine(RuleBasedStateMachine):
         self.model.close()
 
 
+class PlacedStoreMachine(StoreMachine):
+    """The same with placement re-encoding victims and disk copies, replicas planned by
+    utility, and a disk that fills up."""
+
+    placement = True
+
+
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+TestPlacedStoreMachine = PlacedStoreMachine.TestCase
+TestPlacedStoreMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 
 
 @pytest.mark.long
 @pytest.mark.timeout(0)  # runs for as many steps as asked; hours for a million
-def test_a_long_random_walk_breaks_no_promise():
+@pytest.mark.parametrize("placement", [False, True], ids=["plain", "placement"])
+def test_a_long_random_walk_breaks_no_promise(placement):
     steps = int(os.environ.get("KVSTORE_FAULT_STEPS", "1000000"))
     seed = int(os.environ.get("KVSTORE_FAULT_SEED", "1"))
     rng = random.Random(seed)
-    model = StoreModel(keys=10, seed=seed)
+    model = StoreModel(keys=10, seed=seed, placement=placement)
     started = time.monotonic()
     done = 0
     try:

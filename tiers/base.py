@@ -122,6 +122,11 @@ class Tier(ABC):
         Default: nothing to do, for tiers whose medium is volatile (RAM) or whose durability is
         the server's own setting (Redis persistence)."""
 
+    def sync_all(self) -> None:
+        """Make every value the tier holds now survive a power loss: called once at start, so
+        the values found then count as synced, and a later copy that replaces one of a durable
+        put is synced too. Default: nothing to do, as for ``sync``."""
+
     @abstractmethod
     def delete(self, key: bytes) -> bool:
         """Remove the value and give its space back; False if it was absent."""

@@ -32,6 +32,9 @@ class WrappedTier(Tier):
     def sync(self, key: bytes) -> None:
         self.inner.sync(key)
 
+    def sync_all(self) -> None:
+        self.inner.sync_all()
+
     def delete(self, key: bytes) -> bool:
         return self.inner.delete(key)
 

@@ -1,0 +1,117 @@
+"""Regression tests for what the fault campaign found once placement re-encoded copies and
+the disk tier filled up (tests/store_model.py with ``placement=True``). Each fails without
+its fix: named in its docstring."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from faults import Call, FaultyTier, Gate, wait_until
+from helpers import PAGE
+from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import Store
+from tiers.base import TierFull
+from tiers.disk import DiskTier
+
+NS = Namespace("placed", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16 chunks
+RAW_UNITS = 5  # a raw blob's 4 KiB units; int8's take 3
+
+
+def chunks(n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
+    return keys, [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
+
+
+def config(tmp_path, placement: bool = False) -> StoreConfig:
+    cfg = StoreConfig(host=HostTierConfig(capacity_bytes=8 * RAW_UNITS * PAGE, page_bytes=PAGE, prefault=False),
+                      disk=DiskTierConfig(enabled=False),
+                      write_behind=WriteBehindConfig(max_pending_bytes=4 * RAW_UNITS * PAGE, workers=1),
+                      eviction_policy="lru")
+    if placement:
+        verdicts = tmp_path / "verdicts.json"
+        verdicts.write_text(json.dumps({"schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": "float16",
+                                        "codecs": {"int8": {"ppl_change_pct": 0.02, "allowed": True}}}))
+        # recomputing a chunk costs 8 ms, loading it from disk 16 us: a disk victim is worth keeping as int8
+        cfg.placement = PlacementConfig(codecs=["int8"], verdicts=[str(verdicts)], quality_weight_s=0.0005,
+                                        prefill_tokens_per_s=2000.0, disk_read_bytes_per_s=10**9,
+                                        encode_on_write=False)
+    return cfg
+
+
+def disk_tier(tmp_path, chunks_room: int) -> FaultyTier:
+    return FaultyTier(DiskTier(tmp_path / "disk", chunks_room * RAW_UNITS * PAGE, name="disk"))
+
+
+def test_a_durable_chunks_disk_copy_re_encoded_in_place_is_synced(tmp_path):
+    """Evictor._replace wrote the re-encoded copy of a synced file without syncing it, and
+    the index kept calling it synced: a power loss then took a durable put."""
+    keys, values = chunks(4)
+    disk = disk_tier(tmp_path, 3)
+    with Store(config(tmp_path, placement=True), extra_tiers=[disk]) as store:
+        store.put(keys[0], values[0], durable=True)
+        store.drop([keys[0]], "host")  # only the disk holds it: re-encoding beats recomputing
+        for key, value in zip(keys[1:], values[1:]):  # the fourth raw copy evicts the oldest, keys[0]
+            store.put(key, value)
+        assert store.flush(timeout_s=30)
+        assert store.stats().tiers["disk"].recodes == 1
+        assert keys[0].id in disk.inner.keys() and keys[0].id not in disk.unsynced
+
+
+def test_a_copy_replacing_a_file_found_at_start_is_synced(tmp_path):
+    """Files found at start counted as unsynced, so a plain re-put's copy replaced a durable
+    put's file with one a power loss could take (the never-downgrade rule did not apply)."""
+    keys, values = chunks(1)
+    with Store(config(tmp_path), extra_tiers=[disk_tier(tmp_path, 4)]) as store:
+        store.put(keys[0], values[0], durable=True)
+    disk = disk_tier(tmp_path, 4)
+    with Store(config(tmp_path), extra_tiers=[disk]) as store:
+        store.put(keys[0], values[0], codec="int8")  # another encoding: a new version, copied to disk
+        assert store.flush(timeout_s=30)
+        assert disk.calls.get("write") == 1 and keys[0].id not in disk.unsynced
+
+
+def test_a_replacing_write_counts_the_old_file_until_the_new_one_replaces_it(tmp_path):
+    """DiskTier.write let a rewrite of a key on a full tier through (its old bytes were
+    subtracted up front), so while the new file was written the tier used more than its
+    capacity, and on the medium both files were there."""
+    tier = DiskTier(tmp_path / "disk", 2 * PAGE, name="disk")
+    seen = []
+    write_temp = tier._write_temp
+
+    def watched(*args):
+        seen.append(tier.used_bytes)
+        return write_temp(*args)
+
+    tier._write_temp = watched
+    tier.write(b"a" * 32, [b"x" * PAGE])
+    tier.write(b"b" * 32, [b"y" * PAGE])
+    try:
+        tier.write(b"a" * 32, [b"z" * PAGE])
+    except TierFull:
+        pass
+    assert max(seen) <= tier.capacity_bytes
+    tier.delete(b"b" * 32)
+    tier.write(b"a" * 32, [b"z" * PAGE])  # with room for both, the rewrite goes through
+    assert tier.read(b"a" * 32) == b"z" * PAGE and tier.used_bytes == PAGE
+
+
+def test_integrity_does_not_take_a_victim_waiting_for_its_delete_for_an_orphan(tmp_path):
+    """Victims leave the index at once and are deleted one after another after the lock is
+    released; check_integrity called the second an orphan while the first's delete ran."""
+    keys, values = chunks(3)
+    disk = disk_tier(tmp_path, 3)
+    with Store(config(tmp_path), extra_tiers=[disk]) as store:
+        for key, value in zip(keys, values):
+            store.put(key, value)
+        assert store.flush(timeout_s=30)
+        gate = disk.gates["delete"] = Gate(times=1)
+        evicting = Call(lambda: store._evictor.make_room(disk, 2 * RAW_UNITS * PAGE))
+        wait_until(gate.entered.is_set, what="the first victim's delete")
+        store.check_integrity()
+        gate.open()
+        evicting.outcome()
+        assert len(list(disk.inner.keys())) == 1
