@@ -124,7 +124,7 @@ class Store:
         self._locks = KeyLocks()
         self._io = TierIO(self.index, self._locks, self.shared_index)
         self._evictor = Evictor(self.index, self._locks, self._io, self._by_name, self.placement,
-                                set(config.placement.tiers), lambda: self._write_behind.queued() > 0,
+                                set(config.placement.tiers), lambda: self._write_behind.progressing(),
                                 track_displaced=config.replication.mode == "utility")
         fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
         self._fetch_pools = {n: ThreadPoolExecutor(w, thread_name_prefix=f"fetch-{n}") for n, w in fetch_workers.items()}

@@ -379,6 +379,12 @@ class WriteBehind:
     def queued(self) -> int:
         return sum(len(q.waiting) + len(q.running) for q in self.queues.values())
 
+    def progressing(self) -> bool:
+        """Copies are queued on a tier that is not stalled: room held by their chunks in the
+        first tier will come free (index lock held)."""
+        now = time.monotonic()
+        return any((q.waiting or q.running) and not self._stalled(q, now) for q in self.queues.values())
+
     def wait_idle(self, key_ids: Sequence[bytes] | None = None, timeout_s: float | None = None) -> bool:
         """Wait until no copy is queued or running (of ``key_ids``, or at all); False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -22,7 +22,7 @@ from helpers import PAGE, chunks, same, store_config
 from kvstore.blob import encode_header
 from kvstore.codecs import get_codec
 from kvstore.store import Store
-from tiers.base import TierError, TierUnavailable
+from tiers.base import TierError, TierFull, TierUnavailable
 from tiers.host import HostTier
 from tiers.disk import DiskTier
 
@@ -373,6 +373,31 @@ def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(
             store.put(keys[0], values[0], durable=True)
         hang.open()
         assert store.flush(timeout_s=30)
+
+
+def test_13_a_put_into_a_first_tier_held_by_copies_to_a_hung_tier_fails_instead_of_waiting_forever(tmp_path):
+    """Found by the fault campaign with placement: with host RAM full of pinned chunks and
+    chunks whose copies wait for a hung disk, a put waited for those copies with no bound."""
+    store, (disk,) = faulty_store(tmp_path, stall_s=0.5, host=8 * PAGE, pending=4 * PAGE)
+    keys, values = chunks(9)
+    with store:
+        hang = disk.gates["write"] = Gate()
+        for key, value in zip(keys[:4], values[:4]):
+            store.put(key, value)  # each queues a copy (the queue has room for four)
+        assert hang.entered.wait(10)
+        for key, value in zip(keys[4:8], values[4:8]):
+            store.put(key, value)  # the queue is full: once the disk is stalled, no copy
+        store.pin(keys[4:8], 60.0)
+        with store.index.lock:
+            assert all(store.index.get(k.id).copying for k in keys[:4])
+        put = Call(lambda: store.put(keys[8], values[8]))
+        try:
+            with pytest.raises(TierFull, match="stalled"):
+                put.outcome(timeout_s=10)
+        finally:
+            hang.open()
+        assert store.flush(timeout_s=30)
+        store.put(keys[8], values[8])  # the copies are done: their chunks can go
 
 
 # -- #15: what durable means -----------------------------------------------------------------------------
