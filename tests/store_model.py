@@ -55,6 +55,39 @@ def roundtrip(value: torch.Tensor, codec: str) -> torch.Tensor:
     return c.decode(c.encode(value), value.shape, value.dtype)
 
 
+def reachable(value: torch.Tensor, codec: str, placement: bool) -> list[torch.Tensor]:
+    """What a read of ``value`` put with ``codec`` may return: its roundtrip, and with
+    placement every chain of re-encodings of it whose payloads shrink at each step."""
+    found, todo = [], [(roundtrip(value, codec), len(get_codec(codec).encode(value)))]
+    while todo:
+        decoded, size = todo.pop()
+        if not any(same(decoded, f) for f in found):
+            found.append(decoded)
+        if not placement:
+            continue
+        for name in PLACEMENT_CODECS:
+            try:
+                smaller = get_codec(name).encode(decoded)
+            except ValueError:
+                continue
+            if len(smaller) < size:
+                todo.append((get_codec(name).decode(smaller, value.shape, value.dtype), len(smaller)))
+    return found
+
+
+def place(cfg, root: Path) -> None:
+    """Placement that re-encodes: every codec allowed, a disk slow enough that its copies
+    are written small and its victims kept smaller, replicas planned by utility."""
+    verdicts = root / "verdicts.json"
+    verdicts.write_text(json.dumps({
+        "schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": "float16",
+        "codecs": {name: {"ppl_change_pct": 0.1 * (n + 1), "allowed": True} for n, name in enumerate(PLACEMENT_CODECS)}}))
+    cfg.placement = PlacementConfig(codecs=list(PLACEMENT_CODECS), verdicts=[str(verdicts)],
+                                    prefill_tokens_per_s=2000.0, quality_weight_s=0.0001, host_read_bytes_per_s=10**10,
+                                    disk_read_bytes_per_s=10**7, decode_bytes_per_s=10**11)
+    cfg.replication.mode = "utility"
+
+
 class StoreModel:
     """One Store on a temporary directory, the model of it, and one method per operation.
     Methods raise AssertionError when the Store breaks a promise."""
@@ -64,7 +97,7 @@ class StoreModel:
         self.placement = placement
         self.keys, values = chunks(keys, NS_PLACED if placement else NS, seed=seed)
         # what a read of each put may return: its roundtrip, or with placement any re-encoding chain of it
-        self.expected = {(i, c): self._reachable(values[i], c) for i in range(keys) for c in CODECS}
+        self.expected = {(i, c): reachable(values[i], c, placement) for i in range(keys) for c in CODECS}
         self.values = values
         n = len(self.keys)
         self.ok: list[set] = [{MISS} for _ in range(n)]  # what a read may return now
@@ -77,25 +110,6 @@ class StoreModel:
         self.steps = 0
         self._open()
 
-    def _reachable(self, value: torch.Tensor, codec: str) -> list[torch.Tensor]:
-        """The put's decoded bytes, then (with placement) every chain of re-encodings whose
-        payloads shrink at each step."""
-        found, todo = [], [(roundtrip(value, codec), len(get_codec(codec).encode(value)))]
-        while todo:
-            decoded, size = todo.pop()
-            if not any(same(decoded, f) for f in found):
-                found.append(decoded)
-            if not self.placement:
-                continue
-            for name in PLACEMENT_CODECS:
-                try:
-                    smaller = get_codec(name).encode(decoded)
-                except ValueError:
-                    continue
-                if len(smaller) < size:
-                    todo.append((get_codec(name).decode(smaller, value.shape, value.dtype), len(smaller)))
-        return found
-
     def _open(self) -> None:
         # no takeovers (fetch_stall_s): so no read of a returned call runs on in the background
         # and a read right after a put must hit; tests/test_fetch.py and test_store_races.py
@@ -106,7 +120,7 @@ class StoreModel:
         cfg.write_behind.durable_timeout_s = 0.3
         disk_bytes = 1 << 20
         if self.placement:
-            self._place(cfg)
+            place(cfg, self.root)
             disk_bytes = 6 * 5 * PAGE  # six raw chunks of the ten: disk victims are re-encoded too
         old = getattr(self, "disk", None)
         self.disk = FaultyTier(DiskTier(self.root / "disk", disk_bytes, name="disk"))
@@ -127,19 +141,6 @@ class StoreModel:
             return victim
 
         policy.evict = watched
-
-    def _place(self, cfg) -> None:
-        """Placement that re-encodes: every codec allowed, a disk slow enough that its copies
-        are written small, replicas planned by utility."""
-        verdicts = self.root / "verdicts.json"
-        verdicts.write_text(json.dumps({
-            "schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": "float16",
-            "codecs": {name: {"ppl_change_pct": 0.1 * (n + 1), "allowed": True}
-                       for n, name in enumerate(PLACEMENT_CODECS)}}))
-        cfg.placement = PlacementConfig(codecs=list(PLACEMENT_CODECS), verdicts=[str(verdicts)],
-                                        prefill_tokens_per_s=2000.0, quality_weight_s=0.0001, host_read_bytes_per_s=10**10,
-                                        disk_read_bytes_per_s=10**7, decode_bytes_per_s=10**11)
-        cfg.replication.mode = "utility"
 
     def close(self) -> None:
         self.end_hang()

@@ -20,21 +20,26 @@ import torch
 from faults import FaultyTier
 from helpers import PAGE, same, store_config
 from kvstore.store import Store
-from store_model import CODECS, NS, roundtrip
+from store_model import CODECS, NS, NS_PLACED, place, reachable
 from tiers.base import TierError
 from tiers.disk import DiskTier
 
 
-def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
+def _run(tmp_path, threads: int, ops: int, seconds: float | None = None, placement: bool = False) -> int:
+    """With ``placement``: chunks of 5 pages that placement re-encodes in host RAM and on a
+    disk with room for half of them, replicas planned by utility (tests/store_model.py)."""
     from helpers import chunks
 
-    keys, values = chunks(12, NS, seed=3)
-    expected = [[roundtrip(v, c) for c in CODECS] for v in values]
-    cfg = store_config(tmp_path, host=10 * PAGE, disk=None, pending=4 * PAGE, max_pin_ttl_s=0.2)
+    keys, values = chunks(12, NS_PLACED if placement else NS, seed=3)
+    expected = [[e for c in CODECS for e in reachable(v, c, placement)] for v in values]
+    pages = 5 if placement else 1
+    cfg = store_config(tmp_path, host=10 * pages * PAGE, disk=None, pending=4 * pages * PAGE, max_pin_ttl_s=0.2)
     cfg.write_behind.stall_s = 0.2
     cfg.write_behind.durable_timeout_s = 0.5
     cfg.fetch_stall_s = 0.01  # takeovers happen
-    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 20, name="disk"))
+    if placement:
+        place(cfg, tmp_path)
+    disk = FaultyTier(DiskTier(tmp_path / "disk", 6 * pages * PAGE if placement else 1 << 20, name="disk"))
     store = Store(cfg, extra_tiers=[disk], extra_fetch_workers={"disk": 3})
     errors: list[str] = []
     done = [0]
@@ -101,13 +106,16 @@ def _run(tmp_path, threads: int, ops: int, seconds: float | None = None) -> int:
     return done[0]
 
 
-def test_concurrent_callers_never_mix_bytes_or_break_the_books(tmp_path):
-    assert _run(tmp_path, threads=4, ops=250) == 1000
+@pytest.mark.parametrize("placement", [False, True], ids=["plain", "placement"])
+def test_concurrent_callers_never_mix_bytes_or_break_the_books(tmp_path, placement):
+    assert _run(tmp_path, threads=4, ops=250, placement=placement) == 1000
 
 
 @pytest.mark.long
 @pytest.mark.timeout(0)  # runs for KVSTORE_CONCURRENCY_S
-def test_concurrent_callers_for_a_long_while(tmp_path):
+@pytest.mark.parametrize("placement", [False, True], ids=["plain", "placement"])
+def test_concurrent_callers_for_a_long_while(tmp_path, placement):
     seconds = float(os.environ.get("KVSTORE_CONCURRENCY_S", "600"))
-    ops = _run(tmp_path, threads=6, ops=0, seconds=seconds)
-    print(f"concurrency soak: {ops} operations from 6 threads in {seconds:.0f} s, no wrong bytes, books agree")
+    ops = _run(tmp_path, threads=6, ops=0, seconds=seconds, placement=placement)
+    print(f"concurrency soak{' with placement' if placement else ''}: {ops} operations from 6 threads in "
+          f"{seconds:.0f} s, no wrong bytes, books agree")
