@@ -193,8 +193,8 @@ class ReadPath:
         return None
 
     def corrupt(self, key_id: bytes, tier: Tier, exc: Exception) -> None:
-        """Drop a replica that failed verification (and count it), unless a newer one took its
-        place meanwhile."""
+        """Drop a replica that failed verification (and count it); its value is deleted in the
+        background, unless a newer one took its place meanwhile."""
         log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
         with self.index.lock:
             self.index.stats[tier.name].corruptions += 1
@@ -202,7 +202,7 @@ class ReadPath:
             if entry is not None:
                 self.index.remove_replica(key_id, entry, tier.name)
             self.io.doom(tier.name, key_id)
-        self.io.delete(tier, key_id)
+        self.io.delete_later(tier, key_id)
 
     def _hit(self, key_id: bytes, tier: Tier, replica: Replica, header: BlobHeader, elapsed: float,
              version: int, parts: list) -> None:

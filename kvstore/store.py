@@ -577,6 +577,7 @@ class Store:
         self._readers.shutdown(wait=True)
         for pool in self._fetch_pools.values():
             pool.shutdown(wait=True)
+        self._io.close()
         if self.cluster is not None:
             self.cluster.close()
         for tier in reversed(self.tiers):

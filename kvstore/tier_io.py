@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.index import ChunkIndex, KeyLocks
 from tiers.base import Tier, TierError
@@ -26,6 +27,7 @@ class TierIO:
         self.locks = locks
         self.shared_index = shared_index
         self._doomed: Counter[tuple[str, bytes]] = Counter()
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="tier-delete")
 
     def doom(self, tier_name: str, key_id: bytes) -> None:
         """The index dropped a replica whose value the caller deletes once the index lock is
@@ -45,6 +47,22 @@ class TierIO:
                     self._spared(tier.name, key_id)
                     return
             self.delete_held(tier, key_id)
+
+    def delete_later(self, tier: Tier, key_id: bytes) -> None:
+        """``delete`` on a background thread, for a reader: the key lock may be held by a
+        writer of that tier for as long as the tier hangs, and a hung tier must never hold
+        up reads."""
+        self._background.submit(self._delete_logged, tier, key_id)
+
+    def _delete_logged(self, tier: Tier, key_id: bytes) -> None:
+        try:
+            self.delete(tier, key_id)
+        except Exception:  # noqa: BLE001 - a background task has no caller to raise to
+            log.exception("%s: background delete of %s failed", tier.name, key_id.hex())
+
+    def close(self) -> None:
+        """Wait for the background deletes."""
+        self._background.shutdown(wait=True)
 
     def delete_held(self, tier: Tier, key_id: bytes) -> None:
         """Delete the value; the caller holds its key lock. A tier that cannot be reached keeps

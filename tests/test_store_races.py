@@ -400,6 +400,34 @@ def test_13_a_put_into_a_first_tier_held_by_copies_to_a_hung_tier_fails_instead_
         store.put(keys[8], values[8])  # the copies are done: their chunks can go
 
 
+def test_13_a_read_that_finds_a_corrupt_copy_does_not_wait_for_a_hung_writer_of_that_key(tmp_path):
+    """Found by the fault campaign with placement: a reader dropped a corrupt disk copy by
+    deleting it under the key's disk lock, which a hung write of that key (a re-encoding in
+    place) held: the read waited as long as the disk hung."""
+    store, (disk,) = faulty_store(tmp_path)
+    keys, values = chunks(1)
+    with store:
+        store.put(keys[0], values[0])
+        assert store.flush(timeout_s=30)
+        store.drop(keys, "host")
+        disk.flip_reads = 1
+        writer_holds, release = threading.Event(), threading.Event()
+
+        def hung_writer():
+            with store._locks.hold("disk", keys[0].id):
+                writer_holds.set()
+                release.wait(30)
+
+        writer = Call(hung_writer)
+        assert writer_holds.wait(10)
+        try:
+            assert Call(lambda: store.get_into(keys[0], torch.empty_like(values[0]))).outcome(timeout_s=5) is False
+        finally:
+            release.set()
+        writer.outcome()
+        wait_until(lambda: not disk.contains(keys[0].id), what="the corrupt copy deleted")
+
+
 # -- #15: what durable means -----------------------------------------------------------------------------
 
 
