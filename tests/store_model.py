@@ -174,7 +174,11 @@ class StoreModel:
         key_id = self.keys[i].id
         lost = key_id in self.evicted, key_id in self.disk.deleted
         if durable:  # whatever happened to earlier copies, this put's must be kept
-            self.evicted.discard(key_id)
+            with self.store.index.lock:
+                entry = self.store.index.get(key_id)
+                recoding = entry is not None and "disk" in entry.recoding
+            if not recoding:  # a victim being re-encoded may still leave: its eviction is under way
+                self.evicted.discard(key_id)
             self.disk.deleted.discard(key_id)
         try:
             self.store.put(self.keys[i], self.values[i], codec=codec, durable=durable)
