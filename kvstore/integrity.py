@@ -19,13 +19,13 @@ from tiers.base import Tier
 
 
 def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: WriteBehind | None,
-                    locks: KeyLocks, io: TierIO | None = None) -> None:
+                    locks: KeyLocks, io: TierIO) -> None:
     """Raise AssertionError listing every invariant that does not hold."""
     problems: list[str] = []
     with index.lock:
         now = time.monotonic()
         index.expire_pins(now)
-        busy = {key_id for _, key_id in locks.held()} | (io.doomed() if io is not None else set())
+        busy = {key_id for _, key_id in locks.held()} | io.doomed()
         jobs: dict[bytes, int] = {}
         if write_behind is not None:
             for name, q in write_behind.queues.items():
