@@ -8,7 +8,7 @@ import pytest
 
 from bench import limits
 from tiers import read_probe
-from bench.limits import Limit, best_of, cached_bytes, disk_read_limit, drop_cache, memcpy_limit, over_limit, socket_limit
+from bench.limits import Limit, best_of, best_over, cached_bytes, disk_read_limit, drop_cache, memcpy_limit, over_limit, socket_limit
 
 
 def _is_best(limit: Limit) -> None:
@@ -97,3 +97,12 @@ def test_socket_limit_is_the_best_of_its_streams():
     limit = socket_limit(64 << 10, 0.05, streams=(1, 2))
     _is_best(limit)
     assert set(limit.tried) == {"1 stream", "2 streams"}
+
+
+def test_best_over_keeps_each_configurations_best_moment():
+    early = Limit(3.0, "a", {"a": 3.0, "b": 1.0})
+    late = Limit(2.5, "b", {"a": 0.5, "b": 2.5, "c": 2.0})
+    limit = best_over([early, late])
+    assert limit.tried == {"a": 3.0, "b": 2.5, "c": 2.0}
+    assert (limit.gbps, limit.config) == (3.0, "a")
+    _is_best(limit)
