@@ -153,7 +153,12 @@ class ChunkIndex:
     def sync(self, key_id: bytes, entry: Entry) -> None:
         """Make each tier's policy track the key exactly when it is evictable there. A held
         chunk leaves with ``on_remove`` and comes back with ``on_insert``, which policies
-        treat as a hand-back, not an access (kvstore/policies/base.py)."""
+        treat as a hand-back, not an access (kvstore/policies/base.py). An entry that is no
+        longer the key's (deleted, maybe put again since) changes nothing: the policies
+        track the key for its current entry, and a late sync of the old one, by work that
+        outlived it, would take the key out of every policy."""
+        if self.entries.get(key_id) is not entry:
+            return
         for name, policy in self.policies.items():
             want = self.evictable(name, entry)
             if want and key_id not in policy:
@@ -206,7 +211,7 @@ class ChunkIndex:
     def pop(self, key_id: bytes) -> list[str] | None:
         """Remove an entry outright (delete); returns the tiers whose values the caller must
         delete, or None if the key was absent."""
-        entry = self.entries.pop(key_id, None)
+        entry = self.entries.get(key_id)
         if entry is None:
             return None
         tiers = list(entry.replicas)
@@ -214,7 +219,8 @@ class ChunkIndex:
             self.usage.removed(name, key_id)
         entry.replicas.clear()
         entry.pinned_until = 0.0
-        self.sync(key_id, entry)
+        self.sync(key_id, entry)  # while it is still the key's entry, so the policies let go
+        del self.entries[key_id]
         self.changed.notify_all()
         return tiers
 

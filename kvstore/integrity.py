@@ -39,7 +39,7 @@ def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: 
         quiet = not busy and (write_behind is None or write_behind.pending_bytes() == 0)
         evictable = {name: 0 for name in index.policies}
         for key_id, entry in index.entries.items():
-            where = key_id.hex()[:16]
+            where = key_id.hex()  # whole: the ids of one namespace share their first bytes
             if not entry.replicas and not entry.copying:
                 problems.append(f"{where}: kept without a replica or a queued copy")
             if entry.copying != jobs.get(key_id, 0):
@@ -67,7 +67,7 @@ def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: 
                 entry = index.get(key_id)
                 if entry is None or name not in entry.replicas:
                     if key_id not in busy:
-                        problems.append(f"{name}: holds {key_id.hex()[:16]}, which the index does not list there (an orphan)")
+                        problems.append(f"{name}: holds {key_id.hex()}, which the index does not list there (an orphan)")
                     continue
                 expected += tier.footprint(entry.replicas[name].size)
             if quiet and tier.used_bytes != expected:

@@ -115,3 +115,27 @@ def test_integrity_does_not_take_a_victim_waiting_for_its_delete_for_an_orphan(t
         gate.open()
         evicting.outcome()
         assert len(list(disk.inner.keys())) == 1
+
+
+def test_a_re_encoding_that_outlives_its_chunk_leaves_the_chunks_next_entry_alone(tmp_path):
+    """A victim's re-encoding whose chunk was deleted and put again meanwhile synced the old
+    entry with the policies: it held no replica, so every tier's policy dropped the key,
+    now the new entry's, and that entry could never be evicted. Found by the long walk with
+    placement (seed 7): "policy lacks it, though it is evictable there" in host and disk."""
+    keys, values = chunks(3)
+    disk = disk_tier(tmp_path, 3)
+    with Store(config(tmp_path, placement=True), extra_tiers=[disk]) as store:
+        for key, value in zip(keys, values):
+            store.put(key, value)
+        assert store.flush(timeout_s=30)
+        store.drop([keys[0]], "host")  # only the disk holds it: worth re-encoding when evicted
+        gate = disk.gates["read"] = Gate(key=keys[0].id)
+        evicting = Call(lambda: store._evictor.make_room(disk, RAW_UNITS * PAGE))
+        wait_until(gate.entered.is_set, what="the re-encoding's read of the victim")
+        store.delete([keys[0]])
+        store.put(keys[0], values[0])  # a new entry, copied to disk in the room the delete freed
+        assert store.flush(timeout_s=30)
+        gate.open()
+        evicting.outcome()
+        store.check_integrity()
+        assert torch.equal(store.get([keys[0]])[0], values[0])
