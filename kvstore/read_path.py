@@ -128,9 +128,6 @@ class ReadPath:
         for _ in range(2):
             try:
                 result = self._read_once(tier, key, out)
-            except CorruptBlob as exc:
-                self.corrupt(key.id, tier, exc)
-                return None
             except TierError as exc:
                 with self.index.lock:
                     self.index.stats[tier.name].errors += 1
@@ -164,22 +161,34 @@ class ReadPath:
         elapsed = time.perf_counter() - started
         if got is None:
             return self._vanished(key_id, tier, replica)
+        if got != size and tier.size_of(key_id) != size:
+            return self._vanished(key_id, tier, replica)
+        try:
+            header = self._verified(tier, key, header_buf, payload_buf, got, size, codec_id, digest,
+                                    None if direct else out)
+        except CorruptBlob as exc:
+            return None if self.corrupt(key_id, tier, replica, exc) else _RETRY
+        self._hit(key_id, tier, replica, header, elapsed, version, [header_buf, payload_buf])
+        return True if out is not None else bytes(header_buf) + bytes(payload_buf)
+
+    @staticmethod
+    def _verified(tier: Tier, key: ChunkKey, header_buf, payload_buf, got: int, size: int, codec_id: int | None,
+                  digest, decode_into: torch.Tensor | None) -> BlobHeader:
+        """The header of a blob just read, once its length, header, codec, checksum (where
+        ``digest`` hashed it) and decoding (into ``decode_into``) check out; else CorruptBlob."""
         if got != size:
-            if tier.size_of(key_id) != size:
-                return self._vanished(key_id, tier, replica)
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = checked_header(tier, key, header_buf, size)
         if codec_id is not None and header.codec_id != codec_id:
             raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
-        if verify and digest.intdigest() != header.payload_checksum:
+        if digest is not None and digest.intdigest() != header.payload_checksum:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
-        if out is not None and not direct:
+        if decode_into is not None:
             try:
-                codec_by_id(header.codec_id).decode_into(payload_buf, out)
+                codec_by_id(header.codec_id).decode_into(payload_buf, decode_into)
             except Exception as exc:  # a payload that does not decode is corrupt, whatever the codec raised
                 raise CorruptBlob(f"{tier.name}: payload does not decode ({type(exc).__name__}: {exc})") from exc
-        self._hit(key_id, tier, replica, header, elapsed, version, [header_buf, payload_buf])
-        return True if out is not None else bytes(header_buf) + bytes(payload_buf)
+        return header
 
     def _vanished(self, key_id: bytes, tier: Tier, replica: Replica):
         """The tier no longer has the value (evicted by Redis, deleted by another daemon); or
@@ -192,17 +201,23 @@ class ReadPath:
         self.io.vanished(tier, key_id)
         return None
 
-    def corrupt(self, key_id: bytes, tier: Tier, exc: Exception) -> None:
-        """Drop a replica that failed verification (and count it); its value is deleted in the
-        background, unless a newer one took its place meanwhile."""
-        log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
+    def corrupt(self, key_id: bytes, tier: Tier, replica: Replica | None, exc: Exception) -> bool:
+        """Drop ``replica``, which failed verification (and count it); its value is deleted
+        in the background, unless a newer one took its place meanwhile. False, dropping
+        nothing, if the index lists another copy there by now (the bytes read were the one it
+        replaced) or none (deleted: its deleter deletes the value)."""
         with self.index.lock:
             self.index.stats[tier.name].corruptions += 1
             entry = self.index.get(key_id)
-            if entry is not None:
-                self.index.remove_replica(key_id, entry, tier.name)
+            if entry is None or replica is None or entry.replicas.get(tier.name) is not replica:
+                log.warning("%s: a corrupt read of %s, whose copy was replaced or deleted meanwhile: %s",
+                            tier.name, key_id.hex(), exc)
+                return False
+            self.index.remove_replica(key_id, entry, tier.name)
             self.io.doom(tier.name, key_id)
+        log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
         self.io.delete_later(tier, key_id)
+        return True
 
     def _hit(self, key_id: bytes, tier: Tier, replica: Replica, header: BlobHeader, elapsed: float,
              version: int, parts: list) -> None:
@@ -279,6 +294,9 @@ class ReadPath:
             yield None
             return
         started = time.perf_counter()
+        with self.index.lock:  # the copy that found corrupt would be dropped (not one that replaced it)
+            entry = self.index.get(key.id)
+            listed = entry.replicas.get(first.name) if entry is not None else None
         with pool.pinned_runs(key.id) as runs:
             payload = header = None
             if runs is not None:
@@ -295,7 +313,7 @@ class ReadPath:
                         if digest.intdigest() != header.payload_checksum:
                             raise PayloadChecksumMismatch(f"{first.name}: payload checksum mismatch")
                 except CorruptBlob as exc:
-                    self.corrupt(key.id, first, exc)
+                    self.corrupt(key.id, first, listed, exc)
                     payload = None
             if payload is not None and contiguous and len(payload) != 1:
                 payload = None  # split over pages: the caller copies it with get_into instead

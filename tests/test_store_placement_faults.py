@@ -139,3 +139,25 @@ def test_a_re_encoding_that_outlives_its_chunk_leaves_the_chunks_next_entry_alon
         evicting.outcome()
         store.check_integrity()
         assert torch.equal(store.get([keys[0]])[0], values[0])
+
+
+def test_a_read_that_finds_a_corrupt_copy_leaves_the_copy_that_replaced_it_alone(tmp_path):
+    """A read that found its copy corrupt dropped whatever copy the index listed in that tier
+    by then, and deleted its file: a durable re-put that replaced the corrupt copy while
+    the read checked it lost its disk copy (and so its durability)."""
+    keys, values = chunks(1)
+    disk = disk_tier(tmp_path, 4)
+    with Store(config(tmp_path), extra_tiers=[disk]) as store:
+        store.put(keys[0], values[0])
+        assert store.flush(timeout_s=30)
+        store.drop([keys[0]], "host")  # read from disk
+        disk.flip_reads = 1  # the medium returns the old copy with a byte flipped
+        gate = disk.gates["read_done"] = Gate(key=keys[0].id, times=1)
+        reading = Call(lambda: store.get([keys[0]]))
+        wait_until(gate.entered.is_set, what="the read of the old copy")
+        store.put(keys[0], values[0], codec="int8", durable=True)  # a new version, on disk and synced
+        gate.open()
+        reading.outcome()
+    assert keys[0].id in disk.inner.keys() and keys[0].id not in disk.unsynced
+    with Store(config(tmp_path), extra_tiers=[disk_tier(tmp_path, 4)]) as store:
+        assert store.contains(keys[0])
