@@ -142,3 +142,29 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_client_leased_before_a_restart_never_reads_the_new_pool_through_the_old_map(tmp_path):
+    """The daemon answered a Get with pool views without checking the request's slots, so a
+    client whose lease (and map of the host pool) came from before a restart copied the
+    new pool's offsets out of the old pool: another chunk's bytes. Found by the SIGTERM
+    storm test, once. Now a Get's slots are checked first, the stale lease is refused, and
+    the client leases again."""
+    keys = STORM_KEYS[:2]
+    with serve(tmp_path / "data") as daemon:
+        addr = daemon.addr
+        survivor = Client(addr, transport="shm")
+        assert survivor.path == "shm"  # leased, and the old pool mapped; no bulk session yet
+        with Client(addr) as writer:
+            for i, key in enumerate(keys):  # keys[0] takes the old pool's first pages
+                writer.put(key, value(i))
+        assert daemon.stop() == 0, daemon.text
+    try:
+        with serve(tmp_path / "data", listen=addr) as daemon:
+            with Client(daemon.addr) as reader:  # keys[1], read first, takes the new pool's first pages
+                out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+                assert reader.get_into(keys[1], out) and torch.equal(out, value(1))
+            got = survivor.get(keys[1:])
+            assert len(got) == 1 and torch.equal(got[0], value(1))
+    finally:
+        survivor.close()

@@ -278,9 +278,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {payload}")
         slots = list(request.slots)
         if slots:
-            self._need_arena()
+            arena = self._need_arena()
             if len(slots) != len(keys):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
+            nbytes = bound.chunk_bytes if payload == pb.TENSOR else arena.slot_bytes
+            arena.check([(s.lease_id, s.index, s.generation) for s in slots], nbytes, caller.name)
         if request.pool_views and (channel is None or not slots):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
         # the socket of a bulk channel sends from the pool; a client that maps it copies from it

@@ -156,6 +156,15 @@ class SlotArena:
             raise SlotError("busy", f"slot {index} is in use by another request")
         return lease
 
+    def check(self, refs: list[tuple[int, int, int]], nbytes: int, owner: str) -> None:
+        """SlotError unless every ref names a live slot of one of ``owner``'s leases, free now.
+        A Get that answers with pool views writes no slot, but the client reads the pool
+        through the mapping it took with the lease: a lease this daemon does not know (the
+        client's, from before a restart) maps another pool, whose bytes at those offsets
+        are another chunk's."""
+        for ref in refs:
+            self._check(ref, nbytes, owner)
+
     @contextmanager
     def using(self, refs: list[tuple[int, int, int]], nbytes: int, owner: str):
         """Views of the referenced slots (each ``nbytes`` long), for the daemon alone inside
