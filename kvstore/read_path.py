@@ -294,7 +294,7 @@ class ReadPath:
             yield None
             return
         started = time.perf_counter()
-        with self.index.lock:  # the copy that found corrupt would be dropped (not one that replaced it)
+        with self.index.lock:  # the copy listed now: only it is dropped if the pinned bytes fail their check
             entry = self.index.get(key.id)
             listed = entry.replicas.get(first.name) if entry is not None else None
         with pool.pinned_runs(key.id) as runs:
