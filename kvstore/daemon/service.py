@@ -251,11 +251,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             reads.append(Read(chunk_bytes, pool_runs=runs, release=pin.close))
         return reads
 
-    async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, hold: bool, owner: str):
+    async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, slot_bytes: int, hold: bool,
+                        owner: str):
         if slot is None:
             return await self._run(self._read, bound, key, payload, None, hold, abandoned=self._done)
-        nbytes = bound.chunk_bytes if payload == pb.TENSOR else self.arena.slot_bytes
-        with self.arena.using([(slot.lease_id, slot.index, slot.generation)], nbytes, owner) as (view,):
+        with self.arena.using([(slot.lease_id, slot.index, slot.generation)], slot_bytes, owner) as (view,):
             return await self._run(self._read, bound, key, payload, view, hold, abandoned=self._done)
 
     def _done(self, read: Read | None) -> None:
@@ -277,12 +277,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if payload not in (pb.BLOB, pb.TENSOR):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {payload}")
         slots = list(request.slots)
+        slot_bytes = 0  # what each slot must hold
         if slots:
             arena = self._need_arena()
             if len(slots) != len(keys):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
-            nbytes = bound.chunk_bytes if payload == pb.TENSOR else arena.slot_bytes
-            arena.check([(s.lease_id, s.index, s.generation) for s in slots], nbytes, caller.name)
+            slot_bytes = bound.chunk_bytes if payload == pb.TENSOR else arena.slot_bytes
+            arena.check([(s.lease_id, s.index, s.generation) for s in slots], slot_bytes, caller.name)
         if request.pool_views and (channel is None or not slots):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
         # the socket of a bulk channel sends from the pool; a client that maps it copies from it
@@ -295,7 +296,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         async def start(i: int):  # at most max_pinned_bytes held, plus the reads ahead
             async with self.read_grants.hold(caller.name, order):  # tenants share; earlier Gets first
                 hold = holdable and channel.can_pin(chunk_bytes)
-                return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, hold, caller.name)
+                return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, slot_bytes, hold,
+                                            caller.name)
 
         with self.admission.admit(caller, min(len(keys), depth) * chunk_bytes):
             ready = []
