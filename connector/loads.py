@@ -221,10 +221,15 @@ class LoadTask:
         """Settle the load (the shared condition held): abandon reads still in flight, wait for
         scatters under way (memory copies, no I/O), and report what is in place."""
         timed_out = not self.known()
-        for group in self.groups:
-            if group.state in (GroupState.QUEUED, GroupState.READING):
-                group.state = GroupState.ABANDONED
-        while any(g.state is GroupState.SCATTERING for g in self.groups):
+        while True:
+            # A lent chunk's scatter ends in READING (the group's next chunk is still to
+            # come), so every wait is followed by another pass: settled means no group can
+            # take another step, not only that none is scattering now.
+            for group in self.groups:
+                if group.state in (GroupState.QUEUED, GroupState.READING):
+                    group.state = GroupState.ABANDONED
+            if not any(g.state is GroupState.SCATTERING for g in self.groups):
+                break
             self.cond.wait()
         if self.error is not None:
             raise self.error
