@@ -201,3 +201,36 @@ def test_18_a_bandwidth_cap_keeps_the_pfs_tier_shared(tmp_path):
 
     capped = ThrottledTier(PfsTier(tmp_path, 1 << 20), 100e6)
     assert capped.shared is True  # discovery, shared-index updates and the no-recode rule depend on it
+
+
+def test_a_read_racing_a_delete_does_not_count_the_deleted_file_again(tmp_path, monkeypatch):
+    """A read learns the file's length after reading it, outside the key's stripe. Before the
+    fix it recorded that length even when a delete of ours had removed the file meanwhile: the
+    view then counted a file that did not exist, whose bytes held the budget (and refused
+    writes into an empty tier) until a rescan."""
+    import tiers.pfs as pfs_module
+
+    bytes_in, let_go = threading.Event(), threading.Event()
+    read_fully = pfs_module.read_fully
+
+    def held_read_fully(fd, outs):
+        got = read_fully(fd, outs)
+        bytes_in.set()
+        assert let_go.wait(10)
+        return got
+
+    monkeypatch.setattr(pfs_module, "read_fully", held_read_fully)
+    tier = PfsTier(tmp_path, 4096)  # room for one value
+    data = blob(3000, 7)
+    tier.write(key(1), [data])
+    out = bytearray(len(data))
+    got = []
+    reader = threading.Thread(target=lambda: got.append(tier.read_into(key(1), [out])))
+    reader.start()
+    assert bytes_in.wait(10)
+    assert tier.delete(key(1)) and tier.used_bytes == 0
+    let_go.set()
+    reader.join(10)
+    assert got == [len(data)] and bytes(out) == data  # the read had the whole file
+    assert tier.used_bytes == 0 and tier.size_of(key(1)) is None
+    tier.write(key(2), [data])  # the empty tier has room for it

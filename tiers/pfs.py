@@ -92,6 +92,27 @@ class PfsTier(DiskTier):
             self._sizes = sizes
             self._used = sum(round_up(s) for s in sizes.values())
 
+    def _observe(self, key: bytes) -> int | None:
+        """The file's size now, into the view (None, and forgotten, if there is none). Under
+        the key's stripe, so that a delete or write of ours that ran after the caller looked
+        at the file (a read in flight, a ``stat``) is not undone with what the caller saw:
+        a deleted file counted again would hold its bytes of the budget until a rescan."""
+        with self._stripe(key):
+            try:
+                size = os.stat(self.path_of(key)).st_size
+            except FileNotFoundError:
+                self._forget(key)
+                return None
+            except OSError as exc:
+                raise self._error(exc) from exc
+            self._record(key, size)
+            return size
+
+    def _saw(self, key: bytes, size: int) -> None:
+        """A read found ``size`` bytes: the view learns of it unless it agrees already."""
+        if self._sizes.get(key) != size:
+            self._observe(key)
+
     def _record(self, key: bytes, size: int) -> None:
         with self._lock:
             old = self._sizes.get(key)
@@ -113,14 +134,7 @@ class PfsTier(DiskTier):
         size = self._sizes.get(key)
         if size is not None:
             return size
-        try:
-            size = os.stat(self.path_of(key)).st_size
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self._error(exc) from exc
-        self._record(key, size)
-        return size
+        return self._observe(key)
 
     def contains(self, key: bytes) -> bool:
         return self.size_of(key) is not None
@@ -148,7 +162,7 @@ class PfsTier(DiskTier):
             raise self._error(exc) from exc
         finally:
             os.close(fd)
-        self._record(key, got)
+        self._saw(key, got)
         return got
 
     def read_into_device(self, key: bytes, out) -> int | None:
@@ -171,17 +185,26 @@ class PfsTier(DiskTier):
                 with kvikio.CuFile(path, "r") as f:
                     got = f.read(flat[:size])
             except FileNotFoundError:
-                self._forget(key)
+                self._observe(key)
                 return None
             except OSError as exc:
                 raise self._error(exc) from exc
-            self._record(key, got)
+            self._saw(key, got)
             return got
         host = torch.empty(flat.numel(), dtype=torch.uint8)
         got = self.read_into(key, memoryview(host.numpy()))
         if got:
             flat[:got].copy_(host[:got])
         return got
+
+    def _open(self, key: bytes) -> int | None:
+        try:
+            return os.open(self.path_of(key), os.O_RDONLY)
+        except FileNotFoundError:
+            self._observe(key)  # gone, unless a write of ours renamed a new file in meanwhile
+            return None
+        except OSError as exc:
+            raise self._error(exc) from exc
 
     # -- the rest ---------------------------------------------------------------------------------
 
