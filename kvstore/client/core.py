@@ -74,7 +74,7 @@ class ClientCore:
         self._lease: ShmLease | None = None
         self._shm_tried = False  # and found shared memory out of reach (another host, shm off)
         self._lease_again_at = 0.0  # after "no free slots": when to ask again
-        self._retired: list[int] = []  # leases to release: their slots may still be in use
+        self._retired: list[ShmLease] = []  # leases to release once every slot of theirs came back
         self._idle: list[BulkSession] = []
         self._bulk_ok = not options.tls_ca  # the bulk channel is not encrypted
         self._namespaces: dict[bytes, Namespace] = {}
@@ -185,7 +185,8 @@ class ClientCore:
             if self._lease is None:
                 self._lease = lease
                 return lease
-            self._retired.append(lease.lease_id)  # another thread leased meanwhile
+            lease.retire()  # another thread leased meanwhile
+            self._retired.append(lease)
             return self._lease
 
     def _retire(self, lease: ShmLease) -> None:
@@ -193,16 +194,18 @@ class ClientCore:
         with self._lock:
             if self._lease is lease:
                 self._lease, self._shm_tried = None, False
-            if not lease.retired:
-                lease.retired = True
-                self._retired.append(lease.lease_id)
+            if lease.retire():
+                self._retired.append(lease)
 
     def _release_retired(self):
+        """Release the retired leases none of whose slots a request of this client still
+        uses; the others wait for a later call (or expire at the daemon)."""
         with self._lock:
-            ids, self._retired = self._retired, []
-        for lease_id in ids:
+            ready = [lease for lease in self._retired if lease.releasable()]
+            self._retired = [lease for lease in self._retired if lease not in ready]
+        for lease in ready:
             try:
-                yield Rpc("ReleaseLease", pb.LeaseRef(lease_id=lease_id))
+                yield Rpc("ReleaseLease", pb.LeaseRef(lease_id=lease.lease_id))
             except DaemonError:
                 pass  # the daemon reclaims it when the lease expires
 
@@ -398,35 +401,35 @@ class ClientCore:
     def _get_in_slots(self, keys, payload, outs, base: int, lease: ShmLease, slots, session):
         """Chunks placed in ``slots``, or (pool mapped, bulk channel) read straight out of the
         daemon's host pool, pinned there until the session sends RELEASE."""
-        pool_views = lease.pool is not None and session is not None and payload == pb.TENSOR
-        request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots],
-                                     pool_views=pool_views)
-        got = 0
-        placed = []  # (dst, reply, slot): copied all at once when every reply is in
+        with self._using(lease, slots):  # every slot taken comes back, whatever fails first
+            pool_views = lease.pool is not None and session is not None and payload == pb.TENSOR
+            request = self._keys_request(pb.GetRequest, keys, payload=payload, slots=[ref for ref, _ in slots],
+                                         pool_views=pool_views)
+            got = 0
+            placed = []  # (dst, reply, slot): copied all at once when every reply is in
 
-        def place(reply: pb.GetReply, data_len: int):
-            nonlocal got
-            if not 0 <= reply.index < len(slots) or data_len:
-                raise ConnectionError(f"unexpected reply for slot {reply.index} with {data_len} bytes")
-            i = base + reply.index
-            slot = slots[reply.index][1]
-            if outs[i] is None:
-                if reply.chunk_bytes > slot.nbytes:
-                    raise DaemonError(grpc.StatusCode.INTERNAL, "a blob larger than its slot")
-                outs[i] = bytes(slot[: reply.chunk_bytes])
-            else:
-                check_size(outs[i], reply.chunk_bytes)
-                placed.append((outs[i], reply, slot))
-            got += 1
-            yield from ()
+            def place(reply: pb.GetReply, data_len: int):
+                nonlocal got
+                if not 0 <= reply.index < len(slots) or data_len:
+                    raise ConnectionError(f"unexpected reply for slot {reply.index} with {data_len} bytes")
+                i = base + reply.index
+                slot = slots[reply.index][1]
+                if outs[i] is None:
+                    if reply.chunk_bytes > slot.nbytes:
+                        raise DaemonError(grpc.StatusCode.INTERNAL, "a blob larger than its slot")
+                    outs[i] = bytes(slot[: reply.chunk_bytes])
+                else:
+                    check_size(outs[i], reply.chunk_bytes)
+                    placed.append((outs[i], reply, slot))
+                got += 1
+                yield from ()
 
-        def copy_placed():
-            if placed:
-                yield Copy(copy_out, (placed, lease.pool))
+            def copy_placed():
+                if placed:
+                    yield Copy(copy_out, (placed, lease.pool))
 
-        with self._using(lease, slots):
             yield from self._each_reply(request, session, place, copy_placed)
-        return got
+            return got
 
     def _get_stream(self, keys, payload, outs, base: int, session: BulkSession | None):
         request = self._keys_request(pb.GetRequest, keys, payload=payload, piece_bytes=self.options.piece_bytes)

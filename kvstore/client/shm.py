@@ -1,10 +1,14 @@
 """This client's lease on the daemon's slot arena (and its read-only map of the host pool).
 
 Who may write a slot, and until when: this client, until it names the slot in a request;
-the daemon, from then until the request is answered. A slot whose request did not end with
+the daemon, from then until the request is answered; then this client again, which copies a
+Get's chunks out of their slots after the last reply. A slot whose request did not end with
 an answer (a timeout, a cancellation, a broken connection) may still be written by the
-daemon, so it is never handed out again: the whole lease is retired, released at the
-client's next call (the daemon reclaims it once it is done with it), and a new one leased.
+daemon, so it is never handed out again: the whole lease is retired (``take`` hands out no
+more of its slots) and a new one leased. A retired lease is released only once every slot
+taken from it has come back, at the client's next call after that (the daemon reclaims it
+once its own copies are done): released sooner, the daemon could lease a slot to anybody
+while another call of this client still copied a chunk out of it, or a blob into it.
 """
 
 from __future__ import annotations
@@ -38,23 +42,40 @@ class ShmLease:
         self.lease_id = reply.lease_id
         self.slot_bytes = reply.slot_bytes
         self.ttl_s = reply.ttl_s
-        self.retired = False
+        self.retired = False  # set under ``_lock`` (``retire``): from then on ``take`` hands out nothing
+        self._out = 0  # slots taken and not given back: requests of this client still use them
         self._last_use = time.monotonic()
         view = memoryview(self._mmap)
         self._free = [(ref, view[offset : offset + reply.slot_bytes]) for ref, offset in zip(reply.slots, reply.offsets)]
         self._lock = threading.Lock()
 
     def take(self, want: int) -> list:
-        """Up to ``want`` free slots, as (SlotRef, view) pairs; none if all are busy."""
+        """Up to ``want`` free slots, as (SlotRef, view) pairs; none if all are busy or the
+        lease is retired."""
         with self._lock:
+            if self.retired:
+                return []
             taken, self._free = self._free[:want], self._free[want:]
+            self._out += len(taken)
         return taken
 
     def give(self, slots: list) -> None:
-        """Slots whose requests were answered."""
+        """Slots this client no longer touches: their request is over, answered or not."""
         with self._lock:
+            self._out -= len(slots)
             if not self.retired:
                 self._free.extend(slots)
+
+    def retire(self) -> bool:
+        """Hand out no more slots; False if it was retired already."""
+        with self._lock:
+            was, self.retired = self.retired, True
+        return not was
+
+    def releasable(self) -> bool:
+        """Retired, and every slot taken from it has come back."""
+        with self._lock:
+            return self.retired and self._out == 0
 
     def fresh(self) -> bool:
         """Used recently enough to skip renewing before use (any use renews it)."""
