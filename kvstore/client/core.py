@@ -380,7 +380,7 @@ class ClientCore:
         ok = False
         try:
             got = 0
-            slotted = lease is not None and (payload == pb.BLOB or outs[0].nbytes <= lease.slot_bytes)
+            slotted = lease is not None and self._fits(keys[0].namespace, payload, outs[0], lease.slot_bytes)
             while slotted and got < len(keys):
                 slots = lease.take(len(keys) - got)
                 if not slots:
@@ -397,6 +397,16 @@ class ClientCore:
             return got
         finally:
             yield from self._done_with(session, ok)
+
+    @staticmethod
+    def _fits(ns: Namespace, payload: int, out, slot_bytes: int) -> bool:
+        """Whether a chunk goes into a slot: a tensor that fits, or a blob whose raw encoding
+        does (the daemon refuses a blob larger than its slot, it does not fall back)."""
+        if payload == pb.BLOB:
+            from kvstore.blob import HEADER_BYTES
+
+            return ns.chunk_bytes + HEADER_BYTES <= slot_bytes
+        return out.nbytes <= slot_bytes
 
     def _get_in_slots(self, keys, payload, outs, base: int, lease: ShmLease, slots, session):
         """Chunks placed in ``slots``, or (pool mapped, bulk channel) read straight out of the
