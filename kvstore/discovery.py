@@ -41,4 +41,4 @@ def discover(index: ChunkIndex, shared_tiers: Sequence[Tier], shared_index, key_
                 entry = index.entries[key_id] = Entry(0, next(iter(where.values())), None)
             for name, size in where.items():
                 if name not in entry.replicas:
-                    index.set_replica(key_id, entry, name, Replica(size, None, entry.version))
+                    index.set_replica(key_id, entry, name, Replica(size, None, entry.version, found=True))

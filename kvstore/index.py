@@ -56,6 +56,9 @@ class Replica:
     codec_id: int | None
     version: int
     synced: bool = False  # written with sync(): a power loss keeps it (durable puts need this)
+    # listed on a shared tier (at start, or a peer's), not written here: whether it is synced is
+    # not known, and it may hold a durable put's bytes, so a copy that replaces it is synced
+    found: bool = False
 
 
 @dataclass
@@ -74,6 +77,13 @@ class Entry:
         """The tier's replica if it holds the latest version (readable), else None."""
         replica = self.replicas.get(tier_name)
         return replica if replica is not None and replica.version == self.version else None
+
+    def known_current(self, tier_name: str) -> Replica | None:
+        """``current(tier_name)`` if its blob is known to be the latest put's. A copy found on
+        a shared tier by a lookup (its header never read) is readable, but may hold another
+        blob of the chunk (another daemon's encoding, or an older put): a put still copies there."""
+        replica = self.current(tier_name)
+        return replica if replica is not None and replica.codec_id is not None else None
 
     def readable(self) -> bool:
         return any(r.version == self.version for r in self.replicas.values())

@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 
 _RETRY = object()  # the replica changed under the read (re-encoded, replaced): read it again
 
+
+class ReplacedBlob(Exception):
+    """A shared tier's value is a whole, valid blob of the chunk, but not the one the index
+    lists there: another daemon put the chunk in its own encoding (the codec is not part of
+    the key), or it is an older put of ours found at start."""
+
 # promote(key id, version, blob parts, size, codec id): a hit below the first tier
 Promote = Callable[[bytes, int, list, int, int], None]
 
@@ -144,7 +150,7 @@ class ReadPath:
             replica = entry.current(tier.name) if entry is not None else None
             if replica is None:
                 return None
-            size, codec_id, version = replica.size, replica.codec_id, replica.version
+            size, codec_id, version, expected = replica.size, replica.codec_id, replica.version, entry.header
         header_buf = bytearray(HEADER_BYTES)
         direct = out is not None and codec_id == 0 and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
@@ -156,33 +162,55 @@ class ReadPath:
                 got = tier.read_into_hashing(key_id, [memoryview(header_buf), payload_buf], HEADER_BYTES, digest)
             else:
                 got = tier.read_into(key_id, [memoryview(header_buf), payload_buf])
-        except ValueError:
-            got = None  # replaced by a larger value meanwhile (another daemon)
+        except ValueError:  # a larger value took its place meanwhile
+            if tier.shared:
+                return self._replaced(key_id, tier, replica)  # a peer's: not ours to unlist or delete
+            got = None
         elapsed = time.perf_counter() - started
         if got is None:
             return self._vanished(key_id, tier, replica)
         if got != size and tier.size_of(key_id) != size:
+            if tier.shared and self._whole(tier, key, header_buf, got, digest):
+                return self._replaced(key_id, tier, replica)
             return self._vanished(key_id, tier, replica)
         try:
             header = self._verified(tier, key, header_buf, payload_buf, got, size, codec_id, digest,
-                                    None if direct else out)
+                                    None if direct else out, expected if tier.shared else None)
+        except ReplacedBlob:
+            return self._replaced(key_id, tier, replica)
         except CorruptBlob as exc:
             return None if self.corrupt(key_id, tier, replica, exc) else _RETRY
         self._hit(key_id, tier, replica, header, elapsed, version, [header_buf, payload_buf])
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
 
     @staticmethod
+    def _whole(tier: Tier, key: ChunkKey, header_buf, got: int, digest) -> bool:
+        """Whether the ``got`` bytes read are a whole, valid blob of ``key`` (hashed as read)."""
+        try:
+            header = checked_header(tier, key, header_buf, got)
+        except CorruptBlob:
+            return False
+        return digest is not None and digest.intdigest() == header.payload_checksum
+
+    @staticmethod
     def _verified(tier: Tier, key: ChunkKey, header_buf, payload_buf, got: int, size: int, codec_id: int | None,
-                  digest, decode_into: torch.Tensor | None) -> BlobHeader:
-        """The header of a blob just read, once its length, header, codec, checksum (where
-        ``digest`` hashed it) and decoding (into ``decode_into``) check out; else CorruptBlob."""
+                  digest, decode_into: torch.Tensor | None, expected: BlobHeader | None = None) -> BlobHeader:
+        """The header of a blob just read, once its length, header, checksum (where ``digest``
+        hashed it), codec and decoding (into ``decode_into``) check out; else CorruptBlob.
+        ``expected``: on a shared tier, the blob the index's entry names; a valid blob of
+        another codec, or one that differs from ``expected`` where the replica's codec is not
+        known yet, raises ReplacedBlob (a peer's put, or an older one of ours), not CorruptBlob."""
         if got != size:
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = checked_header(tier, key, header_buf, size)
-        if codec_id is not None and header.codec_id != codec_id:
-            raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
         if digest is not None and digest.intdigest() != header.payload_checksum:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
+        if codec_id is not None and header.codec_id != codec_id:
+            if tier.shared and digest is not None:
+                raise ReplacedBlob(f"{tier.name}: a valid blob of codec {header.codec_id}, the index says {codec_id}")
+            raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
+        if codec_id is None and expected is not None and header != expected and digest is not None:
+            raise ReplacedBlob(f"{tier.name}: a valid blob of the chunk, not the one its latest put wrote")
         if decode_into is not None:
             try:
                 codec_by_id(header.codec_id).decode_into(payload_buf, decode_into)
@@ -199,6 +227,20 @@ class ReadPath:
                 return _RETRY if entry is not None and entry.current(tier.name) is not None else None
             self.index.remove_replica(key_id, entry, tier.name)
         self.io.vanished(tier, key_id)
+        return None
+
+    def _replaced(self, key_id: bytes, tier: Tier, replica: Replica):
+        """A shared tier holds another valid blob of the chunk than ``replica`` says: this
+        index forgets its copy there, but neither deletes the file nor takes it out of the
+        shared index (it is another daemon's put, which its daemon lists and may have made
+        durable); or the index moved on meanwhile: then read again."""
+        with self.index.lock:
+            entry = self.index.get(key_id)
+            if entry is None or entry.replicas.get(tier.name) is not replica:
+                return _RETRY if entry is not None and entry.current(tier.name) is not None else None
+            log.info("%s: %s holds another daemon's blob of the chunk now; this index forgets its copy",
+                     tier.name, key_id.hex())
+            self.index.remove_replica(key_id, entry, tier.name)
         return None
 
     def corrupt(self, key_id: bytes, tier: Tier, replica: Replica | None, exc: Exception) -> bool:

@@ -3,7 +3,12 @@
 Every value a tier holds becomes a replica of its chunk, whatever its size: two tiers may
 hold one chunk in different encodings (placement re-encoded one; a crash came between a
 re-put's copies), and each is a whole, valid copy. Skipping one would leave bytes that
-count against the tier but that nothing could ever evict (review #9).
+count against the tier but that nothing could ever evict (review #9). But only the copies
+holding the blob found first (the same header) are the current version: the others may be
+an older put's (a re-put's copy that reached one tier and failed on the other), and counted
+current a later put of the first blob would skip them as done and a read could serve them.
+They are stale replicas (``STALE``): never read, evicted like any, replaced by the next
+put's copy.
 
 A private tier's values are checked at start by their headers (a read of 128 bytes each):
 a zero-length or truncated file, which a power loss can leave under its final name when it
@@ -25,6 +30,8 @@ from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
 
+STALE = -1  # the version of a recovered copy holding another blob than the first one found
+
 
 def recover(index: ChunkIndex, tier: Tier) -> None:
     """Add ``tier``'s values to the index (call before the Store serves)."""
@@ -45,9 +52,14 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
                 dropped += 1
                 continue
         entry = index.entries.get(key_id)
-        if entry is None:
+        if entry is not None and header is None:  # a shared tier's value of a chunk found before:
+            header = _header(tier, key_id, size)  # which blob is it? (a damaged one is nobody's)
+        first = entry is None
+        if first:
             entry = index.entries[key_id] = Entry(version=0, size=size, header=header)
-        replica = Replica(size, header.codec_id if header is not None else None, 0)
+        current = first or (header is not None and header == entry.header)
+        replica = Replica(size, header.codec_id if header is not None else None, 0 if current else STALE,
+                          found=tier.shared)
         index.record(key_id, entry, tier.name, replica)
         index.sync(key_id, entry)
         recovered.append(replica)

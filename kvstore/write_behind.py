@@ -168,7 +168,7 @@ class WriteBehind:
         assert self.index.get(key_id) is entry, "copies queued for an entry no longer in the index"
         for name, q in self.queues.items():
             reserved = name in reservation.tiers
-            current = entry.current(name)
+            current = entry.known_current(name)
             job = None
             wanted = only is None or name in only
             if wanted and (current is None or (ticket is not None and not current.synced)):
@@ -256,7 +256,7 @@ class WriteBehind:
                 with self.index.lock:
                     live = self.index.get(key_id) is entry
                     source = entry.current(self.first.name) if live else None
-                    target = entry.current(tier.name) if live else None
+                    target = entry.known_current(tier.name) if live else None
                     sync = bool(job.tickets)
                     codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
                 views = None
@@ -310,7 +310,7 @@ class WriteBehind:
                 if error is None:
                     with self.index.lock:
                         old = job.entry.replicas.get(tier.name)
-                        sync = sync or (old is not None and old.synced)  # never downgrade a synced file
+                        sync = sync or (old is not None and (old.synced or old.found))  # never downgrade a synced file
                     try:
                         tier.write(key_id, views)
                         if sync:

@@ -6,9 +6,11 @@ two-level fan-out of 256 x 256 directories taken from the key's last bytes, whic
 bits, so directories stay small and evenly filled). What changes when many writers share
 the mount:
 
-- Values are content-addressed: a key names the bytes, so two daemons writing one key write
-  the same bytes and a rename over an existing file is harmless. A write goes to a temporary
-  name unique across hosts (host, pid, random) and is renamed into place; no locks anywhere.
+- Values are content-addressed: a key names the KV, so two daemons writing one key write the
+  same chunk and a rename over an existing file is harmless; but not always the same bytes
+  (the codec is not part of the key), which the Store's read path allows for. A write goes
+  to a temporary name unique across hosts (host, pid, random) and is renamed into place; no
+  locks anywhere.
 - Other daemons' files are found: a key missing from this daemon's view costs one ``stat``
   (``size_of``/``contains``) or one ``open`` (``read_into``), and ``keys()`` rescans the mount.
 - A file deleted by another daemon is a clean miss here: the read returns None and the view
