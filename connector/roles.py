@@ -93,7 +93,12 @@ class TransferCodecs:
 
 class ProducerSaver(Saver):
     """The saver of a producer: every put is durable and in the transfer codec, and chunks it
-    failed to put are remembered, so that they are never promised."""
+    failed to put are remembered until a durable put of theirs succeeds, so that they are
+    never promised. Chunks the store holds already are put too: a copy in host RAM says
+    nothing of the replica tier (a durable put whose copy failed leaves one), and a durable
+    put of what is there only writes and syncs the copies it lacks."""
+
+    skips_present = False
 
     def __init__(self, store: ChunkStore, pool, availability, stats, config: TransferConfig) -> None:
         super().__init__(store, pool, availability, stats)
@@ -119,6 +124,8 @@ class ProducerSaver(Saver):
             attention = self._attention.get(save.key.id)
         codec = self.codecs.for_chunk(save.parent is None, attention)
         self.store.put(save.key, buf, parent=save.parent, durable=True, codec=codec)
+        with self._idle:
+            self._lost_ids.discard(save.key.id)
 
     def _lost(self, saves: list[ChunkSave]) -> None:
         with self._idle:
@@ -126,10 +133,11 @@ class ProducerSaver(Saver):
 
     def promised(self, keys: list[ChunkKey]) -> int:
         """How many leading ``keys`` may be promised (after ``flush``): held by the store, and
-        none whose put failed here. The lost ones are forgotten once asked about."""
+        none whose last put here failed. (Forgetting a lost chunk once asked about, as before,
+        let the next request of the same prefix promise it: it saved nothing, its prefix was
+        in its own KV cache, and lookup still found the failed put's copy in host RAM.)"""
         with self._idle:
             lost = [i for i, k in enumerate(keys) if k.id in self._lost_ids]
-            self._lost_ids.difference_update(k.id for k in keys)
         held = self.store.lookup(keys) if keys else 0
         return min([held] + lost)
 

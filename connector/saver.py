@@ -25,6 +25,8 @@ from kvstore.api import ChunkStore, pushed_back
 
 
 class Saver:
+    skips_present = True  # a chunk the store holds already is not put again
+
     def __init__(self, store: ChunkStore, pool: StagingPool, availability: Availability, stats: StatsRecorder) -> None:
         self.store, self.pool, self.availability, self.stats = store, pool, availability, stats
         self._queue: queue.Queue = queue.Queue()
@@ -73,7 +75,7 @@ class Saver:
         started = time.perf_counter()
         present = done = 0
         try:
-            present = self.store.lookup([save.key for save, _ in items])
+            present = self.store.lookup([save.key for save, _ in items]) if self.skips_present else 0
             for save, buf in items[present:]:
                 self._put_one(save, buf)
                 done += 1

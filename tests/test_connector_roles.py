@@ -16,6 +16,8 @@ from kvstore.codecs.mixed import FULL, MixedPrecisionCodec, unpack_levels
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
+from tiers.disk import DiskTier
+from faults import FaultyTier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -98,6 +100,37 @@ def test_a_producer_promises_only_chunks_the_store_holds(tiny):
     assert producer.llm.connector.worker.saver.promised(keys) == 1
     producer.llm.close()
     s.close()
+
+
+def run_prefill(engine: RoleEngine, request_id: str, prompt: list[int]):
+    engine.submit(request_id, prompt, GREEDY)
+    for _ in range(200):
+        for finished in engine.step():
+            if finished.request_id == request_id:
+                return finished
+    raise AssertionError("the prefill did not finish")
+
+
+def test_a_chunk_whose_durable_put_failed_is_never_promised(tiny, tmp_path):
+    """The durable copy of a prompt's first chunk fails, so the first request's promise stops
+    before it; its host-RAM copy stays in the store. Before the fix the saver forgot the lost
+    chunk once a promise had asked about it, and the next request of the same prompt (a hit
+    in its own KV cache: it saves nothing) promised it on the strength of ``lookup``: the
+    decode engine then waited ``transfer.wait_s`` for a chunk the replica tier never got."""
+    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 24, name="disk"))
+    with Store(StoreConfig(host=HostTierConfig(capacity_bytes=16 << 20, page_bytes=64 << 10),
+                           disk=DiskTierConfig(enabled=False)), extra_tiers=[disk]) as s:
+        llm = LLM(tiny, EngineConfig(num_blocks=64, block_size=4,
+                                     connector=ConnectorConfig(chunk_tokens=16, role="producer")), kv_store=s)
+        prefill = RoleEngine(llm, "prefill")
+        prompt = list(range(10, 10 + 2 * 16 + 5))
+        keys = chunk_keys(prompt, llm.connector.namespace)
+        disk.failures["write"] = 1  # the durable copy of the first chunk fails
+        assert run_prefill(prefill, "r1", prompt).transfer.key_ids == []
+        assert s.lookup(keys[:1]) == 1 and disk.size_of(keys[0].id) is None
+        promised = run_prefill(prefill, "r2", prompt).transfer.key_ids
+        assert [k for k in promised if disk.size_of(bytes.fromhex(k)) is None] == []
+        llm.close()
 
 
 def test_a_consumer_waits_for_promised_chunks_within_its_bound():
