@@ -139,7 +139,13 @@ class Channel:
         nbytes = sum(v.nbytes for v in views)
         views.insert(0, memoryview(FRAME.pack(kind, len(meta), nbytes) + meta))
         if nbytes < SMALL_FRAME_BYTES and self._writer is None and self._broken is None:
-            views = self._write_now(views)  # nothing queued before it: no thread hop for a small frame
+            try:
+                views = self._write_now(views)  # nothing queued before it: no thread hop for a small frame
+            except OSError as exc:  # the peer is gone: what the frame holds is released all the same
+                self._broken = exc
+                if then is not None:
+                    then()
+                raise ConnectionError(f"the bulk connection broke: {exc}") from exc
             if not views:
                 if then is not None:
                     then()
@@ -185,6 +191,8 @@ class Channel:
             with self._lock:
                 if not self._outbox:
                     self._writer = None
+                    # flush() and close() wait for this too: the last _written may have run first
+                    loop.call_soon_threadsafe(self._flushed.set)
                     return
                 write, nbytes, then = self._outbox.popleft()
             if self._broken is None:
