@@ -220,7 +220,9 @@ class LLM:
             if self.scheduler.loading:  # nothing to compute until some KV arrives
                 self._wait_for_kv(plan)
                 return []
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not batch.preempted:
+                # (a step that preempted its last running request admits nothing; the next one
+                # starts with nothing running, which lets sessions give up their hard holds)
                 raise RuntimeError("waiting requests cannot be admitted into an empty KV cache")
             return []
         voided: set[Sequence] = set()

@@ -341,6 +341,24 @@ def test_keep_releases_held_blocks_only_when_nothing_else_could_run(tiny):
     llm.close()
 
 
+def test_a_request_that_outgrows_the_room_beside_a_kept_hold_finishes(tiny):
+    """The hold leaves 10 blocks; a request fits there, then its decode needs an 11th. The
+    step preempts it, its only running request, and admits nothing. Before the fix that step
+    raised "waiting requests cannot be admitted into an empty KV cache"; the next step, with
+    nothing running, releases the hold and the request resumes."""
+    llm = engine(tiny, None, "keep")
+    turn(llm, tiny.piece(0, (tiny.num_blocks - 10) * tiny.block), "a")
+    llm.pause("a", 100.0)
+    prompt = tiny.piece(5000, 9 * tiny.block - 1)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seq = llm.add_request(prompt, params)
+    drain(llm)
+    assert seq.metrics.num_preemptions == 1 and llm.sessions.counts["forced_releases"] == 1
+    assert seq.output_token_ids == tiny.llm.with_config().generate([prompt], params)[0].output_token_ids
+    llm.end_session("a")
+    llm.close()
+
+
 def test_auto_releases_kept_blocks_under_pressure(tiny, store):
     llm = engine(tiny, store, "auto", default_stall_s=1e-6)  # predicted stalls too short to offload
     seq = turn(llm, tiny.piece(0, (tiny.num_blocks - 10) * tiny.block), "a")
