@@ -85,6 +85,13 @@ class ReplicaUsage:
         with self._lock:
             return sum(n for fp, n in self._bytes[tier].items() if self._owner.get(fp) == owner)
 
+    def held(self, tier: str, key_id: bytes) -> int:
+        """The bytes ``tier`` holds for the key (0: none)."""
+        with self._lock:
+            replicas = self._replicas[tier].get(key_id[:HASH_BYTES])
+            replica = replicas.get(key_id) if replicas is not None else None
+            return replica.size if replica is not None else 0
+
     def holds(self, tier: str, key_id: bytes) -> bool:
         with self._lock:
             replicas = self._replicas[tier].get(key_id[:HASH_BYTES])

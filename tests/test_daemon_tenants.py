@@ -214,3 +214,46 @@ def test_the_tenant_field_only_tells_apart_a_tenants_own_namespaces(daemon):
         assert alice.lookup(chunk_keys(PROMPT, ns("y"))[:1]) == 0
         for claim in ("x", "alice/x", "alice"):
             assert bob.lookup(chunk_keys(PROMPT, ns(claim))[:1]) == 0
+
+
+QUOTA_CHUNK = 128 + 16 * 1024  # one raw blob of quota_ns()
+
+
+def quota_ns() -> Namespace:
+    return Namespace("quota-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB chunks
+
+
+def test_a_reput_in_a_larger_encoding_counts_against_the_host_quota(tmp_path):
+    """A tenant puts many tiny blobs (lz4 of zeros) within its host quota, then re-puts every
+    key raw. Before the fix a re-put of a key the tenant held was never checked against its
+    quota: it then held 25 times its quota, and host RAM's own eviction pushed out another
+    tenant's chunks, which a tenant at its quota must never do."""
+    quota = 4 * QUOTA_CHUNK
+    (tmp_path / "daemon.toml").write_text(
+        '[shm]\nenabled = false\n[store.disk]\nenabled = false\n[store.host]\ncapacity_bytes = "2MiB"\n'
+        'page_bytes = 4096\nprefault = false\n')
+    with DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(tmp_path / "data"), "--metrics", "127.0.0.1:0",
+                        "--tenants-file", tenants_file(tmp_path / "tenants.toml",
+                                                       {"alice": f"host_bytes = {quota}\n"})]) as daemon:
+        theirs = chunk_keys(list(range(50_000, 50_000 + 40 * 32)), quota_ns())
+        with Client(daemon.addr, token=TOKENS["bob"]) as bob:
+            for i, k in enumerate(theirs):
+                bob.put(k, torch.full(quota_ns().chunk_shape, float(i), dtype=torch.float16))
+            assert bob.lookup(theirs) == 40  # ~660 KiB of a 2 MiB host tier
+        mine = chunk_keys(list(range(100 * 32)), quota_ns())
+        zeros = torch.zeros(quota_ns().chunk_shape, dtype=torch.float16)
+        with Client(daemon.addr, token=TOKENS["alice"]) as alice:
+            for k in mine:  # ~100 B each: all 100 fit her quota of 4 raw chunks
+                alice.put(k, zeros, codec="lz4")
+            for k in mine:  # the same keys again, raw: no quota check at all
+                alice.put(k, zeros, codec="raw")
+            held = alice.lookup(mine)
+        port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        host = int(float(re.search(r'kvstore_tenant_bytes\{tenant="team-a",tier="host"\} (\S+)', text).group(1)))
+        with Client(daemon.addr, token=TOKENS["bob"]) as bob:
+            bob_left = bob.lookup(theirs)
+        assert host <= quota and bob_left == 40, (
+            f"alice holds {host} B in host RAM (quota {quota} B, {held} raw chunks); "
+            f"bob kept {bob_left} of his 40 chunks")

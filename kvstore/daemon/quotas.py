@@ -32,12 +32,17 @@ class Quotas:
         """Before ``owner`` stores ``nbytes`` under ``key`` (an executor thread)."""
         self.usage.assign(key.namespace, owner.label)
         for tier, quota in ((HOST, owner.host_bytes), (DISK, owner.disk_bytes if self._disk else 0)):
-            if not quota or self.usage.holds(tier, key.id):
+            if not quota:
+                continue
+            # a re-put replaces the chunk's blob there: it adds only what it is larger by (before,
+            # a re-put was never checked, and a tiny blob re-put large took any number of bytes)
+            growth = nbytes - self.usage.held(tier, key.id)
+            if growth <= 0:
                 continue
             if nbytes > quota:
                 raise Fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"a chunk of {nbytes} bytes exceeds this tenant's {tier} quota of {quota} bytes")
-            over = self.usage.used(owner.label, tier) + nbytes - quota
+            over = self.usage.used(owner.label, tier) + growth - quota
             if over > 0:
                 self._evict(owner, tier, over, key)
 
