@@ -211,7 +211,8 @@ class Store:
                 self.index.hit(key_id, entry)
                 return True
             needs = [t.name for t in self.replica_tiers
-                     if not (same and (r := entry.known_current(t.name)) is not None and (ticket is None or r.synced))]
+                     if not (same and (r := entry.known_current(t.name)) is not None
+                             and (ticket is None or WriteBehind.durable_there(t, r)))]
         reservation = self._write_behind.reserve(size, needs)
         if present:  # a durable put of what is there: its copies must be written and synced
             with self.index.lock:

@@ -159,6 +159,14 @@ class WriteBehind:
 
     # -- queueing (index lock held) -------------------------------------------------------------
 
+    @staticmethod
+    def durable_there(tier: Tier, replica: Replica | None) -> bool:
+        """Whether a durable put may count ``replica`` done without touching the tier: synced,
+        and on a private tier. A shared medium can lose a value without this index knowing
+        (another daemon's delete, the cluster ledger's eviction, Redis's own), so there the
+        copy job looks before it trusts it."""
+        return replica is not None and replica.synced and not tier.shared
+
     def queue(self, key_id: bytes, entry: Entry, reservation: Reservation, ticket: Ticket | None,
               only: Sequence[str] | None = None) -> None:
         """Queue the copies ``entry``'s latest version still needs (index lock held), using
@@ -171,7 +179,7 @@ class WriteBehind:
             current = entry.known_current(name)
             job = None
             wanted = only is None or name in only
-            if wanted and (current is None or (ticket is not None and not current.synced)):
+            if wanted and (current is None or (ticket is not None and not self.durable_there(q.tier, current))):
                 job = q.waiting.get(key_id)
                 if job is not None and job.entry is not entry:
                     job = None
@@ -251,12 +259,14 @@ class WriteBehind:
         under its key lock, so it is exactly the replica the index lists; a re-put after that
         makes this copy a stale replica that the newer job replaces."""
         tier, key_id, entry = q.tier, job.key_id, job.entry
+        # a durable put's copy to a shared tier writes the value again if it is gone from there
+        gone = tier.shared and bool(job.tickets) and not self._there(tier, key_id)
         with ExitStack() as stack:
             with self.locks.hold(self.first.name, key_id):
                 with self.index.lock:
                     live = self.index.get(key_id) is entry
                     source = entry.current(self.first.name) if live else None
-                    target = entry.known_current(tier.name) if live else None
+                    target = entry.known_current(tier.name) if live and not gone else None
                     sync = bool(job.tickets)
                     codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
                 views = None
@@ -278,6 +288,14 @@ class WriteBehind:
             if recoded is not None:
                 views, replica = recoded
             self._write(q, job, views, replica, sync, recoded is not None)
+
+    @staticmethod
+    def _there(tier: Tier, key_id: bytes) -> bool:
+        """Whether the medium holds a value for the key now (asked, not the tier's view)."""
+        try:
+            return tier.peek(key_id, 1) is not None
+        except TierError:
+            return False  # then the write fails, and says so
 
     @staticmethod
     def _encode(tier: Tier, key_id: bytes, views, codec: Codec, source: Replica):

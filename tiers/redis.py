@@ -175,6 +175,12 @@ class RedisTier(Tier):
             self._remember(key, len(data))
         return data
 
+    def peek(self, key: bytes, nbytes: int) -> bytes | None:
+        """The value's first ``nbytes`` bytes, one GETRANGE (None if absent: no value is empty)."""
+        with unavailable_on_failure(f"{self.name}: peek"):
+            head = self._client.getrange(self.redis_key(key), 0, nbytes - 1)
+        return head or None
+
     def read_into(self, key: bytes, out) -> int | None:
         """Copy the value into ``out`` (one buffer or a list filled in order); None if absent."""
         data = self.read(key)
