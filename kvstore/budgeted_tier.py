@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header
 from kvstore.ledger import Ledger
 from tiers.base import Buffer, Tier, TierError, TierFull
 from tiers.wrapped import WrappedTier
@@ -89,10 +90,10 @@ class BudgetedTier(WrappedTier):
             self.inner.write(key, parts)
             committed = self.ledger.commit(self.member, self.name, key)
         except BaseException:
-            self._undo(key)
+            self._undo(key, parts)
             raise
         if not committed:
-            self._undo(key)
+            self._undo(key, parts)
             raise TierError(f"{self.name}: {key.hex()} was deleted while it was written")
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
@@ -100,18 +101,56 @@ class BudgetedTier(WrappedTier):
         for key, parts in items:
             self.write(key, parts)
 
-    def _undo(self, key: bytes) -> None:
+    def _undo(self, key: bytes, parts: Sequence[Buffer]) -> None:
         """Remove a value written without a commit, and its reservation (owed for later if
-        the ledger cannot be reached: a live member's reservation is never reaped)."""
-        try:
-            self.inner.delete(key)
-        except TierError as exc:
-            log.warning("%s: cannot remove uncommitted %s: %s", self.name, key.hex(), exc)
+        the ledger cannot be reached: a live member's reservation is never reaped). A write
+        that failed may not have landed: an older value still there is whole (another
+        encoding of the chunk, maybe a durable put's), so it stays and is counted again;
+        before, the undo deleted it."""
+        older = self._older_value(key, parts)
+        if older is None:
+            try:
+                self.inner.delete(key)
+            except TierError as exc:
+                log.warning("%s: cannot remove uncommitted %s: %s", self.name, key.hex(), exc)
         try:
             self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
         except TierError:
             with self._owed_lock:
                 self._owed.add(key)
+            return
+        if older is not None:
+            self._recount(key, older)
+
+    def _older_value(self, key: bytes, parts: Sequence[Buffer]) -> int | None:
+        """The size of a whole value under ``key`` that is not the one ``parts`` wrote; None
+        if there is none, or it is ours, or the medium cannot tell."""
+        ours = b"".join(bytes(memoryview(p).cast("B")) for p in parts[:1])[:HEADER_BYTES]
+        for p in parts[1:]:
+            if len(ours) >= HEADER_BYTES:
+                break
+            ours = (ours + bytes(memoryview(p).cast("B")))[:HEADER_BYTES]
+        try:
+            head = self.inner.peek(key, HEADER_BYTES)
+            if head is None or head == ours:
+                return None
+            return decode_header(head).blob_len
+        except (TierError, CorruptBlob):
+            return None
+
+    def _recount(self, key: bytes, size: int) -> None:
+        """Count an older value that stayed in place of a failed write; one the budget has no
+        room for any more goes, as an eviction would take it."""
+        try:
+            answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
+                                                     self._ttl_s)
+            if answer == "ok":
+                self.ledger.commit(self.member, self.name, key)
+            elif answer == "full":
+                self.inner.delete(key)
+                self._forget(self.name, [key])
+        except TierError as exc:
+            log.warning("%s: cannot count the older value of %s again: %s", self.name, key.hex(), exc)
 
     def settle(self) -> None:
         """Release the reservations ``_undo`` could not (the heartbeat calls this)."""
@@ -123,6 +162,10 @@ class BudgetedTier(WrappedTier):
                 self._owed.difference_update(owed)
 
     def delete(self, key: bytes) -> bool:
+        """The entry is marked first, as evictions mark theirs: between the DEL and the release a
+        member's reservation was answered "present", and its durable put wrote nothing."""
+        self._used = self.ledger.deleting(self.member, self.name, [key])
         removed = self.inner.delete(key)
+        self.ledger.evicted(self.member, self.name, [key])
         self._used = self.ledger.release(self.member, self.name, [key])
         return removed

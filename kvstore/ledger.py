@@ -203,6 +203,26 @@ end
 return used(T)
 """
 
+# ARGV: prefix, member, tier, keys... This member deletes these values now: resident ones
+# become evicting (state e, as make_room marks its victims), so that a reservation meanwhile
+# is answered busy, not "present" for a value about to be gone. Then ``evicted``.
+_DELETING = _COMMON + r"""
+local m, T = ARGV[2], ARGV[3]
+for i = 4, #ARGV do
+  local key = ARGV[i]
+  local v = redis.call('HGET', P .. 't:' .. T, key)
+  if v then
+    local s, fp, size, owner = parse(v)
+    if s == 'r' then
+      redis.call('HSET', P .. 't:' .. T, key, 'e ' .. fp .. ' ' .. size .. ' ' .. owner)
+      redis.call('ZREM', P .. 'q:' .. T .. ':' .. owner, key)
+      redis.call('SADD', P .. 'f:' .. T .. ':' .. m, key)
+    end
+  end
+end
+return used(T)
+"""
+
 # ARGV: prefix, member, tier, keys... This member finished deleting them (state e).
 _EVICTED = _COMMON + r"""
 local m, T = ARGV[2], ARGV[3]
@@ -325,7 +345,7 @@ class Ledger:
         self._tag = self.prefix + "tag"  # routes every script to the ledger's slot
         self._client = connect(url, cluster, socket_timeout_s, connect_timeout_s, max_connections)
         scripts = dict(join=_JOIN, beat=_BEAT, leave=_LEAVE, reserve=_RESERVE, commit=_COMMIT, release=_RELEASE,
-                       evicted=_EVICTED, make_room=_MAKE_ROOM, pin=_PIN, now=_NOW)
+                       deleting=_DELETING, evicted=_EVICTED, make_room=_MAKE_ROOM, pin=_PIN, now=_NOW)
         self._scripts = {name: self._client.register_script(code) for name, code in scripts.items()}
 
     def _call(self, name: str, *args) -> object:
@@ -379,6 +399,9 @@ class Ledger:
 
     def release(self, member: str, tier: str, key_ids: Sequence[bytes], own_only: bool = False) -> int:
         return int(self._call("release", member, tier, "1" if own_only else "0", *[k.hex() for k in key_ids]))
+
+    def deleting(self, member: str, tier: str, key_ids: Sequence[bytes]) -> int:
+        return int(self._call("deleting", member, tier, *[k.hex() for k in key_ids]))
 
     def evicted(self, member: str, tier: str, key_ids: Sequence[bytes]) -> int:
         return int(self._call("evicted", member, tier, *[k.hex() for k in key_ids]))

@@ -73,9 +73,11 @@ class HeldAfterDelete(WrappedTier):
         return gone
 
 
-@pytest.mark.xfail(strict=True, reason="open: the ledger answers 'present' between a member's DEL and "
-                   "its release of the entry (BudgetedTier.delete should mark the entry first, as evictions do)")
 def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keeps_a_copy(tmp_path, redis_server):
+    """Member A's delete has removed the value and not yet released its ledger entry when B's
+    durable put of the chunk starts. Before the fix the ledger answered B's reservation
+    "present", B wrote nothing and was acknowledged, and A's release then dropped the entry:
+    the chunk was on no tier but B's host RAM."""
     keys, values = chunks(1, seed=11)
     key, value = keys[0], values[0]
     ca = redis_member(tmp_path, redis_server.url, "rv-present", "a")
@@ -90,20 +92,23 @@ def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keep
         deleting = Call(lambda: a.delete([key]))
         assert gate.entered.wait(10)
         assert not raw.exists(rkey)  # a's delete removed the value; its ledger entry is released next
-        b.put(key, value, durable=True)  # starts after the value is gone: acknowledged
-        acked_on_redis = raw.exists(rkey)
+        putting = Call(lambda: b.put(key, value, durable=True))  # starts after the value is gone
+        # before the fix it was acknowledged at once, with nothing written; now its copy waits
+        # (the entry is busy) until a's delete is done, then writes the value
+        putting.finished.wait(1.0)
         gate.open()
         deleting.outcome()
+        putting.outcome()
         on_redis = raw.exists(rkey)
     with Store(cb) as b:  # b restarts: what was durable is there
         found = b.lookup([key])
-    assert (acked_on_redis, on_redis, found) == (1, 1, 1), \
-        "b's durable put, acknowledged after a's delete removed the value, has no copy on Redis"
+    assert (on_redis, found) == (1, 1), "b's durable put, acknowledged after a's delete removed the value, has no copy"
 
 
-@pytest.mark.xfail(strict=True, reason="open: BudgetedTier._undo deletes the older, durable value "
-                   "when a re-put's write fails (it cannot tell whether the write landed)")
 def test_a_failed_copy_of_a_re_put_leaves_the_durable_older_value_on_redis(tmp_path, redis_server):
+    """A cluster member's copy of a re-put (another codec) to Redis fails before it lands.
+    Before the fix BudgetedTier._undo deleted the key: the older, whole value of the chunk,
+    a durable put's."""
     keys, values = chunks(1, seed=13)
     cfg = daemon_config(tmp_path, "a", redis_server.url, True, "rv-undo", pfs=False)
     cfg.disk.enabled = False
@@ -120,6 +125,7 @@ def test_a_failed_copy_of_a_re_put_leaves_the_durable_older_value_on_redis(tmp_p
         a.put(keys[0], values[0], codec="int8")  # another blob of the chunk, not durable
         a.flush()
         after = raw.get(rkey)
+        assert budgeted.used_bytes >= len(before)  # the older value counts against the budget again
     with Store(cfg) as a:  # a restart: the durable put's value is what Redis holds
         found = len(a.get(keys))  # the lookup index still lists it; the read tells
     assert before is not None
