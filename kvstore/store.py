@@ -401,14 +401,19 @@ class Store:
                     break
                 self._prefetching.add(key.id)
                 todo.append(key)
-        return [self._readers.submit(self._prefetch_one, k) for k in todo]
+        futures = []
+        for key in todo:
+            future = self._readers.submit(self.get_blob, key)
+            # done also when cancelled before it ran (the daemon cancels a Prefetch RPC's
+            # futures with the RPC): a finally inside the task never ran then, and the key
+            # stayed counted as in flight for good
+            future.add_done_callback(lambda _, key_id=key.id: self._prefetched(key_id))
+            futures.append(future)
+        return futures
 
-    def _prefetch_one(self, key: ChunkKey):
-        try:
-            return self.get_blob(key)
-        finally:
-            with self.index.lock:
-                self._prefetching.discard(key.id)
+    def _prefetched(self, key_id: bytes) -> None:
+        with self.index.lock:
+            self._prefetching.discard(key_id)
 
     # -- reads ------------------------------------------------------------------------------------
 

@@ -327,8 +327,15 @@ class WriteBehind:
             with self.locks.hold(tier.name, key_id):
                 if error is None:
                     with self.index.lock:
+                        # deleted while room was made (without the key lock): its deleter found no
+                        # copy running to wait for, and returned; nothing may write it now
+                        live = self.index.get(key_id) is job.entry
                         old = job.entry.replicas.get(tier.name)
                         sync = sync or (old is not None and (old.synced or old.found))  # never downgrade a synced file
+                    if not live:
+                        with self.index.lock:
+                            self._finish(q, job, None, None)
+                        return
                     try:
                         tier.write(key_id, views)
                         if sync:

@@ -19,7 +19,7 @@ import mmap
 import os
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -267,7 +267,7 @@ class DiskTier(Tier):
             try:
                 return self._read_direct(key, size, outs)
             except FileNotFoundError:
-                self._forget(key)
+                self._gone(key)
                 return None
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -290,7 +290,7 @@ class DiskTier(Tier):
         try:
             return os.open(self.path_of(key), os.O_RDONLY)
         except FileNotFoundError:
-            self._forget(key)
+            self._gone(key)
             return None
         except OSError as exc:
             raise self._error(exc) from exc
@@ -318,8 +318,11 @@ class DiskTier(Tier):
         return got
 
     def read_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """``read_into`` for many keys with up to ``read_threads`` reads in flight."""
-        return list(self._pool.map(self.read_into, keys, outs))
+        """``read_into`` for many keys with up to ``read_threads`` reads in flight. Returns
+        (or raises the first read's error) only once no read writes ``outs`` any more."""
+        futures = [self._pool.submit(self.read_into, key, out) for key, out in zip(keys, outs)]
+        wait(futures)
+        return [f.result() for f in futures]
 
     def drop_cache(self, key: bytes) -> None:
         """Ask the kernel to drop this file's cached pages (cold-read benchmarks)."""
@@ -332,6 +335,15 @@ class DiskTier(Tier):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+    def _gone(self, key: bytes) -> None:
+        """A read found no file: forget the key, unless a write of ours renamed a new file in
+        since (looked at under the key's stripe, which writes and deletes hold). Forgotten
+        outside it, a durable re-put's file landing between the failed open and the forget
+        was dropped from the view and then from the index: lost, uncounted, undeletable."""
+        with self._stripe(key):
+            if not os.path.exists(self.path_of(key)):
+                self._forget(key)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
