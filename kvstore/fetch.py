@@ -19,6 +19,7 @@ stalled reads ``close`` must not wait for.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ class _Chunk:
     result: torch.Tensor | None = None
     writing_out: int = 0  # reads in flight into ``out`` itself
 
+
+log = logging.getLogger(__name__)
 
 ReadFn = Callable[[str, int, torch.Tensor], bool]
 
@@ -104,6 +107,10 @@ class FetchJob:
             ok = False
             try:
                 ok = self._read(tier, index, target)
+            except Exception:  # noqa: BLE001 - not a tier's failure (those are False): a bug, or a
+                # Store closing under a promotion. This tier failed this chunk; the worker goes
+                # on, or a chunk only this tier holds would never be claimed and results() wait.
+                log.exception("fetch: a read of chunk %d from %s raised", index, tier)
             finally:
                 with self._cond:
                     chunk.in_flight.pop(tier, None)

@@ -209,3 +209,34 @@ def test_reads_of_one_chunk_each_at_once_spread_over_the_replicas(tmp_path):
         assert held.outcome() and torch.equal(first, values[0])
         assert store.stats().tiers["fast"].hits == 1
         assert store.get_into(keys[1], second) and store.stats().tiers["fast"].hits == 2  # idle again: fastest first
+
+
+def test_a_read_that_raises_ends_no_worker():
+    """Tier a's one worker hits a read that raises (not a store failure: a bug, or a Store
+    closing under a promotion) on chunk 0, which tier b also holds. Before the fix the
+    exception ended the worker, and chunk 1, which only a holds, was never claimed:
+    ``results`` waited for it forever."""
+    outs = [torch.zeros(1) for _ in range(2)]
+    raised = threading.Event()
+
+    def read(tier, i, out):
+        if tier == "a" and i == 0:
+            raised.set()
+            raise RuntimeError("not a tier error")
+        out.fill_(i)
+        return True
+
+    job = FetchJob([frozenset({"a", "b"}), frozenset({"a"})], outs, read, stall_s=5)
+    pool = ThreadPoolExecutor(2)
+    workers = [pool.submit(job.work, "a")]
+    assert raised.wait(10)  # a took chunk 0 first
+    workers.append(pool.submit(job.work, "b"))
+    got = []
+    collect = threading.Thread(target=lambda: got.extend(job.results()), daemon=True)
+    collect.start()
+    collect.join(10)
+    job.close()
+    pool.shutdown(wait=True)
+    assert not collect.is_alive(), "the fetch waited forever for a chunk only a dead worker could read"
+    assert [int(t.item()) for t in got] == [0, 1]
+    assert all(w.exception() is None for w in workers)
