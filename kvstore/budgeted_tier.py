@@ -125,11 +125,7 @@ class BudgetedTier(WrappedTier):
     def _older_value(self, key: bytes, parts: Sequence[Buffer]) -> int | None:
         """The size of a whole value under ``key`` that is not the one ``parts`` wrote; None
         if there is none, or it is ours, or the medium cannot tell."""
-        ours = b"".join(bytes(memoryview(p).cast("B")) for p in parts[:1])[:HEADER_BYTES]
-        for p in parts[1:]:
-            if len(ours) >= HEADER_BYTES:
-                break
-            ours = (ours + bytes(memoryview(p).cast("B")))[:HEADER_BYTES]
+        ours = b"".join(bytes(memoryview(p).cast("B")[:HEADER_BYTES]) for p in parts)[:HEADER_BYTES]
         try:
             head = self.inner.peek(key, HEADER_BYTES)
             if head is None or head == ours:
