@@ -185,12 +185,14 @@ class ReadPath:
 
     @staticmethod
     def _whole(tier: Tier, key: ChunkKey, header_buf, got: int, digest) -> bool:
-        """Whether the ``got`` bytes read are a whole, valid blob of ``key`` (hashed as read)."""
+        """Whether the ``got`` bytes read are a whole, valid blob of ``key`` (hashed as read;
+        unhashed, where the tier does not verify payloads, its verified header says so: it is a
+        put of the chunk, which is not ours to unlist)."""
         try:
             header = checked_header(tier, key, header_buf, got)
         except CorruptBlob:
             return False
-        return digest is not None and digest.intdigest() == header.payload_checksum
+        return digest is None or digest.intdigest() == header.payload_checksum
 
     @staticmethod
     def _verified(tier: Tier, key: ChunkKey, header_buf, payload_buf, got: int, size: int, codec_id: int | None,
@@ -199,17 +201,19 @@ class ReadPath:
         hashed it), codec and decoding (into ``decode_into``) check out; else CorruptBlob.
         ``expected``: on a shared tier, the blob the index's entry names; a valid blob of
         another codec, or one that differs from ``expected`` where the replica's codec is not
-        known yet, raises ReplacedBlob (a peer's put, or an older one of ours), not CorruptBlob."""
+        known yet, raises ReplacedBlob (a peer's put, or an older one of ours), not CorruptBlob.
+        The header alone decides that (its own checksum is always verified), also where the
+        payload is not hashed: another put's file is never deleted as corrupt, nor read as ours."""
         if got != size:
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = checked_header(tier, key, header_buf, size)
         if digest is not None and digest.intdigest() != header.payload_checksum:
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
         if codec_id is not None and header.codec_id != codec_id:
-            if tier.shared and digest is not None:
+            if tier.shared:
                 raise ReplacedBlob(f"{tier.name}: a valid blob of codec {header.codec_id}, the index says {codec_id}")
             raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
-        if codec_id is None and expected is not None and header != expected and digest is not None:
+        if codec_id is None and expected is not None and header != expected:
             raise ReplacedBlob(f"{tier.name}: a valid blob of the chunk, not the one its latest put wrote")
         if decode_into is not None:
             try:

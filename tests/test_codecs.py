@@ -3,6 +3,7 @@ bound, decode_into matches decode, and damaged payloads raise ValueError."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -163,6 +164,40 @@ def test_lossy_codecs_refuse_nan_and_inf():
         except ValueError:
             continue
         raise AssertionError(f"{name} encoded NaN")
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _values_near_fp32s_largest() -> list[torch.Tensor]:
+    """fp32 chunks whose rows (int8) or groups (int4) reach up to within a few ulps of the
+    largest finite value, with either sign, and one group of a narrow range up there."""
+    chunks = []
+    for ulps in (0, 1, 2, 4, 8, 16, 64):
+        top = float(torch.tensor(FP32_MAX * (1 - ulps * 2**-24), dtype=torch.float32))
+        for sign in (1.0, -1.0):
+            x = torch.randn(1, 2, 4, 1, 64, generator=torch.Generator().manual_seed(ulps))
+            x[..., 3] = sign * top
+            chunks.append(x)
+        narrow = torch.full((1, 2, 4, 1, 64), 2.091153572299074e37)
+        narrow[..., 3] = top
+        chunks.append(narrow)
+    return chunks
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_lossy_codecs_never_decode_a_finite_value_to_inf(name):
+    """q * scale is rounded in fp32: for a row topped by fp32's largest value it used to round
+    past it, and the finite value came back as inf (an unbounded error; one inf in a key row
+    makes its head's attention NaN). Such values are refused, like inf, or decode finite."""
+    codec = get_codec(name)
+    for x in _values_near_fp32s_largest():
+        try:
+            payload = codec.encode(x)
+        except ValueError:
+            continue
+        y = codec.decode(payload, tuple(x.shape), x.dtype)
+        assert bool(torch.isfinite(y).all()), f"{name} decoded finite {x.abs().max().item()!r} to inf"
 
 
 def test_mixed_needs_chunk_shapes_and_a_feasible_budget():

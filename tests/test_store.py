@@ -395,8 +395,8 @@ def test_default_policy_keeps_the_newest_chunks(tmp_path, with_parents, disk):
             store.put(k, v, parent=keys[i - 1] if with_parents and i else None)
         store.flush()
         resident = [store.first.contains(k.id) for k in keys]
-        assert resident[-4:] == [True] * 4
-        assert not all(resident[:8])
+        assert resident[-4:] == [True] * 4, resident
+        assert not all(resident[:8]), resident
 
 
 def _gathered(store, runs) -> bytes:

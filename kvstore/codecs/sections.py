@@ -55,9 +55,18 @@ def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
     return int(np.prod(shape, dtype=np.int64)) // width, width
 
 
+# Lossy codecs decode ``q * scale (+ zero)`` in fp32, rounded: for a value within a few ulps
+# of fp32's largest finite number that rounds past it, to inf. They refuse such values.
+LARGEST = float(torch.finfo(torch.float32).max) * (1 - 2**-20)
+
+
 def require_finite(tensor: torch.Tensor, codec: str) -> None:
-    """Lossy codecs quantise against a row's range, which NaN or inf would poison."""
+    """Lossy codecs quantise against a row's range, which NaN or inf would poison, and values
+    beyond ``LARGEST`` would decode to inf."""
     if not tensor.is_floating_point():
         raise ValueError(f"{codec} encodes floating-point tensors, not {tensor.dtype}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{codec} cannot encode NaN or inf; use a lossless codec")
+    if tensor.numel():
+        lo, hi = torch.aminmax(tensor)
+        if not -LARGEST <= float(lo) <= float(hi) <= LARGEST:  # NaN fails every comparison
+            raise ValueError(f"{codec} cannot encode NaN, inf, or values within 2**-20 of fp32's largest; "
+                             "use a lossless codec")
