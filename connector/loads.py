@@ -66,8 +66,15 @@ class LoadTask:
         # Direct loads into a CPU cache borrow chunks from a store that lends them; on a GPU
         # the pinned staging buffers are the DMA path, and layer-wise loads keep staged chunks.
         self.lends = isinstance(store, LendsChunks) and not layerwise and not mover.cuda
-        self.groups = [_Group(request.chunks[i:i + chunks_per_read])
-                       for i in range(0, len(request.chunks), chunks_per_read)]
+        # one read call names one namespace (the daemon's Client refuses a mix): a session's
+        # tail, in a namespace of its own, is a group of its own
+        self.groups: list[_Group] = []
+        for chunk in request.chunks:
+            last = self.groups[-1] if self.groups else None
+            if last is None or len(last.chunks) == chunks_per_read or last.chunks[0].key.namespace != chunk.key.namespace:
+                self.groups.append(_Group([chunk]))
+            else:
+                last.chunks.append(chunk)
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + timeout_s
         self.error: BaseException | None = None

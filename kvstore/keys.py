@@ -61,6 +61,12 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model_id:
             raise ValueError("model_id must not be empty")
+        # The fingerprint joins the fields with "\x1f"; every field but model_id and tenant is a
+        # number or a checked name, and tenant is the last, so a model_id free of "\x1f" keeps
+        # the encoding unambiguous (with one, "m\x1f..." + tenant "t" read as model "m" + a
+        # longer tenant: two namespaces, one fingerprint). Tenants may hold it (session salts).
+        if "\x1f" in self.model_id:
+            raise ValueError("model_id must not contain the unit separator \\x1f")
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -108,3 +108,37 @@ def test_the_daemon_learns_a_paused_session_so_the_framework_can_resume_it_by_id
     finally:
         llm.close()
         proc.stop()
+
+
+def test_a_resumed_turn_that_loads_one_chunk_and_the_session_tail_in_one_read(tiny, tmp_path):
+    """A session's tail is a namespace of its own, and one read of the daemon's Client names
+    one namespace. With two chunks a read, a turn whose load was one full chunk and the tail
+    went out as one read, which raised ValueError out of the engine's step."""
+    chunk, block = 16, 4
+    proc = start_daemon(tmp_path / "daemon")
+    backend = DaemonBackendConfig(addr=proc.addr, token_file=proc.token_file, timeout_s=5.0)
+    llm = tiny.with_config(connector=ConnectorConfig(backend="daemon", daemon=backend, chunk_tokens=chunk,
+                                                     chunks_per_read=2),
+                           agents=AgentConfig(policy="offload"))
+    try:
+        prompt = list(range(5, 5 + chunk + 2 * block + 1))  # with 4 of 5 outputs: one chunk and a 3-block tail
+        first = llm.add_request(prompt, GREEDY, session="a")
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.pause("a", expected_s=30.0)
+        assert llm.flush_saves()
+        llm.step()
+        tail = llm.connector.scheduler.tails.get("a")
+        assert tail is not None and tail.chunk == 1 and tail.num_blocks == 3
+        llm.reset_prefix_cache()  # the next turn must come from the store: one chunk, then the tail
+        nxt = list(first.token_ids) + list(range(200, 207))
+        want = tiny.with_config().generate([nxt], GREEDY)[0].output_token_ids
+        second = llm.add_request(nxt, GREEDY, session="a")
+        while llm.has_unfinished():
+            llm.step()
+            llm.scheduler.check_integrity()
+        assert second.output_token_ids == want
+        assert second.metrics.num_loaded_tokens == chunk + 3 * block
+    finally:
+        llm.close()
+        proc.stop()

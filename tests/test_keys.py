@@ -62,6 +62,17 @@ def test_tenants_get_different_keys_for_identical_tokens():
     assert chunk_keys([1, 2, 3, 4], a)[0].id != chunk_keys([1, 2, 3, 4], b)[0].id
 
 
+def test_no_two_namespaces_share_a_fingerprint_through_the_field_separator():
+    """The fingerprint joins the fields with "\x1f": a model id holding one read as a model id
+    and a longer tenant, so two namespaces had one fingerprint, and one's chunks were the
+    other's hits. A model id with "\x1f" is refused."""
+    fields = "\x1f".join(["2", "1", "8", "float16", "4", "LKTHD", "0", "1"])
+    b = Namespace("m", 2, 1, 8, chunk_tokens=4, tenant="bob\x1f" + fields + "\x1falice")
+    with pytest.raises(ValueError):
+        Namespace("m\x1f" + fields + "\x1fbob", 2, 1, 8, chunk_tokens=4, tenant="alice")
+    assert b.fingerprint != Namespace("m", 2, 1, 8, chunk_tokens=4, tenant="bob").fingerprint
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

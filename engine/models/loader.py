@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from engine.config import DTYPES, ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -46,18 +47,22 @@ def resolve_model_path(path: str | Path) -> Path:
 
 def model_fingerprint(path: str | Path) -> str:
     """A short name for the weights ``path`` holds: the file or folder name plus a digest of
-    every weight file's size, head and tail. Two checkpoints that differ (another
-    quantisation, another random seed) get different names, so their KV never mixes in a store."""
+    every weight file's name, size and whole content. Two checkpoints that differ anywhere
+    (another quantisation, another random seed, a fine-tune of a few middle layers) get
+    different names, so their KV never mixes in a store. (A digest of each file's first and
+    last MiB only gave a checkpoint edited in between the other's name, and its KV.) The
+    content goes through XXH3-128, which runs at memory speed: the load reads every byte anyway."""
     p = resolve_model_path(path)
     files = [p] if p.is_file() else sorted([*p.glob("*.safetensors"), p / "config.json"])
     digest = hashlib.blake2b(digest_size=8)
     for f in files:
         size = f.stat().st_size
         digest.update(f"{f.name}:{size}".encode())
+        content = xxhash.xxh3_128()
         with open(f, "rb") as fh:
-            digest.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            digest.update(fh.read(1 << 20))
+            while block := fh.read(8 << 20):
+                content.update(block)
+        digest.update(content.digest())
     return f"{p.name}-{digest.hexdigest()}"
 
 
