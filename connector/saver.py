@@ -72,26 +72,37 @@ class Saver:
             self.stats.add(dropped_saves=len(items))
             self._lost([save for save, _ in items])
             return
+        try:
+            for save, buf in items:
+                save.key.namespace.check(buf)
+        except (ValueError, TypeError) as exc:  # a chunk that does not fit its own namespace: a bug
+            self.error = exc
+            return
         started = time.perf_counter()
-        present = done = 0
+        present = done = refused = 0
         try:
             present = self.store.lookup([save.key for save, _ in items]) if self.skips_present else 0
             for save, buf in items[present:]:
-                self._put_one(save, buf)
+                try:
+                    self._put_one(save, buf)
+                except ValueError:  # the store refuses this chunk's values (NaN or inf under a lossy
+                    refused += 1  # codec): this save fails, the others and the engine go on
+                    self._lost([save])
+                    continue
                 done += 1
-        except (ValueError, TypeError) as exc:  # a chunk that does not fit its own namespace: a bug
+        except (ValueError, TypeError) as exc:  # keys of another namespace in one call: a bug
             self.error = exc
             return
         except Exception as exc:
             if pushed_back(exc):  # full now, not gone: these saves are dropped, loads go on
-                self.stats.add(dropped_saves=len(items) - present - done)
+                self.stats.add(dropped_saves=len(items) - present - done - refused)
             else:
                 self.availability.failed("put", exc)
-                self.stats.add(failed_saves=len(items) - present - done)
-            self._lost([save for save, _ in items[present + done:]])
+                self.stats.add(failed_saves=len(items) - present - done - refused)
+            self._lost([save for save, _ in items[present + done + refused:]])
             return
         finally:
-            self.stats.add(put_s=time.perf_counter() - started)
+            self.stats.add(put_s=time.perf_counter() - started, failed_saves=refused)
         self.stats.add(saved_chunks=done, saved_bytes=done * self.pool.nbytes, skipped_saves=present)
 
     def _put_one(self, save: ChunkSave, buf: torch.Tensor) -> None:

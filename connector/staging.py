@@ -25,7 +25,10 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def _fresh(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
+        # never an inference tensor, though a load may take one during the forward: a loader
+        # thread, outside inference mode, cannot write one in place
+        with torch.inference_mode(False):
+            return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
 
     @property
     def outstanding(self) -> int:

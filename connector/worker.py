@@ -152,6 +152,9 @@ class WorkerConnector:
         are saved (the scheduler side plans them again once recomputed)."""
         if self.saver.error is not None:
             raise self.saver.error
+        # A layer scatter that failed left layers of this step's loads unwritten, and the
+        # forward computed over them: it raises here, before any chunk of the step is saved.
+        self._finish_layerwise()
         failed = {r.request_id for r in self._finished if not r.ok}
         for request in self._meta.saves:
             if request.request_id in failed:
@@ -181,7 +184,6 @@ class WorkerConnector:
             self._save_seconds[request.request_id] = elapsed
             self.stats.add(gather_s=elapsed)
 
-    @torch.inference_mode()  # the save buffers may be inference tensors (made during a forward)
     def save_tail(self, key: ChunkKey, block_ids: list[int]) -> bool:
         """Between steps: a paused session's tail (fewer blocks than a chunk, see
         connector/sessions.py) into the store, zero-padded to the chunk's shape. False when

@@ -216,8 +216,9 @@ class ReadPath:
         if codec_id is None and expected is not None and header != expected:
             raise ReplacedBlob(f"{tier.name}: a valid blob of the chunk, not the one its latest put wrote")
         if decode_into is not None:
-            try:
-                codec_by_id(header.codec_id).decode_into(payload_buf, decode_into)
+            try:  # this thread may write the caller's inference tensor in place only in inference mode
+                with torch.inference_mode(decode_into.is_inference()):
+                    codec_by_id(header.codec_id).decode_into(payload_buf, decode_into)
             except Exception as exc:  # a payload that does not decode is corrupt, whatever the codec raised
                 raise CorruptBlob(f"{tier.name}: payload does not decode ({type(exc).__name__}: {exc})") from exc
         return header

@@ -1,7 +1,12 @@
 """The saver against a real Store: a put the store refuses for want of room is a dropped
-save, counted, and the connector stays on (loads go on); any other failure is an outage."""
+save, counted, and the connector stays on (loads go on); any other failure is an outage; a
+chunk the store's codec refuses is one failed save. Staging buffers taken during a forward
+are written by store reads on other threads."""
+
+import threading
 
 import grpc
+import torch
 from helpers import PAGE, store_config
 
 from connector.availability import Availability
@@ -59,3 +64,56 @@ def test_push_back_through_the_daemon_is_its_resource_exhausted_status():
     assert pushed_back(DaemonError(grpc.StatusCode.RESOURCE_EXHAUSTED, "tier host is full"))
     assert not pushed_back(DaemonError(grpc.StatusCode.UNAVAILABLE, "connection refused"))
     assert not pushed_back(ConnectionError("gone"))
+
+
+def test_a_chunk_the_codec_refuses_is_a_failed_save_and_the_saver_goes_on(tmp_path):
+    """A lossy codec refuses KV holding inf or NaN (an fp16 overflow). The saver took that
+    ValueError for a chunk that does not fit its namespace, a bug, and kept it as its error,
+    which the worker raises at every later step: one request's overflowed value stopped the
+    engine for every request, for good."""
+    keys = chunk_keys(list(range(3 * 32)), NS)
+    with Store(store_config(tmp_path, host=16 * (NS.chunk_bytes + PAGE), disk=None, codec="int8")) as store:
+        saver, pool, _, stats = saver_on(store)
+        try:
+            bad = pool.take()
+            bad.normal_()
+            bad[1, 0, 5, 0, 3] = float("inf")
+            saver.submit([(ChunkSave(keys[0], None, (), 0), bad)])
+            assert saver.flush(10.0)
+            good = pool.take()
+            good.normal_()
+            saver.submit([(ChunkSave(keys[1], None, (), 0), good)])
+            assert saver.flush(10.0)
+            assert saver.error is None, f"the saver keeps {saver.error!r}: every later step raises it"
+            snapshot = stats.snapshot()
+            assert snapshot.saved_chunks == 1 and snapshot.failed_saves == 1
+            assert store.lookup([keys[1]]) == 1 and store.lookup([keys[0]]) == 0
+        finally:
+            saver.close()
+
+
+def test_a_staging_buffer_taken_during_a_forward_can_be_read_into_by_a_loader_thread(tmp_path):
+    """A synchronous load runs on the engine thread inside the forward's inference mode, and a
+    buffer the pool made there was an inference tensor; given back and taken by a loader
+    thread (outside inference mode), a store read that decodes into it in place raised, which
+    the load counts as a store outage: the connector went off for its back-off."""
+    keys = chunk_keys(list(range(32)), NS)
+    value = torch.randn(NS.chunk_shape).to(NS.torch_dtype)
+    with Store(store_config(tmp_path, host=16 * (NS.chunk_bytes + PAGE), disk=None)) as store:
+        store.put(keys[0], value, codec="int8")
+        pool = StagingPool(NS.chunk_shape, NS.torch_dtype, pin_memory=False, keep=4)
+        with torch.inference_mode():
+            pool.give(pool.take())
+        errors = []
+
+        def loader():
+            buf = pool.take()
+            try:
+                assert store.get_into(keys[0], buf)
+            except Exception as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=loader)
+        thread.start()
+        thread.join()
+        assert not errors, errors

@@ -591,3 +591,19 @@ def test_a_new_chunk_is_written_once_and_its_blob_verifies_on_every_tier(tmp_pat
         assert store.index.get(key.id).version == version
         out = torch.empty_like(kv)
         assert store.get_into(key, out) and torch.equal(out, kv)
+
+
+def test_a_read_into_an_inference_tensor_decodes_it_and_drops_nothing(tmp_path):
+    """A buffer made under torch.inference_mode can be written in place only in inference
+    mode, and reads decode on the Store's threads: the decode raised there, and the read
+    took that for a corrupt payload and dropped the chunk's (maybe durable) copy."""
+    keys, values = chunks(2, seed=31)
+    with Store(config(tmp_path)) as store:
+        for k, v, codec in zip(keys, values, ("int8", "lz4")):
+            store.put(k, v, codec=codec, durable=True)
+        with torch.inference_mode():
+            outs = [torch.empty_like(v) for v in values]
+        assert store.get_many_into(keys, outs) == 2
+        assert store.get_into(keys[0], outs[0])
+        assert store.lookup(keys) == 2 and store.stats().tiers["host"].corruptions == 0
+        assert torch.equal(outs[1], values[1])
