@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Sequence
 
 import numpy as np
@@ -50,12 +50,15 @@ def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
     if len(groups) == 1:
         copy_group(groups[0])
         return
-    futures = [_executor().submit(copy_group, g) for g in groups[1:]]
+    futures = []
     try:
+        for g in groups[1:]:
+            futures.append(_executor().submit(copy_group, g))
         copy_group(groups[0])
     finally:
-        for f in futures:
-            f.result()  # wait for every slice, even when one failed, before the buffers go back
+        wait(futures)  # every slice, even when one failed (or a submit did), before the buffers go back
+    for f in futures:
+        f.result()  # then the first failure, if any
 
 
 def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:

@@ -6,7 +6,9 @@ daemon pins them for the session's lease); ``resume`` names only the session and
 chunks to prefetch, so a framework can warm a session without knowing one key. Both are
 advisory: an unknown or expired session is nothing to do. A record lives as long as its
 lease and no longer, records are per owner (a tenant never sees another's sessions), and an
-owner's book is bounded: past ``max_sessions`` its record expiring first goes.
+owner's book is bounded: past ``max_sessions`` its record expiring first goes, and a record
+keeps at most ``max_groups`` namespaces (a pause in one more drops the one recorded first;
+before, one session paused in ever new namespaces grew without bound).
 
 The lease rule is TokenCake's (docs/agents.md): ``factor`` x the expected stall, within
 ``[low_s, high_s]``. This module imports nothing of the project: keys are opaque, grouped
@@ -24,6 +26,7 @@ from typing import Callable, Hashable, Sequence
 PIN_FACTOR = 4.0
 MIN_PIN_S = 60.0
 MAX_PIN_S = 3600.0
+MAX_GROUPS = 64  # namespaces one session's record keeps (full chunks, tails, TP ranks, models)
 
 
 def pin_ttl(stall_s: float, factor: float = PIN_FACTOR, low_s: float = MIN_PIN_S, high_s: float = MAX_PIN_S) -> float:
@@ -47,10 +50,13 @@ class _Paused:
 
 
 class SessionBook:
-    def __init__(self, max_sessions: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_sessions: int = 4096, clock: Callable[[], float] = time.monotonic,
+                 max_groups: int = MAX_GROUPS) -> None:
         if max_sessions <= 0:
             raise ValueError(f"max_sessions must be positive, got {max_sessions}")
-        self.max_sessions, self.clock = max_sessions, clock
+        if max_groups <= 0:
+            raise ValueError(f"max_groups must be positive, got {max_groups}")
+        self.max_sessions, self.clock, self.max_groups = max_sessions, clock, max_groups
         self._lock = threading.Lock()
         self._by_owner: dict[str, dict[str, _Paused]] = {}
 
@@ -66,6 +72,8 @@ class SessionBook:
                     del book[min(book, key=lambda s: book[s].expires)]
                 paused = book[session] = _Paused(now + lease_s)
             paused.expires = max(paused.expires, now + lease_s)
+            if group not in paused.groups and len(paused.groups) >= self.max_groups:
+                del paused.groups[next(iter(paused.groups))]  # the namespace recorded first
             paused.groups[group] = list(keys)
 
     def resume(self, owner: str, session: str, lease_s: float) -> list[list]:

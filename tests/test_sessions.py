@@ -56,3 +56,18 @@ def test_the_lease_rule_and_durations_from_events():
     assert pin_ttl(1.0) == MIN_PIN_S and pin_ttl(100.0) == 400.0 and pin_ttl(1e12) == MAX_PIN_S
     assert [valid_duration(x) for x in (3, "2.5", 0.0)] == [3.0, 2.5, 0.0]
     assert all(valid_duration(x) is None for x in (-1.0, math.nan, math.inf, "soon", None, object()))
+
+
+def test_one_session_paused_in_ever_new_namespaces_stays_bounded():
+    """A record kept one group per namespace a pause named, without limit (max_sessions bounds
+    the records, not their size): one tenant with one session id made the daemon hold any
+    number of keys. A pause in one namespace more drops the one recorded first."""
+    clock = Clock()
+    book = SessionBook(max_sessions=1, clock=clock)
+    for i in range(1000):  # one session, paused again every second, each time in another namespace
+        clock.now = float(i)
+        book.pause("alice", "agent-7", f"model-{i}", [f"key-{i}-{j}" for j in range(4)], 60.0)
+    groups = book.resume("alice", "agent-7", 60.0)
+    assert len(book) == 1
+    assert len(groups) == 64, f"one session's record holds {len(groups)} namespaces"
+    assert groups[-1] == [f"key-999-{j}" for j in range(4)]  # the latest pause is kept

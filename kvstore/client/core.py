@@ -157,8 +157,9 @@ class ClientCore:
         lease = self._lease
         if lease is not None:
             if not lease.fresh():
+                asked = lease.clock()
                 yield Rpc("RenewLease", pb.LeaseRef(lease_id=lease.lease_id))
-            lease.touch()
+                lease.renewed(asked)
             return lease
         if self.options.transport == "auto" and (self._shm_tried or time.monotonic() < self._lease_again_at):
             return None

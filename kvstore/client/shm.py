@@ -44,7 +44,7 @@ class ShmLease:
         self.ttl_s = reply.ttl_s
         self.retired = False  # set under ``_lock`` (``retire``): from then on ``take`` hands out nothing
         self._out = 0  # slots taken and not given back: requests of this client still use them
-        self._last_use = time.monotonic()
+        self._renewed = time.monotonic()  # the daemon renewed the lease before this (Lease, RenewLease)
         view = memoryview(self._mmap)
         self._free = [(ref, view[offset : offset + reply.slot_bytes]) for ref, offset in zip(reply.slots, reply.offsets)]
         self._lock = threading.Lock()
@@ -78,8 +78,16 @@ class ShmLease:
             return self.retired and self._out == 0
 
     def fresh(self) -> bool:
-        """Used recently enough to skip renewing before use (any use renews it)."""
-        return time.monotonic() - self._last_use <= self.ttl_s / 2
+        """Renewed recently enough to use without renewing first. Only a renewal this client
+        saw answered counts: whether the daemon counted a use as one is not known here (a Get
+        answered from the host pool copies into no slot), and a lease the daemon reclaimed
+        while this client thought it fresh has slots another client may own by now."""
+        return time.monotonic() - self._renewed <= self.ttl_s / 2
 
-    def touch(self) -> None:
-        self._last_use = time.monotonic()
+    @staticmethod
+    def clock() -> float:
+        return time.monotonic()
+
+    def renewed(self, asked: float) -> None:
+        """The daemon answered a RenewLease sent at ``asked`` (``clock()``)."""
+        self._renewed = asked

@@ -82,6 +82,7 @@ class LimitsConfig:
     max_model_id_bytes: int = 256
     # Paused agent sessions remembered per tenant (Pause / ResumeSoon), and a session id's length.
     max_paused_sessions_per_tenant: int = 4096
+    max_paused_namespaces_per_session: int = 64
     max_session_id_bytes: int = 256
 
 

@@ -72,7 +72,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
-        self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant)
+        self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
+                                    max_groups=self.limits.max_paused_namespaces_per_session)
         self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared

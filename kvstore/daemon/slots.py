@@ -162,8 +162,10 @@ class SlotArena:
         through the mapping it took with the lease: a lease this daemon does not know (the
         client's, from before a restart) maps another pool, whose bytes at those offsets
         are another chunk's."""
-        for ref in refs:
-            self._check(ref, nbytes, owner)
+        leases = [self._check(ref, nbytes, owner) for ref in refs]
+        expires = time.monotonic() + self.lease_ttl_s
+        for lease in leases:  # a request naming a lease's slots uses it, whether or not it copies
+            lease.expires = expires  # into one (a Get answered from the host pool writes none)
 
     @contextmanager
     def using(self, refs: list[tuple[int, int, int]], nbytes: int, owner: str):
