@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fsck", help="verify every blob in the disk tier")
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--data-dir", help="disk tier directory (overrides the configuration)")
-    p.add_argument("--repair", action="store_true", help="delete corrupt and temporary files")
+    p.add_argument("--repair", action="store_true",
+                   help="delete corrupt and temporary files (refused while a daemon or Store holds the directory)")
     p.set_defaults(func=cmd_fsck)
     p = sub.add_parser("serve", help="run the daemon (defaults: loopback, host RAM + a local data directory)")
     p.add_argument("--config", help="TOML daemon configuration file (see docs/daemon.md)")

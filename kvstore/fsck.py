@@ -1,7 +1,11 @@
 """Offline verification of a disk tier's data directory: every blob's header and payload.
 
 Used by ``kvstore fsck``; the store itself verifies lazily on read, this checks everything
-at once (e.g. after a crash or a disk error) and can remove what is bad.
+at once (e.g. after a crash or a disk error) and can remove what is bad. A repair holds the
+data directory's lock (tiers/files.py) while it runs: a temporary file in a directory a live
+daemon or Store holds is that process's write in flight, not a crash leftover, so a repair
+of such a directory is refused (``DirectoryInUse``). A check only reads, and runs beside a
+live daemon (a file deleted while it runs is skipped).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.blob import CorruptBlob, verify_blob
-from tiers.files import SUFFIX, TMP_SUFFIX
+from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock
 
 
 @dataclass
@@ -28,6 +32,20 @@ def fsck(data_dir: str | os.PathLike, repair: bool = False) -> FsckReport:
     root = Path(data_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"data directory {root} does not exist")
+    if not repair:
+        return _walk(root, repair)
+    try:
+        lock = DirectoryLock(root)
+    except DirectoryInUse as exc:
+        raise DirectoryInUse(f"{exc}. Stop it before repairing its directory (a check without --repair "
+                             "runs beside it)") from None
+    try:
+        return _walk(root, repair)
+    finally:
+        lock.close()
+
+
+def _walk(root: Path, repair: bool) -> FsckReport:
     report = FsckReport()
     for dirpath, _, files in os.walk(root):
         for name in files:
@@ -53,6 +71,9 @@ def _check(path: str, name: str, report: FsckReport) -> bool:
         header, _ = verify_blob(data)
         if header.key_id.hex() != name[: -len(SUFFIX)]:
             raise CorruptBlob("file name does not match the key in its header")
+    except FileNotFoundError:
+        report.blobs -= 1  # deleted since the walk listed it (a live daemon's delete or eviction)
+        return False
     except (CorruptBlob, OSError) as exc:
         report.corrupt.append((path, str(exc)))
         return True

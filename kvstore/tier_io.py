@@ -38,15 +38,16 @@ class TierIO:
         """Keys with a value waiting for its delete (index lock held)."""
         return {key_id for _, key_id in self._doomed}
 
-    def delete(self, tier: Tier, key_id: bytes) -> None:
-        """Delete ``tier``'s value of ``key_id`` unless the index lists a replica there again."""
+    def delete(self, tier: Tier, key_id: bytes) -> TierError | None:
+        """Delete ``tier``'s value of ``key_id`` unless the index lists a replica there again;
+        the tier's error if it still holds the value (``delete_held``)."""
         with self.locks.hold(tier.name, key_id):
             with self.index.lock:
                 entry = self.index.get(key_id)
                 if entry is not None and tier.name in entry.replicas:
                     self._spared(tier.name, key_id)
-                    return
-            self.delete_held(tier, key_id)
+                    return None
+            return self.delete_held(tier, key_id)
 
     def delete_later(self, tier: Tier, key_id: bytes) -> None:
         """``delete`` on a background thread, for a reader: the key lock may be held by a
@@ -64,21 +65,27 @@ class TierIO:
         """Wait for the background deletes."""
         self._background.shutdown(wait=True)
 
-    def delete_held(self, tier: Tier, key_id: bytes) -> None:
+    def delete_held(self, tier: Tier, key_id: bytes) -> TierError | None:
         """Delete the value; the caller holds its key lock. A tier that cannot be reached keeps
-        it (counted and logged, not raised)."""
+        it (counted and logged, not raised). A private tier that still holds the value after a
+        failed delete (its medium refused the unlink) keeps it doomed (the tier holds it, the
+        index does not: not an orphan), and its error is returned: it would come back at the
+        next start, so ``Store.delete`` must not report it gone."""
         error = None
         try:
             tier.delete(key_id)
         except TierError as exc:
             error = exc
             log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
+        kept = error is not None and not tier.shared and tier.contains(key_id)
         with self.index.lock:
             if error is not None:
                 self.index.stats[tier.name].errors += 1
-            self._spared(tier.name, key_id)
+            if not kept:
+                self._spared(tier.name, key_id)
         if tier.shared and self.shared_index is not None:
             self.shared_index.remove(tier.name, [key_id])
+        return error if kept else None
 
     def _spared(self, tier_name: str, key_id: bytes) -> None:
         """The doomed value's delete ran, or was called off (index lock held)."""

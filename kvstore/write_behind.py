@@ -336,22 +336,28 @@ class WriteBehind:
                         with self.index.lock:
                             self._finish(q, job, None, None)
                         return
+                    written = False
                     try:
                         tier.write(key_id, views)
+                        written = True
                         if sync:
                             tier.sync(key_id)
                         self.io.published(tier, key_id, replica.size)
                     except TierFull as exc:
-                        if tier.capacity_bytes - tier.used_bytes < need:
+                        if not written and tier.capacity_bytes - tier.used_bytes < need:
                             continue
                         error = exc
                     except (TierError, OSError) as exc:
                         error = exc
-                replica.synced = sync
+                else:
+                    written = False
+                # a copy written whose sync failed is on the tier all the same (unsynced): the
+                # index lists it, so that eviction and delete find it; its put still fails
+                replica.synced = sync and error is None
                 with self.index.lock:
                     if recoded and error is None:
                         self.index.stats[tier.name].recodes += 1
-                    deleted = self._finish(q, job, replica if error is None else None, error, wrote=error is None)
+                    deleted = self._finish(q, job, replica if written else None, error, wrote=written)
                 if deleted:
                     self.io.delete_held(tier, key_id)
             return

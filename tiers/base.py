@@ -131,6 +131,11 @@ class Tier(ABC):
     def delete(self, key: bytes) -> bool:
         """Remove the value and give its space back; False if it was absent."""
 
+    def sync_deleted(self, keys: Sequence[bytes]) -> None:
+        """Make the deletes of ``keys`` survive a power loss (``Store.delete`` waits for it; an
+        eviction does not: a value it removed coming back is only a cached chunk). Default:
+        nothing to do, as for ``sync``."""
+
     @abstractmethod
     def contains(self, key: bytes) -> bool: ...
 

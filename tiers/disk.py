@@ -56,6 +56,11 @@ class DiskTier(Tier):
         self.direct_writes = direct_writes and hasattr(os, "O_DIRECT")
         self.read_threads = max(1, read_threads)
         self._sizes: dict[bytes, int] = {}
+        # keys whose file holds data an fsync covered (its directory entry maybe not yet): a
+        # write that replaces one fsyncs its temporary file before the rename, so a power loss
+        # between the rename and the caller's ``sync`` leaves the old whole file or the new
+        # whole one under the name, never an empty one in place of a durable put's
+        self._synced: set[bytes] = set()
         self._used = 0
         self._reserved = 0
         self._lock = threading.Lock()
@@ -119,8 +124,12 @@ class DiskTier(Tier):
                 raise TierFull(f"{self.name}: {need} bytes do not fit ({self.used_bytes}/{self.capacity_bytes} used)")
             self._reserved += need
         try:
-            tmp = self._write_temp(key, views, length)
+            durable = self.fsync or self._replaces_synced(key)
+            tmp = self._write_temp(key, views, length, durable)
             with self._stripe(key):
+                if not durable and self._replaces_synced(key):  # synced since it was looked at
+                    self._fsync_temp(tmp)
+                    durable = True
                 self._rename(tmp, self.path_of(key))
                 with self._lock:
                     self._reserved -= need
@@ -129,10 +138,35 @@ class DiskTier(Tier):
                         self._used -= round_up(previous)
                     self._sizes[key] = length
                     self._used += need
+                    if durable:
+                        self._synced.add(key)
+                    else:
+                        self._synced.discard(key)
         except BaseException:
             with self._lock:
                 self._reserved -= need
             raise
+
+    def is_synced(self, key: bytes) -> bool:
+        """Whether the value's data is on the medium whole: synced, or written over a synced
+        value with its data fsynced first (a power loss then leaves the old or the new one)."""
+        with self._lock:
+            return key in self._synced
+
+    def _replaces_synced(self, key: bytes) -> bool:
+        """Whether the file a write of ``key`` replaces may be a durable put's (its data synced)."""
+        return key in self._synced
+
+    def _fsync_temp(self, tmp: Path) -> None:
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            unlink_quietly(tmp)
+            raise self._error(exc) from exc
 
     def _stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[key[-1] % len(self._stripes)]
@@ -141,8 +175,8 @@ class DiskTier(Tier):
         """A name no other writer uses, beside the final one (so the rename stays in one directory)."""
         return final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
-    def _write_temp(self, key: bytes, views: list[memoryview], length: int) -> Path:
-        """The value in a new temporary file beside its final name (fsync'ed if configured),
+    def _write_temp(self, key: bytes, views: list[memoryview], length: int, sync: bool = False) -> Path:
+        """The value in a new temporary file beside its final name (fsync'ed if ``sync``),
         written with O_DIRECT unless the file system refuses it (tiers/direct_write.py)."""
         final = self.path_of(key)
         while True:
@@ -163,7 +197,7 @@ class DiskTier(Tier):
                     written = 0
                     while written < length:
                         written += os.writev(fd, skip(views, written)[:1024])
-                if self.fsync:
+                if sync:
                     os.fsync(fd)
             except OSError as exc:
                 os.close(fd)
@@ -201,10 +235,25 @@ class DiskTier(Tier):
     def sync_all(self) -> None:
         """One ``syncfs`` of the data directory's file system, not an fsync per file (a clean
         file's fsync with its directory's costs about 0.1 ms here; syncfs costs what is dirty)."""
+        with self._lock:
+            present = list(self._sizes)
         try:
             sync_filesystem(self.root)
         except OSError as exc:
             raise self._error(exc) from exc
+        with self._lock:
+            self._synced.update(k for k in present if k in self._sizes)
+
+    def sync_deleted(self, keys: Sequence[bytes]) -> None:
+        """fsync the directories the keys' files were removed from: an unlink is a change of
+        its directory, which a power loss undoes until the directory is written back."""
+        for directory in sorted({self.path_of(k).parent for k in keys}):
+            try:
+                self._sync_dir(directory)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self._error(exc) from exc
 
     def sync(self, key: bytes) -> None:
         """fsync the value's file and its directory: after this a power loss keeps it whole."""
@@ -215,11 +264,20 @@ class DiskTier(Tier):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
+                inode = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
             self._sync_dir(path.parent)
         except OSError as exc:
             raise self._error(exc) from exc
+        with self._stripe(key):  # the file synced is still the one under the name
+            try:
+                same = os.stat(path).st_ino == inode
+            except OSError:
+                same = False
+            with self._lock:
+                if same and key in self._sizes:
+                    self._synced.add(key)
 
     def peek(self, key: bytes, nbytes: int) -> bytes | None:
         fd = self._open(key)
@@ -347,18 +405,29 @@ class DiskTier(Tier):
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
+            self._synced.discard(key)
             size = self._sizes.pop(key, None)
             if size is not None:
                 self._used -= round_up(size)
 
     def delete(self, key: bytes) -> bool:
+        """Remove the file. A medium that refuses the unlink (EIO, EROFS, ...) raises, and the
+        tier still counts the file: it is there, and would be found again at the next start."""
         with self._stripe(key):
             with self._lock:
-                size = self._sizes.pop(key, None)
-                if size is None:
+                if key not in self._sizes:
                     return False
-                self._used -= round_up(size)
-            unlink_quietly(self.path_of(key))
+            try:
+                os.unlink(self.path_of(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise self._error(exc) from exc
+            with self._lock:
+                self._synced.discard(key)
+                size = self._sizes.pop(key, None)
+                if size is not None:
+                    self._used -= round_up(size)
         return True
 
     def contains(self, key: bytes) -> bool:

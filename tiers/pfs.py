@@ -125,6 +125,11 @@ class PfsTier(DiskTier):
 
     # -- writes ---------------------------------------------------------------------------------
 
+    def _replaces_synced(self, key: bytes) -> bool:
+        """Always, on a shared mount: the file a rename replaces may be another daemon's
+        durable put, which this view cannot know (written after our look, or never seen)."""
+        return True
+
     def temp_path(self, final: Path) -> Path:
         """A temporary name no other thread, process or host can pick."""
         return final.with_name(f"{final.name}.{self._host}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
@@ -214,6 +219,7 @@ class PfsTier(DiskTier):
         """Remove the file; other daemons then miss cleanly. False if neither view nor mount had it."""
         with self._stripe(key):
             with self._lock:
+                self._synced.discard(key)
                 size = self._sizes.pop(key, None)
                 if size is not None:
                     self._used -= round_up(size)

@@ -38,6 +38,9 @@ class WrappedTier(Tier):
     def delete(self, key: bytes) -> bool:
         return self.inner.delete(key)
 
+    def sync_deleted(self, keys: Sequence[bytes]) -> None:
+        self.inner.sync_deleted(keys)
+
     def contains(self, key: bytes) -> bool:
         return self.inner.contains(key)
 
