@@ -53,6 +53,22 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+def _stable_text(text: str, stops: list[str]) -> str:
+    """``text`` less what the next tokens may still change: trailing U+FFFD (a character split
+    over byte tokens decodes so until its last byte arrives) and the longest suffix that is the
+    start of a stop string (which would cut it off)."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), hold, -1):
+            if text.startswith(stop[:k], end - k):
+                hold = k
+                break
+    return text[:end - hold]
+
+
 class LLM:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, kv_store: ChunkStore | None = None,
                  **overrides):
@@ -175,7 +191,8 @@ class LLM:
         names the agent session it is a turn of (see ``pause``); ``critical`` lets it use the
         memory reserved for critical agents."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        known = self.sessions.sessions.get(session) if session else None
+        self._validate(token_ids, params, critical or bool(known and known.critical))  # critical is sticky per session
         queued = self.scheduler.waiting + self.scheduler.running + self.scheduler.loading
         if request_id and any(s.request_id == request_id for s in queued):
             raise ValueError(f"request id {request_id!r} is already in use")  # the connector tracks requests by id
@@ -186,7 +203,7 @@ class LLM:
         self.scheduler.add(seq)
         return seq
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, critical: bool = False) -> None:
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -199,6 +216,10 @@ class LLM:
         bm = self.block_manager
         if bm.blocks_needed(len(token_ids)) > self.config.num_blocks - bm.watermark_blocks:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than the KV cache admits")
+        reserved = 0 if critical else self.scheduler.critical_reserve_blocks
+        if bm.blocks_needed(len(token_ids)) > self.config.num_blocks - bm.watermark_blocks - reserved:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the KV cache admits beside the "
+                             f"{reserved} blocks reserved for critical agents")
         capacity = self.config.num_blocks * self.config.block_size
         needed = min(len(token_ids) + params.max_tokens, self.max_model_len)
         if needed > capacity:
@@ -253,7 +274,6 @@ class LLM:
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         metrics = seq.metrics
         metrics.first_token_time = metrics.first_token_time or now
-        old_text = seq.text
         seq.token_ids.append(token)
         metrics.num_output_tokens = len(seq.output_token_ids)
         reason = None
@@ -267,6 +287,12 @@ class LLM:
         seq.text = text
         if reason is None and (metrics.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len):
             reason = "length"
+        # Stream only text no later token can change: a trailing character whose bytes are not
+        # all in yet, or a suffix that may begin a stop string, waits (until the request ends).
+        stable = text if reason is not None else _stable_text(text, seq.params.stop)
+        new_text = stable[len(seq.streamed_text):]
+        if new_text:
+            seq.streamed_text = stable
         if reason is not None:
             metrics.finish_time = now
             if seq.session:
@@ -274,7 +300,7 @@ class LLM:
             self.scheduler.finish(seq, reason)
             self.totals.add(metrics)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [token],
-                             seq.text[len(old_text):], seq.is_finished, seq.finish_reason, metrics)
+                             new_text, seq.is_finished, seq.finish_reason, metrics)
 
     def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield each request's output every time it gains a token, until all finish."""

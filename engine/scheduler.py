@@ -96,8 +96,10 @@ class Scheduler:
             if budget == 0 or len(self.running) + len(self.loading) >= self.max_num_seqs \
                     or not self.bm.can_allocate(seq):
                 break
-            if not self.bm.can_allocate(seq, self._reserved_for_critical(seq)):
-                continue  # the rest of the memory is reserved for critical agents
+            if not seq.preempted and not self.bm.can_allocate(seq, self._reserved_for_critical(seq)):
+                # the rest of the memory is reserved for critical agents (a preempted request
+                # resumes into it, as into the watermark: it held those blocks, grown by decodes)
+                continue
             external, load_async = 0, False
             if self.connector is not None:
                 external, load_async = self.connector.get_num_new_matched_tokens(seq, self.bm.num_cached_tokens(seq))

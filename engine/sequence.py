@@ -37,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     preempted: bool = False
     text: str = ""
+    streamed_text: str = ""  # of ``text``, what ``LLM.stream`` has handed out so far
     generator: torch.Generator | None = None
     session: str = ""  # the agent session this request is a turn of ("" = none; engine/sessions.py)
     critical: bool = False  # may use the device memory reserved for critical agents
