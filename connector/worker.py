@@ -172,8 +172,14 @@ class WorkerConnector:
                     self.saver.unclaim(save)
                     self.stats.add(dropped_saves=len(request.chunks) - i)
                     break
-                self.mover.gather(save.block_ids, buf)
                 items.append((save, buf))
+                try:
+                    self.mover.gather(save.block_ids, buf)
+                except BaseException:  # (a device out of memory) raised, with nothing claimed or taken left behind
+                    for claimed, taken in items:
+                        self.saver.unclaim(claimed)
+                        self.save_staging.give(taken)
+                    raise
                 mass = self._attention.get(request.request_id)
                 if mass is not None:
                     c = buf.shape[2]
