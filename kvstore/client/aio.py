@@ -59,20 +59,28 @@ class _Awaiting:
         e.stream.cancel()
 
     async def _connect(self, e: Connect) -> socket.socket:
+        """Each address the host resolves to, in order, until one connects (as the blocking
+        front's ``socket.create_connection``): "localhost" is often ::1 first, and a daemon
+        listening on 127.0.0.1 only is then reached at its second address."""
         loop = asyncio.get_running_loop()
-        family, kind, proto, _, address = (await loop.getaddrinfo(e.host, e.port, type=socket.SOCK_STREAM))[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, self.buffer_bytes)
-            async with asyncio.timeout(self.timeout_s):
-                await loop.sock_connect(sock, address)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        error: OSError | None = None
+        for family, kind, proto, _, address in await loop.getaddrinfo(e.host, e.port, type=socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                    sock.setsockopt(socket.SOL_SOCKET, opt, self.buffer_bytes)
+                async with asyncio.timeout(self.timeout_s):
+                    await loop.sock_connect(sock, address)
+                return sock
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error if error is not None else OSError(f"{e.host} resolves to no address")
 
     async def _send(self, e: Send) -> None:
         loop = asyncio.get_running_loop()

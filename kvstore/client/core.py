@@ -166,8 +166,8 @@ class ClientCore:
         try:
             reply = yield Rpc("Lease", pb.LeaseRequest(slots=self.options.shm_slots))
         except DaemonError as exc:
-            if self.options.transport == "shm":
-                raise
+            if self.options.transport == "shm" or exc.code == grpc.StatusCode.UNAVAILABLE:
+                raise  # unreachable now (restarting, say), not "no shared memory": the call is retried
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # all slots leased now: try again later
                 self._lease_again_at = time.monotonic() + LEASE_AGAIN_S
             else:
@@ -365,7 +365,12 @@ class ClientCore:
     def get_blob(self, key: ChunkKey):
         """The verified blob (header + encoded payload) of a chunk, or None on a miss."""
         blobs: list = [None]
-        if (yield from self._retrying(lambda: self._get([key], pb.BLOB, blobs))) == 0:
+
+        def attempt():
+            blobs[0] = None  # a failed attempt may have placed its slot's copy here already
+            return self._get([key], pb.BLOB, blobs)
+
+        if (yield from self._retrying(attempt)) == 0:
             return None
         from kvstore.blob import verify_blob
 
@@ -480,7 +485,8 @@ class ClientCore:
             yield from place(session.chunk(kind, meta), data_len)
         if read_pinned is not None:
             yield from read_pinned()
-        if time.monotonic() - sent > session.pin_ttl_s * PIN_MARGIN:
+        # only pool views are read out of pages the daemon pinned for us (bytes in frames hold no pin)
+        if request.pool_views and time.monotonic() - sent > session.pin_ttl_s * PIN_MARGIN:
             raise ConnectionError("this Get's data was read after the daemon may have unpinned it; discarded")
         yield from session.send(RELEASE)
 
