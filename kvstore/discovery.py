@@ -10,10 +10,30 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvstore.index import ChunkIndex, Entry, Replica
+from kvstore.tier_io import TierIO
 from tiers.base import Tier, TierError
 
 
-def discover(index: ChunkIndex, shared_tiers: Sequence[Tier], shared_index, key_ids: Sequence[bytes]) -> None:
+def discover(index: ChunkIndex, shared_tiers: Sequence[Tier], shared_index, key_ids: Sequence[bytes],
+             io: TierIO | None = None) -> None:
+    """Add the shared tiers' values of ``key_ids`` to the index. With ``io``, a value whose
+    delete is decided and not done, or was done while this looked, is not listed: a lookup
+    beside a ``delete`` must not bring the chunk back (the deleter would spare the file as a
+    newer copy, or the index would list a file that is gone)."""
+    if io is None:
+        _discover(index, shared_tiers, shared_index, key_ids, None, 0)
+        return
+    with index.lock:
+        mark = io.discovering()
+    try:
+        _discover(index, shared_tiers, shared_index, key_ids, io, mark)
+    finally:
+        with index.lock:
+            io.discovered(mark)
+
+
+def _discover(index: ChunkIndex, shared_tiers: Sequence[Tier], shared_index, key_ids: Sequence[bytes],
+              io: TierIO | None, mark: int) -> None:
     found: dict[bytes, dict[str, int]] = {}
     if shared_index is not None:
         names = {t.name for t in shared_tiers}
@@ -36,9 +56,16 @@ def discover(index: ChunkIndex, shared_tiers: Sequence[Tier], shared_index, key_
             found[key_id] = where
     with index.lock:
         for key_id, where in found.items():
+            if io is not None:
+                where = {name: size for name, size in where.items()
+                         if not (io.is_doomed(name, key_id) or io.removed_since(name, key_id, mark))}
+                if not where:
+                    continue
             entry = index.get(key_id)
             if entry is None:
-                entry = index.entries[key_id] = Entry(0, next(iter(where.values())), None)
+                # a version of its own: a chunk deleted and found again is another entry, which a
+                # promotion of a read of the first one (it checks the version) must not take for it
+                entry = index.entries[key_id] = Entry(index.next_version(), next(iter(where.values())), None)
             for name, size in where.items():
                 if name not in entry.replicas:
                     index.set_replica(key_id, entry, name, Replica(size, None, entry.version, found=True))

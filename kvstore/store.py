@@ -141,7 +141,7 @@ class Store:
             # and reads fetch from every replica (a restarted daemon would read its disk alone)
             recovered = list(self.index.entries)
             for i in range(0, len(recovered), 1024):
-                discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024])
+                discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024], self._io)
         wb = config.write_behind
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
                                          wb.workers, wb.stall_s, self._evictor.make_room, self._evictor.write_codec)
@@ -350,7 +350,7 @@ class Store:
         one, then (for keys it lacks) the shared tiers' index; never chunk I/O."""
         i = self._first_missing(keys)
         if i < len(keys) and self.shared_tiers:
-            discover(self.index, self.shared_tiers, self.shared_index, [k.id for k in keys[i:]])
+            discover(self.index, self.shared_tiers, self.shared_index, [k.id for k in keys[i:]], self._io)
             i += self._first_missing(keys[i:])
         return i
 

@@ -27,12 +27,41 @@ class TierIO:
         self.locks = locks
         self.shared_index = shared_index
         self._doomed: Counter[tuple[str, bytes]] = Counter()
+        # shared tiers' values removed while a discovery (kvstore/discovery.py) looked at the
+        # tiers: (tier, key) -> removal serial, kept only while a discovery begun before runs
+        self._serial = 0
+        self._removed: dict[tuple[str, bytes], int] = {}
+        self._discoveries: Counter[int] = Counter()
         self._background = ThreadPoolExecutor(1, thread_name_prefix="tier-delete")
 
     def doom(self, tier_name: str, key_id: bytes) -> None:
         """The index dropped a replica whose value the caller deletes once the index lock is
         released (index lock held)."""
         self._doomed[tier_name, key_id] += 1
+
+    def is_doomed(self, tier_name: str, key_id: bytes) -> bool:
+        """Whether a delete of the tier's value is decided and not done yet (index lock held)."""
+        return (tier_name, key_id) in self._doomed
+
+    def discovering(self) -> int:
+        """A discovery begins: the mark ``removed_since`` compares with (index lock held)."""
+        self._discoveries[self._serial] += 1
+        return self._serial
+
+    def removed_since(self, tier_name: str, key_id: bytes, mark: int) -> bool:
+        """Whether the tier's value of the key was removed after ``mark`` (index lock held)."""
+        return self._removed.get((tier_name, key_id), -1) > mark
+
+    def discovered(self, mark: int) -> None:
+        """A discovery ended (index lock held): removals no running one began before are forgotten."""
+        self._discoveries[mark] -= 1
+        if self._discoveries[mark] <= 0:
+            del self._discoveries[mark]
+        oldest = min(self._discoveries, default=None)
+        if oldest is None:
+            self._removed.clear()
+        elif oldest > mark:
+            self._removed = {slot: n for slot, n in self._removed.items() if n > oldest}
 
     def doomed(self) -> set[bytes]:
         """Keys with a value waiting for its delete (index lock held)."""
@@ -83,6 +112,9 @@ class TierIO:
                 self.index.stats[tier.name].errors += 1
             if not kept:
                 self._spared(tier.name, key_id)
+            if tier.shared and self._discoveries:  # a lookup that saw the value must not list it now
+                self._serial += 1
+                self._removed[tier.name, key_id] = self._serial
         if tier.shared and self.shared_index is not None:
             self.shared_index.remove(tier.name, [key_id])
         return error if kept else None
