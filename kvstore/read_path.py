@@ -324,10 +324,10 @@ class ReadPath:
         detached = {t.name for t in self.tiers if t.shared}
         job = FetchJob(replicas, outs[: len(replicas)], lambda tier, i, out: self.read_tier(self._by_name[tier], keys[i], out) is not None,
                        self._stall_s, detached=detached)
-        for tier in job.tiers():
-            for _ in range(self._workers[tier]):
-                self._pools[tier].submit(job.work, tier)
-        try:
+        try:  # a hand-off that raises (a pool shut down meanwhile) still waits for the workers handed off
+            for tier in job.tiers():
+                for _ in range(self._workers[tier]):
+                    self._pools[tier].submit(job.work, tier)
             yield from job.results()
         finally:
             job.close()

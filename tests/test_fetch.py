@@ -240,3 +240,54 @@ def test_a_read_that_raises_ends_no_worker():
     assert not collect.is_alive(), "the fetch waited forever for a chunk only a dead worker could read"
     assert [int(t.item()) for t in got] == [0, 1]
     assert all(w.exception() is None for w in workers)
+
+
+def test_a_stream_whose_workers_cannot_all_start_returns_only_once_no_read_writes_its_buffers(tmp_path):
+    """The fetch workers were handed to the pools before the stream's ``finally`` that waits
+    for them: when a later hand-off raised (a pool shut down by a Store closing meanwhile),
+    ``get_many_into`` raised while an earlier worker still read into the caller's buffer."""
+    from faults import FaultyTier, Gate
+    from helpers import store_config
+
+    keys = chunk_keys(list(range(NS.chunk_tokens)), NS)
+    value = torch.randn(NS.chunk_shape).half()
+    tiers = [FaultyTier(DiskTier(tmp_path / name, 1 << 22, name=name)) for name in ("near", "far")]
+    with Store(store_config(tmp_path, disk=None), extra_tiers=tiers) as store:
+        store.put(keys[0], value, durable=True)
+        assert store.drop(keys, "host") == 1
+        gate = Gate()
+        for tier in tiers:
+            tier.gates["read"] = gate
+        handed = []
+        pools = store._reads._pools
+        submits = {name: pools[name].submit for name in ("near", "far")}
+
+        def submit_once(name):
+            def submit(fn, *args):
+                if handed:
+                    raise RuntimeError("cannot schedule new futures after shutdown")
+                handed.append(name)
+                return submits[name](fn, *args)
+            return submit
+
+        for name in submits:
+            pools[name].submit = submit_once(name)
+        out = torch.full_like(value, 3.0)
+        returned = threading.Event()
+        late = []
+
+        def open_later():
+            assert gate.entered.wait(10)
+            time.sleep(0.2)  # the call must still be waiting for the held read now
+            late.append(returned.is_set())
+            gate.open()
+
+        opener = threading.Thread(target=open_later)
+        opener.start()
+        with pytest.raises(RuntimeError, match="shutdown"):
+            store.get_many_into(keys, [out])
+        returned.set()
+        opener.join()
+        for name, submit in submits.items():
+            pools[name].submit = submit
+        assert late == [False], "get_many_into raised while a read still wrote into its buffer"
