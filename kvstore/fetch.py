@@ -36,6 +36,7 @@ class _Chunk:
     failed: set[str] = field(default_factory=set)
     result: torch.Tensor | None = None
     writing_out: int = 0  # reads in flight into ``out`` itself
+    winner: str | None = None  # the tier whose read ``accept``ed the chunk (its result to come)
 
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,16 @@ class FetchJob:
         self._first_open = 0  # every chunk before this one is done
         self._end = len(self._chunks)  # chunks from here on are abandoned
         self.reads_by_tier: dict[str, int] = {}
+
+    def accept(self, index: int, tier: str) -> bool:
+        """Whether ``tier``'s read of chunk ``index``, read and verified, is the one that serves
+        it: the first to ask wins; the loser of a takeover (both finished) is not a hit. A read
+        function that never asks keeps the old rule (the first to finish wins)."""
+        with self._cond:
+            chunk = self._chunks[index]
+            if chunk.winner is None and chunk.result is None:
+                chunk.winner = tier
+            return chunk.winner == tier
 
     def tiers(self) -> set[str]:
         return set().union(*(c.replicas for c in self._chunks)) if self._chunks else set()
@@ -115,7 +126,9 @@ class FetchJob:
                 with self._cond:
                     chunk.in_flight.pop(tier, None)
                     chunk.writing_out -= not own
-                    if ok and chunk.result is None:
+                    if not ok and chunk.winner == tier:
+                        chunk.winner = None  # accepted, then failed: another tier may serve it
+                    if ok and chunk.result is None and chunk.winner in (None, tier):
                         chunk.result = target
                         self.reads_by_tier[tier] = self.reads_by_tier.get(tier, 0) + 1
                     elif not ok:

@@ -128,12 +128,16 @@ class ReadPath:
         with self._busy_lock:
             return sorted(tiers, key=lambda t: self._busy.get(t.name, 0) // self._workers.get(t.name, 1))
 
-    def read_tier(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
+    def read_tier(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None,
+                  accept: Callable[[], bool] | None = None):
         """Read and verify one replica; None if it is not there, is corrupt (dropped) or the
-        tier failed (counted). A replica changed while being read is read again once."""
+        tier failed (counted). A replica changed while being read is read again once.
+        ``accept()``, asked once the bytes are verified, False: another read served the chunk
+        (a takeover), so this one is no hit (not counted, not shown to the policy, not
+        promoted) and returns None."""
         for _ in range(2):
             try:
-                result = self._read_once(tier, key, out)
+                result = self._read_once(tier, key, out, accept)
             except TierError as exc:
                 with self.index.lock:
                     self.index.stats[tier.name].errors += 1
@@ -143,7 +147,8 @@ class ReadPath:
                 return result
         return None
 
-    def _read_once(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None):
+    def _read_once(self, tier: Tier, key: ChunkKey, out: torch.Tensor | None,
+                   accept: Callable[[], bool] | None = None):
         key_id = key.id
         with self.index.lock:
             entry = self.index.get(key_id)
@@ -180,6 +185,8 @@ class ReadPath:
             return self._replaced(key_id, tier, replica)
         except CorruptBlob as exc:
             return None if self.corrupt(key_id, tier, replica, exc) else _RETRY
+        if accept is not None and not accept():
+            return None  # another tier's read served the chunk: one chunk, one hit
         self._hit(key_id, tier, replica, header, elapsed, version, [header_buf, payload_buf])
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
 
@@ -322,7 +329,9 @@ class ReadPath:
             return
         keys, outs, replicas = keys[done:], outs[done:], replicas[done:]
         detached = {t.name for t in self.tiers if t.shared}
-        job = FetchJob(replicas, outs[: len(replicas)], lambda tier, i, out: self.read_tier(self._by_name[tier], keys[i], out) is not None,
+        job = FetchJob(replicas, outs[: len(replicas)],
+                       lambda tier, i, out: self.read_tier(self._by_name[tier], keys[i], out,
+                                                           lambda: job.accept(i, tier)) is not None,
                        self._stall_s, detached=detached)
         try:  # a hand-off that raises (a pool shut down meanwhile) still waits for the workers handed off
             for tier in job.tiers():

@@ -81,10 +81,10 @@ def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(files, monkeypatch)
     seen = []
     real = limits.read_all
 
-    def read_all(paths, n, direct, read_bytes=None):
+    def read_all(paths, n, direct, read_bytes=None, buffers=None):
         assert all(cached_bytes(p) == 0 for p in paths)  # every run starts cold
         seen.append((n, direct))
-        real(paths, n, direct, read_bytes)
+        real(paths, n, direct, read_bytes, buffers)
 
     monkeypatch.setattr(limits, "read_all", read_all)
     limit = disk_read_limit(files)

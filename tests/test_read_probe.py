@@ -27,9 +27,9 @@ def test_best_inflight_is_the_fastest_setting_and_every_run_starts_cold(tmp_path
         pytest.skip("this file system keeps pages cached")
     real = read_probe.read_all
 
-    def read_all(ps, n, direct, read_bytes=None):
+    def read_all(ps, n, direct, read_bytes=None, buffers=None):
         assert all(read_probe.cached_bytes(p) == 0 for p in ps)
-        real(ps, n, direct, read_bytes)
+        real(ps, n, direct, read_bytes, buffers)
 
     monkeypatch.setattr(read_probe, "read_all", read_all)
     n, seconds = best_inflight(paths, direct=False, read_bytes=16 << 10)
