@@ -11,6 +11,7 @@ member pins, and this daemon deletes them before their bytes count as free.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Callable, Sequence
@@ -34,8 +35,12 @@ class BudgetedTier(WrappedTier):
         self._ttl_s, self._busy_wait_s = member_ttl_s, busy_wait_s
         self._forget = forget
         self._used = 0  # the cluster's use of the budget, as the ledger last said
+        # Work a failure left half-done, finished by ``settle`` (the heartbeat), under one lock:
         self._owed: set[bytes] = set()  # reservations of failed writes still to release
-        self._owed_lock = threading.Lock()
+        self._uncommitted: dict[bytes, bytes] = {}  # commits whose reply was lost: key -> our header
+        self._undeleted: set[bytes] = set()  # values marked evicting whose delete failed
+        self._lost_rooms: set[str] = set()  # tokens of make_room calls whose reply was lost
+        self._pending_lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
@@ -49,7 +54,13 @@ class BudgetedTier(WrappedTier):
         if self._used + need <= self.capacity_bytes:
             return
         while True:
-            answer, self._used, victims = self.ledger.make_room(self.member, self.name, need, self._ttl_s)
+            token = secrets.token_hex(12)
+            try:
+                answer, self._used, victims = self.ledger.make_room(self.member, self.name, need, self._ttl_s, token)
+            except TierError:  # it may have run: its victims are this member's to delete (``settle``)
+                with self._pending_lock:
+                    self._lost_rooms.add(token)
+                raise
             if answer == "ok":
                 return
             if answer == "full":
@@ -59,7 +70,8 @@ class BudgetedTier(WrappedTier):
 
     def remove(self, key_ids: Sequence[bytes]) -> None:
         """Delete values the ledger marked as this member's to delete, then free their bytes.
-        A value that cannot be deleted (the medium is down) stays counted, and marked."""
+        A value that cannot be deleted (the medium is down) stays counted, and marked, until
+        ``settle`` deletes it."""
         gone = []
         for key_id in key_ids:
             try:
@@ -67,17 +79,26 @@ class BudgetedTier(WrappedTier):
                 gone.append(key_id)
             except TierError as exc:
                 log.warning("%s: cannot delete %s for the cluster's budget: %s", self.name, key_id.hex(), exc)
+                with self._pending_lock:
+                    self._undeleted.add(key_id)
         if gone:
             self._forget(self.name, gone)
             self._used = self.ledger.evicted(self.member, self.name, gone)
 
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         size = sum(memoryview(p).nbytes for p in parts)
+        with self._pending_lock:  # this write's own commit decides now, not a settle of an older one
+            self._uncommitted.pop(key, None)
         deadline = time.monotonic() + self._busy_wait_s
+        take = False
         while True:
-            answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size, self._ttl_s)
-            if answer == "present":  # another daemon wrote this very value (keys name content)
-                return
+            answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
+                                                     self._ttl_s, take)
+            if answer == "present":  # a daemon wrote this very value (keys name content)...
+                if self.inner.peek(key, 1) is not None:
+                    return
+                take = True  # ...but the medium dropped it (Redis evicting on its own): write it again
+                continue
             if answer == "ok":
                 break
             if answer == "full":
@@ -86,14 +107,26 @@ class BudgetedTier(WrappedTier):
             if time.monotonic() > deadline:  # busy: another member writes or deletes it
                 raise TierError(f"{self.name}: {key.hex()} stayed busy in another member for {self._busy_wait_s} s")
             time.sleep(0.01)
+        ours = self._header(parts)
         try:
             self.inner.write(key, parts)
-            committed = self.ledger.commit(self.member, self.name, key)
         except BaseException:
-            self._undo(key, parts)
+            self._undo(key, ours)
+            raise
+        try:
+            committed = self.ledger.commit(self.member, self.name, key)
+        except TierError:
+            # the commit may have run and only its reply was lost: then the value is resident,
+            # counted, and a member may have been told "present" since. Never delete it on a
+            # guess: the heartbeat asks again (``settle``).
+            with self._pending_lock:
+                self._uncommitted[key] = ours
+            raise
+        except BaseException:
+            self._undo(key, ours)
             raise
         if not committed:
-            self._undo(key, parts)
+            self._taken(key, ours)
             raise TierError(f"{self.name}: {key.hex()} was deleted while it was written")
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
@@ -101,13 +134,30 @@ class BudgetedTier(WrappedTier):
         for key, parts in items:
             self.write(key, parts)
 
-    def _undo(self, key: bytes, parts: Sequence[Buffer]) -> None:
+    @staticmethod
+    def _header(parts: Sequence[Buffer]) -> bytes:
+        return b"".join(bytes(memoryview(p).cast("B")[:HEADER_BYTES]) for p in parts)[:HEADER_BYTES]
+
+    def _taken(self, key: bytes, ours: bytes) -> None:
+        """Undo a write whose entry was taken from this member (a delete, or it was reaped as
+        dead while paused), unless another member holds the entry now: that member may have
+        put the chunk since, and the value under the key is then its value, acknowledged, or
+        ours over it (a whole value of the same chunk: keys name content). Either way it is
+        that member's to keep or delete."""
+        try:
+            holder = self.ledger.holder(self.name, key)
+        except TierError:
+            holder = None
+        if holder is None or holder[1] == self.member:
+            self._undo(key, ours)
+
+    def _undo(self, key: bytes, ours: bytes) -> None:
         """Remove a value written without a commit, and its reservation (owed for later if
         the ledger cannot be reached: a live member's reservation is never reaped). A write
         that failed may not have landed: an older value still there is whole (another
         encoding of the chunk, maybe a durable put's), so it stays and is counted again;
         before, the undo deleted it."""
-        older = self._older_value(key, parts)
+        older = self._older_value(key, ours)
         if older is None:
             try:
                 self.inner.delete(key)
@@ -116,16 +166,15 @@ class BudgetedTier(WrappedTier):
         try:
             self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
         except TierError:
-            with self._owed_lock:
+            with self._pending_lock:
                 self._owed.add(key)
             return
         if older is not None:
             self._recount(key, older)
 
-    def _older_value(self, key: bytes, parts: Sequence[Buffer]) -> int | None:
-        """The size of a whole value under ``key`` that is not the one ``parts`` wrote; None
-        if there is none, or it is ours, or the medium cannot tell."""
-        ours = b"".join(bytes(memoryview(p).cast("B")[:HEADER_BYTES]) for p in parts)[:HEADER_BYTES]
+    def _older_value(self, key: bytes, ours: bytes) -> int | None:
+        """The size of a whole value under ``key`` whose header is not ``ours`` (the one this
+        write wrote); None if there is none, or it is ours, or the medium cannot tell."""
         try:
             head = self.inner.peek(key, HEADER_BYTES)
             if head is None or head == ours:
@@ -149,19 +198,66 @@ class BudgetedTier(WrappedTier):
             log.warning("%s: cannot count the older value of %s again: %s", self.name, key.hex(), exc)
 
     def settle(self) -> None:
-        """Release the reservations ``_undo`` could not (the heartbeat calls this)."""
-        with self._owed_lock:
+        """Finish what a failure left half-done (the heartbeat calls this; a TierError leaves
+        the rest for the next beat): commit again the writes whose commit reply was lost;
+        delete the victims of make_room calls whose reply was lost, and the values whose
+        delete the medium refused (while their entries stay evicting, nobody may write those
+        keys, and their bytes stay counted); release the reservations ``_undo`` could not."""
+        self._settle_commits()
+        self._settle_deletes()
+        with self._pending_lock:
             owed = list(self._owed)
         if owed:
             self._used = self.ledger.release(self.member, self.name, owed, own_only=True)
-            with self._owed_lock:
+            with self._pending_lock:
                 self._owed.difference_update(owed)
+
+    def _settle_commits(self) -> None:
+        with self._pending_lock:
+            uncommitted = list(self._uncommitted)
+        for key in uncommitted:
+            with self._pending_lock:  # a new write of the key meanwhile settles it itself
+                ours = self._uncommitted.pop(key, None)
+                if ours is None:
+                    continue
+                try:
+                    committed = self.ledger.commit(self.member, self.name, key)
+                except TierError:
+                    self._uncommitted[key] = ours
+                    raise
+            if not committed:  # the entry was taken from this member meanwhile
+                self._taken(key, ours)
+
+    def _settle_deletes(self) -> None:
+        with self._pending_lock:
+            rooms = list(self._lost_rooms)
+        for token in rooms:
+            victims = self.ledger.room_victims(token)
+            with self._pending_lock:
+                self._lost_rooms.discard(token)
+                self._undeleted.update(victims)
+        with self._pending_lock:
+            undeleted = list(self._undeleted)
+            self._undeleted.difference_update(undeleted)
+        if undeleted:
+            try:  # only those still marked evicting by this member: an entry it never marked is not its to delete
+                mine = self.ledger.mine_to_delete(self.member, self.name, undeleted)
+            except TierError:
+                with self._pending_lock:
+                    self._undeleted.update(undeleted)
+                raise
+            self.remove(mine)  # failures are noted again
 
     def delete(self, key: bytes) -> bool:
         """The entry is marked first, as evictions mark theirs: between the DEL and the release a
         member's reservation was answered "present", and its durable put wrote nothing."""
         self._used = self.ledger.deleting(self.member, self.name, [key])
-        removed = self.inner.delete(key)
+        try:
+            removed = self.inner.delete(key)
+        except TierError:
+            with self._pending_lock:  # marked evicting (if it was resident): ``settle`` tries again
+                self._undeleted.add(key)
+            raise
         self.ledger.evicted(self.member, self.name, [key])
         self._used = self.ledger.release(self.member, self.name, [key])
         return removed

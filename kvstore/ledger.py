@@ -149,11 +149,14 @@ redis.call('DEL', P .. 'pins:' .. ARGV[2])
 return 1
 """
 
-# ARGV: prefix, member, tier, key, footprint, size, member_ttl_ms. Returns {answer, used}:
+# ARGV: prefix, member, tier, key, footprint, size, member_ttl_ms, take. Returns {answer, used}:
 # ok (reserved, pending: write, then commit), present (the same value is there: nothing to
-# write), busy (another member writes or deletes it now: ask again), full (no room).
+# write), busy (another member writes or deletes it now: ask again), full (no room). With
+# take '1', a resident entry is taken over as if it were absent (its value is gone from the
+# medium: Redis dropped it on its own, somebody removed the file).
 _RESERVE = _COMMON + r"""
 local m, T, key, fp, size, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local take = ARGV[8] == '1'
 local budget = tonumber(redis.call('HGET', P .. 'budget', T))
 local now, alive_after = clock(ttl)
 local v = redis.call('HGET', P .. 't:' .. T, key)
@@ -161,7 +164,7 @@ local old_fp, old_owner = 0, nil
 if v then
   local s, ofp, osize, owner = parse(v)
   if s == 'e' then return {'busy', used(T)} end
-  if s == 'r' and osize == size then return {'present', used(T)} end
+  if s == 'r' and osize == size and not take then return {'present', used(T)} end
   if s == 'p' and owner ~= m and is_live(owner, alive_after) then return {'busy', used(T)} end
   old_fp, old_owner = ofp, owner
 end
@@ -180,11 +183,14 @@ return {'ok', after}
 
 # ARGV: prefix, member, tier, key. Returns 1 if the write stays (0: the entry was taken from
 # this member meanwhile: a delete, or it was reaped as dead; the caller removes the value).
+# Run again (redis-py retries a command whose reply was lost), it answers 1 again: the entry
+# this member's reservation made pending is resident and still its own.
 _COMMIT = _COMMON + r"""
 local m, T, key = ARGV[2], ARGV[3], ARGV[4]
 local v = redis.call('HGET', P .. 't:' .. T, key)
 if not v then return 0 end
 local s, fp, size, owner = parse(v)
+if s == 'r' and owner == m then return 1 end
 if s ~= 'p' or owner ~= m then return 0 end
 redis.call('HSET', P .. 't:' .. T, key, 'r ' .. fp .. ' ' .. size .. ' ' .. m)
 redis.call('SREM', P .. 'f:' .. T .. ':' .. m, key)
@@ -235,13 +241,32 @@ end
 return used(T)
 """
 
-# ARGV: prefix, member, tier, need, member_ttl_ms, max_victims. Returns {'ok', used} when
+# ARGV: prefix, member, tier, keys... Those of the keys this member is to delete now (state
+# e, in its set): a delete of them that failed is this member's to finish.
+_MINE_TO_DELETE = _COMMON + r"""
+local m, T = ARGV[2], ARGV[3]
+local out = {}
+for i = 4, #ARGV do
+  local v = redis.call('HGET', P .. 't:' .. T, ARGV[i])
+  if v and string.sub(v, 1, 1) == 'e' and redis.call('SISMEMBER', P .. 'f:' .. T .. ':' .. m, ARGV[i]) == 1 then
+    table.insert(out, ARGV[i])
+  end
+end
+return out
+"""
+
+# ARGV: prefix, member, tier, need, member_ttl_ms, max_victims, token. Returns {'ok', used} when
 # ``need`` bytes are free, {'full', used} when nothing can go, else {'evict', used, keys...}:
 # chunks this member must delete now (then ``evicted``), taken from the member furthest
 # above its fair share (budget / live members; a dead member's share is 0), oldest first,
-# skipping every chunk a live member pins.
+# skipping every chunk a live member pins. An 'evict' answer is kept under its call's token
+# for an hour: run again with the same token (redis-py retries a command whose reply was
+# lost), the script answers the same victims instead of choosing more, and a member that
+# lost both replies asks for them by the token (``_ROOM_VICTIMS``).
 _MAKE_ROOM = _COMMON + r"""
 local m, T, need, ttl, most = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local memo = P .. 'room:' .. ARGV[7]
+if redis.call('EXISTS', memo) == 1 then return redis.call('LRANGE', memo, 0, -1) end
 local budget = tonumber(redis.call('HGET', P .. 'budget', T))
 local u = used(T)
 if budget - u >= need then return {'ok', u} end
@@ -293,6 +318,16 @@ for _, cand in ipairs(by) do
   if freed >= want or #out - 2 >= most or scanned >= 4096 then break end
 end
 if #out == 2 then return {'full', u} end
+redis.call('RPUSH', memo, unpack(out))
+redis.call('PEXPIRE', memo, 3600000)
+return out
+"""
+
+# ARGV: prefix, token. The victims of the make_room call with that token (then forgotten).
+_ROOM_VICTIMS = _COMMON + r"""
+local memo = P .. 'room:' .. ARGV[2]
+local out = redis.call('LRANGE', memo, 2, -1)
+redis.call('DEL', memo)
 return out
 """
 
@@ -345,7 +380,8 @@ class Ledger:
         self._tag = self.prefix + "tag"  # routes every script to the ledger's slot
         self._client = connect(url, cluster, socket_timeout_s, connect_timeout_s, max_connections)
         scripts = dict(join=_JOIN, beat=_BEAT, leave=_LEAVE, reserve=_RESERVE, commit=_COMMIT, release=_RELEASE,
-                       deleting=_DELETING, evicted=_EVICTED, make_room=_MAKE_ROOM, pin=_PIN, now=_NOW)
+                       deleting=_DELETING, evicted=_EVICTED, mine_to_delete=_MINE_TO_DELETE,
+                       make_room=_MAKE_ROOM, room_victims=_ROOM_VICTIMS, pin=_PIN, now=_NOW)
         self._scripts = {name: self._client.register_script(code) for name, code in scripts.items()}
 
     def _call(self, name: str, *args) -> object:
@@ -390,9 +426,21 @@ class Ledger:
     # -- the budget -------------------------------------------------------------------------------
 
     def reserve(self, member: str, tier: str, key_id: bytes, footprint: int, size: int,
-                member_ttl_s: float) -> tuple[str, int]:
-        answer = self._call("reserve", member, tier, key_id.hex(), footprint, size, int(member_ttl_s * 1000))
+                member_ttl_s: float, take: bool = False) -> tuple[str, int]:
+        """``take``: the value the ledger lists as resident is gone from the medium; reserve
+        it again rather than answer "present"."""
+        answer = self._call("reserve", member, tier, key_id.hex(), footprint, size, int(member_ttl_s * 1000),
+                            "1" if take else "0")
         return self._str(answer[0]), int(answer[1])
+
+    def holder(self, tier: str, key_id: bytes) -> tuple[str, str] | None:
+        """The chunk's entry now: (state, owner), or None if the ledger has none."""
+        with unavailable_on_failure("cluster ledger: holder"):
+            v = self._client.hget(self.prefix + "t:" + tier, key_id.hex())
+        if v is None:
+            return None
+        state, _, _, owner = self._str(v).split(" ", 3)
+        return state, owner
 
     def commit(self, member: str, tier: str, key_id: bytes) -> bool:
         return bool(self._call("commit", member, tier, key_id.hex()))
@@ -406,10 +454,24 @@ class Ledger:
     def evicted(self, member: str, tier: str, key_ids: Sequence[bytes]) -> int:
         return int(self._call("evicted", member, tier, *[k.hex() for k in key_ids]))
 
-    def make_room(self, member: str, tier: str, need: int, member_ttl_s: float,
+    def mine_to_delete(self, member: str, tier: str, key_ids: Sequence[bytes]) -> list[bytes]:
+        """Those of ``key_ids`` that are still this member's to delete (marked evicting by it)."""
+        if not key_ids:
+            return []
+        answer = self._call("mine_to_delete", member, tier, *[k.hex() for k in key_ids])
+        return [bytes.fromhex(self._str(k)) for k in answer]
+
+    def make_room(self, member: str, tier: str, need: int, member_ttl_s: float, token: str,
                   max_victims: int = 256) -> tuple[str, int, list[bytes]]:
-        answer = self._call("make_room", member, tier, need, int(member_ttl_s * 1000), max_victims)
+        """``token`` names this call (a fresh one each), so that a retry of it answers the same
+        victims, and they can be asked for if its reply is lost (``room_victims``)."""
+        answer = self._call("make_room", member, tier, need, int(member_ttl_s * 1000), max_victims, token)
         return self._str(answer[0]), int(answer[1]), [bytes.fromhex(self._str(k)) for k in answer[2:]]
+
+    def room_victims(self, token: str) -> list[bytes]:
+        """The victims of the make_room call named ``token`` whose reply was lost (none if it
+        did not run, or answered without victims)."""
+        return [bytes.fromhex(self._str(k)) for k in self._call("room_victims", token)]
 
     # -- pins --------------------------------------------------------------------------------------
 
