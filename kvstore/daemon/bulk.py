@@ -282,6 +282,9 @@ class BulkServer:
         # threads that write reply frames with chunk bytes (a channel sends one frame at a time)
         self._senders = ThreadPoolExecutor(max(1, config.max_sessions), thread_name_prefix="bulk-send")
         self._closing = False
+        # pins of channels cut while closing: kept until release_pins(), once nothing writes
+        # into the host pool any more (in-flight requests go on writing during the grace period)
+        self._kept: list[Channel] = []
         self.unauthenticated = 0
         self.refused = 0  # connections closed at once: too many unauthenticated ones
         self._warn_accept, self._warn_refused = _Every(), _Every()
@@ -432,7 +435,10 @@ class BulkServer:
             pass
         finally:
             if channel is not None:
-                channel.release()
+                if self._closing and channel.pinned_bytes:
+                    self._kept.append(channel)  # its client may still be copying out of those pages
+                else:
+                    channel.release()
             if session is not None:
                 self._sessions.pop(session.session_id, None)
             if channel is not None:
@@ -462,6 +468,13 @@ class BulkServer:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
         self._senders.shutdown(wait=False)
+
+    def release_pins(self) -> None:
+        """Release the pins of the channels ``close`` cut (call once no request writes into
+        the host pool: their clients may have been copying out of those pages meanwhile)."""
+        kept, self._kept = self._kept, []
+        for channel in kept:
+            channel.release()
 
     @staticmethod
     def _shutdown(conns) -> None:

@@ -6,9 +6,27 @@ flags override single fields.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
-from kvstore.config import StoreConfig
+from kvstore.config import ConfigError, StoreConfig
+
+
+def _at_least(obj, minimum, *names: str) -> None:
+    """Refuse, naming the key, a field of ``obj`` below ``minimum`` (or not finite)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and value >= minimum):
+            raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
+
+
+def _positive(obj, *names: str) -> None:
+    """Refuse, naming the key, a time of ``obj`` that is not a positive number of seconds."""
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name}: must be a positive number of seconds, got {value}")
 
 
 @dataclass
@@ -26,6 +44,12 @@ class ShmConfig:
     # straight out of it (one copy per Get instead of two). It gives those clients (same uid:
     # the files are 0600) nothing the slot arena does not: they can read any slot already.
     share_host_pool: bool = True
+
+    def validate(self) -> None:
+        _at_least(self, 1, "slots", "max_slots_per_lease")
+        if self.slot_bytes <= 0 or self.slot_bytes % mmap.PAGESIZE:
+            raise ConfigError(f"slot_bytes: must be a positive multiple of {mmap.PAGESIZE}, got {self.slot_bytes}")
+        _positive(self, "lease_ttl_s")
 
 
 @dataclass
@@ -53,6 +77,13 @@ class BulkConfig:
     # keepalive_idle_s + 3 * keepalive_interval_s.
     keepalive_idle_s: int = 10
     keepalive_interval_s: int = 5
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be 0 (any free port) to 65535, got {self.port}")
+        _at_least(self, 1, "max_sessions", "max_sessions_per_tenant", "max_unauthenticated",
+                  "keepalive_idle_s", "keepalive_interval_s")
+        _positive(self, "frame_timeout_s", "hello_timeout_s", "pin_ttl_s")
 
 
 @dataclass
@@ -85,6 +116,16 @@ class LimitsConfig:
     max_paused_namespaces_per_session: int = 64
     max_session_id_bytes: int = 256
 
+    def validate(self) -> None:
+        _at_least(self, 1, "max_chunk_bytes", "max_keys_per_request", "max_concurrent_streams", "max_connections",
+                  "inline_piece_bytes", "get_read_ahead", "max_requests_per_tenant", "max_model_id_bytes",
+                  "max_session_id_bytes")
+        _at_least(self, 0, "max_prefetches", "max_prefetches_per_tenant", "max_paused_sessions_per_tenant",
+                  "max_paused_namespaces_per_session")
+        if self.max_message_bytes <= 1024:  # a Get's pieces are this less 1 KiB
+            raise ConfigError(f"max_message_bytes: must be more than 1024, got {self.max_message_bytes}")
+        _positive(self, "handshake_timeout_s", "max_pin_ttl_s")
+
 
 def io_workers(config: DaemonConfig) -> int:
     """Threads of the daemon's executor for Store calls (two at least)."""
@@ -116,3 +157,14 @@ class DaemonConfig:
     bulk: BulkConfig = field(default_factory=BulkConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+
+    def validate(self) -> None:
+        """Values no daemon can serve with, refused naming the key (load_config calls it on
+        every table; ``Daemon.start`` again, for configs built in code or changed by flags)."""
+        _at_least(self, 0, "io_threads", "shutdown_grace_s")
+        _positive(self, "flush_timeout_s")
+        for name in ("shm", "bulk", "limits", "store"):
+            try:
+                getattr(self, name).validate()
+            except ConfigError as exc:
+                raise ConfigError(f"{name}.{exc}") from None

@@ -139,6 +139,9 @@ class Credentials:
                     digest = b""
                 if len(digest) != 32 or digest in by_token:
                     raise ConfigError(f"{where}.token_sha256: not a unique SHA-256 in hex")
+                if digest == _digest(b""):
+                    raise ConfigError(f"{where}.token_sha256: the SHA-256 of an empty token (was $TOKEN "
+                                      "set?): anyone would be this tenant")
                 by_token[digest] = tenant
             if entry.cert_cn:
                 if entry.cert_cn in by_cert:
@@ -176,8 +179,8 @@ class Credentials:
         if header is None:
             return None
         value = header.encode() if isinstance(header, str) else header
-        if not value.startswith(_BEARER):
-            return None
+        if not value.startswith(_BEARER) or not value[len(_BEARER):].strip():
+            return None  # no token at all is nobody's, whatever the file says
         return self._by_token.get(_digest(value[len(_BEARER):]))
 
 

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.config import StoreConfig, format_size
+from kvstore.config import ConfigError, StoreConfig, format_size
 from kvstore.daemon.auth import TokenAuth
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer
@@ -93,6 +93,10 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
         host, port = split_host_port(cfg.listen)
         credentials = _credentials(cfg, host)
         tls = self._tls()
@@ -187,7 +191,14 @@ class Daemon:
         cfg = self.config
         host = cfg.store.host
         check_host_capacity(host.capacity_bytes)
-        if not (cfg.shm.enabled and cfg.shm.share_host_pool) or host.shm_path is not None:
+        if host.shm_path is not None:  # configured: ours only while no live daemon holds it
+            try:
+                self._pool_file = SharedFile.claim(host.shm_path)
+            except BlockingIOError:
+                raise StartupError(f"store.host.shm_path {host.shm_path} is the host pool of another "
+                                   "daemon that is running") from None
+            return cfg.store
+        if not (cfg.shm.enabled and cfg.shm.share_host_pool):
             return cfg.store
         free = os.statvfs(cfg.shm.dir)
         if free.f_bavail * free.f_frsize < host.capacity_bytes * 1.05 + (64 << 20):
@@ -226,6 +237,8 @@ class Daemon:
         if self._expiry is not None:
             self._expiry.cancel()
         await asyncio.to_thread(self._executor.shutdown, True)  # Store calls of cancelled RPCs finish
+        if self.bulk is not None:  # nothing writes into the host pool now: pool views may go
+            self.bulk.release_pins()
         if self.store is not None:
             pending = self.store.stats().write_behind_pending_bytes
             say("flushing %d bytes of write-behind, closing tiers", pending)

@@ -10,10 +10,13 @@ the executor and is fenced (kvstore/daemon/reads.py); every error goes through o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, aclosing
+from copy import deepcopy
 
 import grpc
 import numpy as np
@@ -466,7 +469,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               bulk_sessions=self.bulk.sessions if self.bulk else 0)
 
     async def Config(self, request, caller: Tenant):
-        return pb.ConfigReply(toml=to_toml(self.config))
+        return pb.ConfigReply(toml=to_toml(redacted(self.config)))
 
     # -- shared memory and bulk sessions ----------------------------------------------------
 
@@ -494,6 +497,39 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self.bulk.issue(caller)
         return pb.BulkAttachReply(port=self.bulk.port, session=session.session_id, token=session.token,
                                   max_frame_bytes=self.bulk.max_frame_bytes, pin_ttl_s=self.bulk.config.pin_ttl_s)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "***"  # not a URL we can take apart: say nothing of it
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:***@{hostport}"
+    query = urllib.parse.urlencode([(k, "***" if k.lower() == "password" else v)
+                                    for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def redacted(config):
+    """A copy of a config tree whose URLs carry no password: what the Config RPC answers
+    (any authenticated tenant may ask, and a tier's password would open every tenant's chunks)."""
+    config = deepcopy(config)
+    stack = [config]
+    while stack:
+        obj = stack.pop()
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                stack.append(value)
+            elif isinstance(value, str) and (f.name == "url" or f.name.endswith("_url")):
+                setattr(obj, f.name, redact_url(value))
+    return config
 
 
 def register(service: KVStoreService, server: grpc.aio.Server) -> None:

@@ -31,6 +31,20 @@ class SharedFile:
         self.path = os.path.join(directory, f"{prefix}{secrets.token_hex(8)}")
         self.fd = _create_locked(directory, self.path, size)
 
+    @classmethod
+    def claim(cls, path: str) -> "SharedFile":
+        """A file at a configured ``path`` (created if missing, never truncated here), locked
+        for as long as the object is open; BlockingIOError if a live process holds it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        self = cls.__new__(cls)
+        self.path, self.fd = path, fd
+        return self
+
     def close(self) -> None:
         """Unlink the file if it is still ours, then drop the lock."""
         if self.fd < 0:
