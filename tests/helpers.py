@@ -3,6 +3,8 @@ comparison, and a Store config builder on tiny pages."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
@@ -35,3 +37,26 @@ def store_config(tmp_path, host: int = 64 * PAGE, disk: int | None = 1 << 20, pe
         write_behind=WriteBehindConfig(max_pending_bytes=pending),
         **kw,
     )
+
+
+@contextmanager
+def in_process_daemon(config):
+    """A daemon in this process (so a test can reach into its Store), serving on an event loop
+    of its own thread; stopped when the block ends."""
+    import asyncio
+    import threading
+
+    from kvstore.daemon.server import Daemon
+
+    loop = asyncio.new_event_loop()
+    daemon = Daemon(config)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(daemon.start(), loop).result(60)
+        yield daemon
+        asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result(60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -21,7 +21,6 @@ the first tenant's Put runs.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import threading
 import time
@@ -33,9 +32,9 @@ import torch
 import kvstore.client.core as core
 import kvstore.client.shm as client_shm
 import kvstore.daemon.slots as daemon_slots
+from helpers import in_process_daemon
 from kvstore.client import Client
 from kvstore.daemon.config import DaemonConfig
-from kvstore.daemon.server import Daemon
 from kvstore.keys import Namespace, chunk_keys
 
 TOKENS = {"alice": "alice-secret", "bob": "bob-secret"}
@@ -80,16 +79,8 @@ def daemon(tmp_path, clock):
     config.store.host.prefault = False
     config.store.disk.path = str(tmp_path / "data")
     config.store.disk.capacity_bytes = 32 << 20
-    loop = asyncio.new_event_loop()
-    daemon = Daemon(config)
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(daemon.start(), loop).result(60)
-    yield daemon
-    asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result(60)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with in_process_daemon(config) as daemon:
+        yield daemon
 
 
 def test_a_lease_in_use_is_never_reclaimed_under_its_client(daemon, clock, monkeypatch):

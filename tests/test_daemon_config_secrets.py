@@ -3,18 +3,16 @@ configuration, credentials included: the Redis tier's URL with its password. Wit
 tenant reads (and could overwrite) every other tenant's chunks straight from Redis, which the
 daemon's isolation promise (docs/daemon.md, "Isolation") rules out."""
 
-import asyncio
 import hashlib
-import threading
 import tomllib
 
 import pytest
 import redis
 import torch
 
+from helpers import in_process_daemon
 from kvstore.client import Client
 from kvstore.daemon.config import DaemonConfig
-from kvstore.daemon.server import Daemon
 from kvstore.keys import Namespace, chunk_keys
 
 NS = Namespace("secrets", 2, 2, 8, chunk_tokens=8)  # 1 KiB fp16 chunks
@@ -40,16 +38,8 @@ def daemon(tmp_path, own_redis_server):
     config.store.redis.enabled = True
     config.store.redis.url = f"redis://:{PASSWORD}@127.0.0.1:{own_redis_server.port}/0"
     config.store.redis.key_prefix = "kvs-secrets:"
-    loop = asyncio.new_event_loop()
-    d = Daemon(config)
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(d.start(), loop).result(60)
-    yield d
-    asyncio.run_coroutine_threadsafe(d.stop(), loop).result(60)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with in_process_daemon(config) as d:
+        yield d
 
 
 def test_a_tenant_cannot_learn_the_redis_password_and_read_another_tenants_chunks(daemon):

@@ -2,17 +2,15 @@
 message; anything else is a bug, logged with its traceback and answered INTERNAL, on gRPC and
 on the bulk channel alike, never blamed on the caller as INVALID_ARGUMENT."""
 
-import asyncio
 import logging
-import threading
 
 import grpc
 import pytest
 import torch
 
+from helpers import in_process_daemon
 from kvstore.client import Client, DaemonError
 from kvstore.daemon.config import DaemonConfig
-from kvstore.daemon.server import Daemon
 from kvstore.keys import Namespace, chunk_keys
 
 NS = Namespace("errors", 2, 2, 8, chunk_tokens=8)
@@ -27,16 +25,8 @@ def daemon(tmp_path):
     config.store.host.prefault = False
     config.store.disk.path = str(tmp_path / "data")
     config.store.disk.capacity_bytes = 16 << 20
-    loop = asyncio.new_event_loop()
-    daemon = Daemon(config)
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(daemon.start(), loop).result(60)
-    yield daemon
-    asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result(60)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with in_process_daemon(config) as daemon:
+        yield daemon
 
 
 @pytest.mark.parametrize("bug", [TypeError("a bug"), ValueError("a bug"), KeyError("a bug"), OSError("a bug")])
