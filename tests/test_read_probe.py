@@ -72,3 +72,16 @@ def test_the_disk_tier_gets_the_measured_fetch_workers_unless_configured(tmp_pat
         finally:
             for s in setups:
                 s.tier.close()
+
+
+def test_an_answer_saved_by_the_old_probe_is_measured_again(tmp_path, monkeypatch):
+    """The first probe counted its buffers' page faults as disk time, which favoured few reads
+    in flight; its saved answers (no version) would have been kept for every later start."""
+    import json
+
+    (tmp_path / RESULT_NAME).write_text(json.dumps({"inflight": {"false": 1}}))
+    monkeypatch.setattr(read_probe, "_probe", lambda root, direct, suffix, read_bytes: 8)
+    assert read_parallelism(str(tmp_path)) == 8
+    monkeypatch.setattr(read_probe, "_measured", {})
+    monkeypatch.setattr(read_probe, "_probe", lambda root, direct, suffix, read_bytes: 3)
+    assert read_parallelism(str(tmp_path)) == 8  # saved now in this version: read back

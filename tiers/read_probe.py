@@ -26,6 +26,9 @@ INFLIGHT = (1, 2, 4, 8)
 PROBE_FILES = 16
 PROBE_FILE_BYTES = 4 << 20
 RESULT_NAME = ".read-parallelism"
+# 2: read buffers set up outside the timing (version 1 counted their first-touch page faults
+# as disk time, which favoured few reads in flight): a saved answer of another version is measured again
+PROBE_VERSION = 2
 FALLBACK = 4  # where cold reads cannot be measured (a tmpfs, a read-only directory)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -155,7 +158,9 @@ def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp",
             return _measured[key]
         try:
             with open(saved) as f:
-                _measured[key] = int(json.load(f)["inflight"][str(direct).lower()])
+                data = json.load(f)
+            if data.get("version") == PROBE_VERSION:
+                _measured[key] = int(data["inflight"][str(direct).lower()])
                 return _measured[key]
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -167,6 +172,8 @@ def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp",
                     data = json.load(f)
             except (OSError, ValueError):
                 pass
+            if not isinstance(data, dict) or data.get("version") != PROBE_VERSION:
+                data = {"version": PROBE_VERSION}
             data.setdefault("inflight", {})[str(direct).lower()] = n
             with open(saved, "w") as f:
                 json.dump(data, f)
