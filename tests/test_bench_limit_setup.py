@@ -23,6 +23,7 @@ import types
 import pytest
 
 from bench import limits
+from test_bench_limits import files  # noqa: F401 (a fixture: three cold 256 KiB files)
 from tiers import read_probe
 
 JUMP_S = 10.0
@@ -34,20 +35,6 @@ class _Clock:
 
     def perf_counter(self) -> float:
         return real_time.perf_counter() + self.offset
-
-
-@pytest.fixture
-def files(tmp_path):
-    paths = []
-    for i in range(3):
-        p = tmp_path / f"f{i}"
-        p.write_bytes(os.urandom(256 << 10))
-        paths.append(str(p))
-    try:
-        read_probe.drop_cache(paths)
-    except RuntimeError as exc:
-        pytest.skip(f"this file system keeps pages cached: {exc}")
-    return paths
 
 
 @pytest.fixture
