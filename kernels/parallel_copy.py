@@ -26,6 +26,8 @@ SLICE_ALIGN = 4096
 _lock = threading.Lock()
 _busy = threading.Lock()  # held by the copy that has the pool
 _pool: ThreadPoolExecutor | None = None
+_start_lock = threading.Lock()
+_started = False  # every worker of ``_pool`` has been started (``start``)
 _workers = max(1, os.cpu_count() or 1)
 
 
@@ -40,6 +42,24 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(_workers - 1, thread_name_prefix="parallel-copy")
         return _pool
+
+
+def start() -> None:
+    """Start every worker now, in the caller's thread: a thread inherits its starter's
+    scheduling priority, and one started lazily by a low-priority thread (a copy written
+    behind) would slow every later copy of the callers'. Once per process: two calls at once
+    would split the pool between their barriers, and both wait out the timeout."""
+    global _started
+    if _workers == 1:
+        return
+    with _start_lock:
+        if _started:
+            return
+        pool = _executor()
+        barrier = threading.Barrier(_workers - 1)
+        # each waits until all have started, so no worker is reused: the pool starts them all
+        wait([pool.submit(barrier.wait, 10) for _ in range(_workers - 1)])
+        _started = True
 
 
 def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:

@@ -178,6 +178,9 @@ class WriteBehindConfig:
     stall_s: float = 10.0
     # A durable put waits this long for its copies, then raises TimeoutError (they go on).
     durable_timeout_s: float = 60.0
+    # Niceness added to the copy threads (Linux, 0-19): a buffered copy costs a core while it
+    # lasts, and on a machine with few cores the puts and reads beside it should get it first.
+    nice: int = 19
 
 
 @dataclass
@@ -285,6 +288,8 @@ class StoreConfig:
             raise ConfigError(f"disk.fetch_workers: must be 0 (measured) or positive, got {self.disk.fetch_workers}")
         if self.write_behind.workers < 1 or self.prefetch_max_inflight < 1:
             raise ConfigError("write_behind.workers and prefetch_max_inflight must be at least 1")
+        if not 0 <= self.write_behind.nice <= 19:
+            raise ConfigError(f"write_behind.nice: must be 0 to 19, got {self.write_behind.nice}")
         self._validate_cluster()
 
     def _validate_cluster(self) -> None:

@@ -32,6 +32,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kernels import parallel_copy
 from kvstore.blob import HEADER_BYTES, UnsealedBlob, decode_header, encode_header
 from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
@@ -143,8 +144,10 @@ class Store:
             for i in range(0, len(recovered), 1024):
                 discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024], self._io)
         wb = config.write_behind
+        parallel_copy.start()  # before the copy threads, whose lower priority threads they start inherit
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
-                                         wb.workers, wb.stall_s, self._evictor.make_room, self._evictor.write_codec)
+                                         wb.workers, wb.stall_s, self._evictor.make_room, self._evictor.write_codec,
+                                         wb.nice)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
 
     def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:

@@ -23,6 +23,8 @@ writing; if that fails, it writes the put's encoding.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -78,6 +80,20 @@ class CopyJob:
     tickets: list[Ticket] = field(default_factory=list)
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux keeps one per thread): a copy
+    written behind then takes a core only when puts and reads leave one idle. Threads this
+    one starts inherit it, so the pools that serve callers are started before (the Store
+    starts kernels/parallel_copy.py's)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # a sandbox that forbids it: the copies run at the caller's priority
+        log.warning("write-behind: could not lower the copy threads' priority: %s", exc)
+
+
 @dataclass
 class Reservation:
     """Queue room reserved for a put's copies, by tier; ``stalled`` tiers got none."""
@@ -100,13 +116,15 @@ class WriteBehind:
     def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, first: Tier, tiers: Sequence[Tier],
                  max_pending_bytes: int, workers: int, stall_s: float,
                  make_room: Callable[..., None],
-                 write_codec: Callable[[Tier, Entry, Replica], Codec | None] = lambda tier, entry, source: None) -> None:
+                 write_codec: Callable[[Tier, Entry, Replica], Codec | None] = lambda tier, entry, source: None,
+                 nice: int = 0) -> None:
         self.index, self.locks, self.io, self.first = index, locks, io, first
         self._write_codec = write_codec
         self.queues = {t.name: _Queue(t) for t in tiers}
         self.max_pending_bytes = max_pending_bytes
         self.stall_s = stall_s
         self._make_room = make_room
+        self._nice = nice
         self._closing = False
         self.dropped = 0
         self._threads = [
@@ -241,6 +259,7 @@ class WriteBehind:
             self.index.changed.wait()
 
     def _work(self, q: _Queue) -> None:
+        lower_priority(self._nice)
         while True:
             with self.index.lock:
                 job = self._next(q)
