@@ -41,6 +41,11 @@ class BudgetedTier(WrappedTier):
         self._undeleted: set[bytes] = set()  # values marked evicting whose delete failed
         self._lost_rooms: set[str] = set()  # tokens of make_room calls whose reply was lost
         self._pending_lock = threading.Lock()
+        # A key is written or settled, never both at once: a settle's undo of an old write
+        # would delete a newer write's value of the same blob (``_settle_commits``).
+        self._writing: dict[bytes, int] = {}  # key -> writes in flight
+        self._settling: set[bytes] = set()
+        self._key_free = threading.Condition(self._pending_lock)
 
     @property
     def used_bytes(self) -> int:
@@ -71,7 +76,8 @@ class BudgetedTier(WrappedTier):
     def remove(self, key_ids: Sequence[bytes]) -> None:
         """Delete values the ledger marked as this member's to delete, then free their bytes.
         A value that cannot be deleted (the medium is down) stays counted, and marked, until
-        ``settle`` deletes it."""
+        ``settle`` deletes it; so do the values deleted when the ledger cannot be told (their
+        entries stay evicting: nobody could write those chunks again)."""
         gone = []
         for key_id in key_ids:
             try:
@@ -83,12 +89,29 @@ class BudgetedTier(WrappedTier):
                     self._undeleted.add(key_id)
         if gone:
             self._forget(self.name, gone)
-            self._used = self.ledger.evicted(self.member, self.name, gone)
+            try:
+                self._used = self.ledger.evicted(self.member, self.name, gone)
+            except TierError:  # still marked evicting by this member: ``settle`` tells it again
+                with self._pending_lock:
+                    self._undeleted.update(gone)
+                raise
 
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
+        with self._pending_lock:
+            while key in self._settling:  # a settle of an older write of the key ends first
+                self._key_free.wait()
+            self._uncommitted.pop(key, None)  # this write's own commit decides now, not a settle
+            self._writing[key] = self._writing.get(key, 0) + 1
+        try:
+            self._write(key, parts)
+        finally:
+            with self._pending_lock:
+                left = self._writing.pop(key) - 1
+                if left:
+                    self._writing[key] = left
+
+    def _write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         size = sum(memoryview(p).nbytes for p in parts)
-        with self._pending_lock:  # this write's own commit decides now, not a settle of an older one
-            self._uncommitted.pop(key, None)
         deadline = time.monotonic() + self._busy_wait_s
         take = False
         while True:
@@ -213,20 +236,33 @@ class BudgetedTier(WrappedTier):
                 self._owed.difference_update(owed)
 
     def _settle_commits(self) -> None:
+        """Each key is settled while no write of it is in flight, and writes of it wait until
+        its settle ends: a write between the commit and the undo re-took the entry and wrote
+        the same blob, which the undo then deleted. A key being written is left for the next
+        beat (that write pops it, and its own commit decides)."""
         with self._pending_lock:
             uncommitted = list(self._uncommitted)
         for key in uncommitted:
-            with self._pending_lock:  # a new write of the key meanwhile settles it itself
+            with self._pending_lock:
+                if key in self._writing:
+                    continue
                 ours = self._uncommitted.pop(key, None)
                 if ours is None:
                     continue
+                self._settling.add(key)
+            try:
                 try:
                     committed = self.ledger.commit(self.member, self.name, key)
                 except TierError:
-                    self._uncommitted[key] = ours
+                    with self._pending_lock:
+                        self._uncommitted[key] = ours
                     raise
-            if not committed:  # the entry was taken from this member meanwhile
-                self._taken(key, ours)
+                if not committed:  # the entry was taken from this member meanwhile
+                    self._taken(key, ours)
+            finally:
+                with self._pending_lock:
+                    self._settling.discard(key)
+                    self._key_free.notify_all()
 
     def _settle_deletes(self) -> None:
         with self._pending_lock:
@@ -258,6 +294,11 @@ class BudgetedTier(WrappedTier):
             with self._pending_lock:  # marked evicting (if it was resident): ``settle`` tries again
                 self._undeleted.add(key)
             raise
-        self.ledger.evicted(self.member, self.name, [key])
+        try:
+            self.ledger.evicted(self.member, self.name, [key])
+        except TierError:  # gone, still marked evicting: ``settle`` tells the ledger again
+            with self._pending_lock:
+                self._undeleted.add(key)
+            raise
         self._used = self.ledger.release(self.member, self.name, [key])
         return removed
