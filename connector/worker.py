@@ -79,11 +79,28 @@ class WorkerConnector:
             return
         self._step_tasks = tasks
         if self.mode == "sync":
-            with self._cond:
-                for task in tasks:
-                    task.wait()
-                    self._report(task.finish())
+            self._settle(tasks)
             self._step_tasks = []
+
+    def _settle(self, tasks: list[LoadTask]) -> None:
+        """Wait for each load and report it. A load that raises (a scatter failed) fails the
+        step, but only once every other load of the step is settled too: their reads still in
+        flight are abandoned, so none writes the paged cache after the step returned."""
+        error = None
+        with self._cond:
+            for task in tasks:
+                if error is None:
+                    task.wait()
+                try:
+                    result = task.finish()
+                except BaseException as exc:
+                    error = error or exc
+                    continue
+                if error is None:
+                    self._report(result)
+        if error is not None:
+            self._step_tasks = []  # settled: close() has nothing of them to finish (or raise again)
+            raise error
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Before layer ``layer`` computes: its KV of this step's layer-wise loads is in place."""
@@ -95,11 +112,14 @@ class WorkerConnector:
 
     def _start_layer_scatter(self) -> None:
         """Every read is in (or given up): scatter layer by layer on a thread of its own."""
-        with self._cond:
-            for task in self._step_tasks:
-                task.wait()
-                self._report(task.finish())
-        staged = [(task, task.staged()) for task in self._step_tasks]
+        tasks = self._step_tasks
+        try:
+            self._settle(tasks)
+        except BaseException:
+            for task in tasks:  # nothing of them is scattered: their staged buffers go back
+                task.release_staged()
+            raise
+        staged = [(task, task.staged()) for task in tasks]
         self._layers_ready = [threading.Event() for _ in range(self.mover.num_layers)]
 
         def scatter_layers() -> None:
@@ -203,7 +223,12 @@ class WorkerConnector:
             self.stats.add(dropped_saves=1)
             return False
         tokens = len(block_ids) * self.mover.block_size
-        self.mover.gather(block_ids, buf[:, :, :tokens])
+        try:
+            self.mover.gather(block_ids, buf[:, :, :tokens])
+        except BaseException:  # (a device out of memory) raised, with nothing claimed or taken left behind
+            self.saver.unclaim(save)
+            self.save_staging.give(buf)
+            raise
         buf[:, :, tokens:].zero_()
         self.saver.submit([(save, buf)])
         return True
@@ -232,7 +257,10 @@ class WorkerConnector:
         """Give up loads in flight, finish queued saves, stop the threads."""
         with self._cond:
             for task in self._inflight + self._step_tasks:
-                task.finish()
+                try:
+                    task.finish()
+                except BaseException:  # a load's failure (its step raised it, or the engine is closing): close anyway
+                    pass
         self._inflight, self._step_tasks = [], []
         self._finish_layerwise()
         self.saver.close()
