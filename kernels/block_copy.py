@@ -100,6 +100,7 @@ def _block_copy_triton(kv_cache: torch.Tensor, chunk: torch.Tensor, block_ids: t
         raise ValueError("kv_cache and chunk must be contiguous in their last three dimensions")
     if n == 0:
         return
+    block_ids = block_ids.contiguous()  # the kernel reads id j at ids_ptr + j, as the reference indexes
     tile = min(_COPY_TILE, next_pow2(block_elems))
     grid = (n, layers * 2, triton.cdiv(block_elems, tile))
     _block_copy_kernel[grid](

@@ -71,6 +71,7 @@ def reshape_and_cache_triton(
             raise ValueError(f"{name} must be contiguous in head_dim")
     if tokens == 0:
         return
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads token t's slot at slots_ptr + t
     _cache_write_kernel[(tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -184,6 +184,8 @@ def paged_decode_attention_triton(
     out = torch.empty_like(query)
     if batch == 0:
         return out
+    # the kernel reads lengths at lens_ptr + b and a table's entries one after another
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     group = q_heads // kv_heads
     pad_d = max(16, next_pow2(head_dim))
     tile = max(16, next_pow2(block_size), _TILE_ELEMENTS // pad_d)
