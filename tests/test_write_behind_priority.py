@@ -41,10 +41,12 @@ def _wait_for(condition, timeout_s: float = 10.0) -> bool:
     return True
 
 
-def test_copy_threads_run_at_the_configured_niceness(tmp_path):
+@pytest.mark.parametrize("nice", [7, 0])
+def test_copy_threads_run_at_the_configured_niceness(tmp_path, nice):
+    """0 leaves them at the caller's priority."""
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     config = store_config(tmp_path)
-    config.write_behind = WriteBehindConfig(max_pending_bytes=config.write_behind.max_pending_bytes, nice=7)
+    config.write_behind = WriteBehindConfig(max_pending_bytes=config.write_behind.max_pending_bytes, nice=nice)
     store = Store(config)
     try:
         keys, kvs = chunks(2)
@@ -53,21 +55,7 @@ def test_copy_threads_run_at_the_configured_niceness(tmp_path):
         assert store.flush(30)
         copiers = _threads("copy-disk-")
         assert len(copiers) == config.write_behind.workers
-        assert _wait_for(lambda: all(_nice(t) == min(19, base + 7) for t in copiers)), [_nice(t) for t in copiers]
-    finally:
-        store.close()
-
-
-def test_nice_zero_leaves_the_copy_threads_at_the_callers_priority(tmp_path):
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    config = store_config(tmp_path)
-    config.write_behind = WriteBehindConfig(max_pending_bytes=config.write_behind.max_pending_bytes, nice=0)
-    store = Store(config)
-    try:
-        keys, kvs = chunks(1)
-        store.put(keys[0], kvs[0])
-        assert store.flush(30)
-        assert all(_nice(t) == base for t in _threads("copy-disk-"))
+        assert _wait_for(lambda: all(_nice(t) == min(19, base + nice) for t in copiers)), [_nice(t) for t in copiers]
     finally:
         store.close()
 
