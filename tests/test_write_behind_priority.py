@@ -28,8 +28,9 @@ def _nice(thread: threading.Thread) -> int:
     return os.getpriority(os.PRIO_PROCESS, thread.native_id)
 
 
-def _threads(prefix: str) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.native_id is not None]
+def _copiers(store: Store) -> list[threading.Thread]:
+    """This store's copy threads (other tests' stores may still have theirs)."""
+    return list(store._write_behind._threads)
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> bool:
@@ -53,7 +54,7 @@ def test_copy_threads_run_at_the_configured_niceness(tmp_path, nice):
         for k, kv in zip(keys, kvs):
             store.put(k, kv)
         assert store.flush(30)
-        copiers = _threads("copy-disk-")
+        copiers = _copiers(store)
         assert len(copiers) == config.write_behind.workers
         assert _wait_for(lambda: all(_nice(t) == min(19, base + nice) for t in copiers)), [_nice(t) for t in copiers]
     finally:
