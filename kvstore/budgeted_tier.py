@@ -89,12 +89,17 @@ class BudgetedTier(WrappedTier):
                     self._undeleted.add(key_id)
         if gone:
             self._forget(self.name, gone)
-            try:
-                self._used = self.ledger.evicted(self.member, self.name, gone)
-            except TierError:  # still marked evicting by this member: ``settle`` tells it again
-                with self._pending_lock:
-                    self._undeleted.update(gone)
-                raise
+            self._used = self._evicted(gone)
+
+    def _evicted(self, key_ids: Sequence[bytes]) -> int:
+        """Tell the ledger these values are gone. If it cannot be told, their entries stay
+        marked evicting by this member, and ``settle`` tells it again."""
+        try:
+            return self.ledger.evicted(self.member, self.name, key_ids)
+        except TierError:
+            with self._pending_lock:
+                self._undeleted.update(key_ids)
+            raise
 
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         with self._pending_lock:
@@ -294,11 +299,6 @@ class BudgetedTier(WrappedTier):
             with self._pending_lock:  # marked evicting (if it was resident): ``settle`` tries again
                 self._undeleted.add(key)
             raise
-        try:
-            self.ledger.evicted(self.member, self.name, [key])
-        except TierError:  # gone, still marked evicting: ``settle`` tells the ledger again
-            with self._pending_lock:
-                self._undeleted.add(key)
-            raise
+        self._evicted([key])
         self._used = self.ledger.release(self.member, self.name, [key])
         return removed
