@@ -291,6 +291,25 @@ def test_disk_disabled_store_works_in_ram(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+def test_a_second_store_on_the_same_host_pool_file_is_refused_and_the_first_keeps_its_chunks(tmp_path):
+    """Two in-process stores given one ``host.shm_path``: the second opened the pool file with
+    O_TRUNC and no lock, so the first store's acknowledged chunks read back as zeros (and both
+    stores handed out the same pages). The second is now refused with a clear error."""
+    from tiers.base import TierUnavailable
+
+    cfg = config(tmp_path)
+    cfg.disk.enabled = False
+    cfg.host.shm_path = str(tmp_path / "pool")
+    keys, values = chunks(2)
+    with Store(cfg) as first:
+        for k, v in zip(keys, values):
+            first.put(k, v)
+        with pytest.raises(TierUnavailable, match="another live store"):
+            Store(cfg)
+        got = first.get(keys)
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, values))
+
+
 def test_pinned_chunks_are_not_evicted_until_unpinned_or_expired(tmp_path):
     cfg = config(tmp_path, host=12 * PAGE, pending=2 * PAGE)
     cfg.disk.enabled = False

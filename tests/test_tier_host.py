@@ -1,10 +1,11 @@
+import os
 import random
 import threading
 
 import numpy as np
 import pytest
 
-from tiers.base import TierFull
+from tiers.base import TierFull, TierUnavailable
 from tiers.host import HostTier
 
 PAGE = 4096
@@ -149,3 +150,34 @@ def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last():
     assert value[:128] == xxhash.xxh3_64_intdigest(payload.tobytes()).to_bytes(8, "little") * 16
     with pytest.raises(ValueError, match="seal"):
         tier.write_sealed(b"j", 64, payload, xxhash.xxh3_64(), seal)
+
+
+def test_a_second_tier_on_a_live_pool_file_is_refused_and_wipes_nothing(tmp_path):
+    """A host pool in a file had no owner: the tier opened it with O_TRUNC, so a second
+    in-process store given the same ``shm_path`` zeroed the first one's chunks under it, and
+    both then handed out the same pages. Now the file is locked before it is truncated."""
+    path = str(tmp_path / "pool")
+    first = HostTier(4 * PAGE, page_bytes=PAGE, shm_path=path)
+    try:
+        first.write(b"k", [b"the first store's chunk"])
+        with pytest.raises(TierUnavailable, match="another live store"):
+            HostTier(4 * PAGE, page_bytes=PAGE, shm_path=path)
+        assert first.read(b"k") == b"the first store's chunk"
+    finally:
+        first.close()
+    again = HostTier(4 * PAGE, page_bytes=PAGE, shm_path=path)  # the owner closed: the file is free
+    again.close()
+    assert not os.path.exists(path)
+
+
+def test_a_pool_file_replaced_under_a_tier_is_not_unlinked_by_it(tmp_path):
+    """Closing unlinks the pool file only while the path still names the file the tier locked."""
+    path = str(tmp_path / "pool")
+    tier = HostTier(4 * PAGE, page_bytes=PAGE, shm_path=path)
+    os.unlink(path)
+    newer = HostTier(4 * PAGE, page_bytes=PAGE, shm_path=path)
+    try:
+        tier.close()
+        assert os.path.exists(path), "closing the old tier removed the newer tier's pool file"
+    finally:
+        newer.close()

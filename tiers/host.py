@@ -3,24 +3,40 @@
 The pool is allocated and touched once: the first write to fresh memory runs at 1.3-2 GB/s
 here against ~25 GB/s for reused memory, so no chunk ever lands in fresh memory. It can live
 in a file under /dev/shm so that other processes map the same bytes (the daemon's
-same-host fast path).
+same-host fast path). Such a file has one owner: the tier takes an open-file-description lock
+on it before it truncates it, and holds it until it closes, so a second store given the same
+path (in this process or another) is refused instead of zeroing the first one's chunks. That
+lock is independent of the ``flock`` the daemon claims the path with (kvstore/daemon/shmfiles.py).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import struct
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from kernels.parallel_copy import copy_pairs
-from tiers.base import Buffer, as_buffers
+from tiers.base import Buffer, TierUnavailable, as_buffers
 from tiers.pages import PagedTier, segments
 
 SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when ``write_sealed`` hashes it
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+
+
+def _own(fd: int, path: str) -> None:
+    """Take the write lock of ``fd``'s open file description on the whole file, or refuse
+    (the lock goes with the last descriptor of it, even if the process lives on)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError as exc:
+        raise TierUnavailable(f"host: {path} is the host pool of another live store; give each store "
+                              f"its own store.host.shm_path") from exc
 
 
 def _byte_view(buf) -> np.ndarray:
@@ -41,6 +57,7 @@ class HostTier(PagedTier):
         super().__init__(name, capacity_bytes, page_bytes)
         self.pool_bytes = self.table.pool_bytes
         self.shm_path = shm_path
+        self._pool_fd = -1  # the locked descriptor of the pool file, while the tier is open
         self._mmap = self._map_pool(shm_path)
         self._pool = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault:
@@ -52,13 +69,17 @@ class HostTier(PagedTier):
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 pool.madvise(mmap.MADV_HUGEPAGE)
             return pool
-        fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            _own(fd, shm_path)  # before truncating: the bytes may be a live store's
+            os.ftruncate(fd, 0)
             os.ftruncate(fd, self.pool_bytes)
             pool = mmap.mmap(fd, self.pool_bytes, flags=mmap.MAP_SHARED)
-            return pool
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._pool_fd = fd
+        return pool
 
     # -- as a SharedPool (tiers/base.py) ---------------------------------------------------
 
@@ -144,8 +165,11 @@ class HostTier(PagedTier):
             self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when it does
-        if self.shm_path is not None:
+        if self._pool_fd >= 0:
             try:
-                os.unlink(self.shm_path)
+                if os.stat(self.shm_path).st_ino == os.fstat(self._pool_fd).st_ino:  # still ours
+                    os.unlink(self.shm_path)
             except FileNotFoundError:
                 pass
+            os.close(self._pool_fd)
+            self._pool_fd = -1
