@@ -147,7 +147,7 @@ class Store:
         parallel_copy.start()  # before the copy threads, whose lower priority threads they start inherit
         self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
                                          wb.workers, wb.stall_s, self._evictor.make_room, self._evictor.write_codec,
-                                         wb.nice)
+                                         wb.nice, self._reads.corrupt)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
 
     def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:

@@ -16,8 +16,10 @@ tier's copy, pinned while it reads. Per tier:
   tier's copy is gone, the tier is stalled) fails it instead of passing silently (#2).
 
 With placement, a copy may be written in another encoding than the put's (``write_codec``,
-kvstore/eviction.py): the worker decodes the pinned first-tier copy and encodes it before
-writing; if that fails, it writes the put's encoding.
+kvstore/eviction.py): the worker verifies and decodes the pinned first-tier copy and encodes
+it before writing; if the codec refuses the chunk, it writes the put's encoding. A first-tier
+copy that fails verification is neither copied nor kept: ``corrupt`` drops it (the read path's
+rule), and the copy fails.
 """
 
 from __future__ import annotations
@@ -117,9 +119,12 @@ class WriteBehind:
                  max_pending_bytes: int, workers: int, stall_s: float,
                  make_room: Callable[..., None],
                  write_codec: Callable[[Tier, Entry, Replica], Codec | None] = lambda tier, entry, source: None,
-                 nice: int = 0) -> None:
+                 nice: int = 0,
+                 corrupt: Callable[[bytes, Tier, Replica, Exception], bool] = lambda key_id, tier, replica, exc: False
+                 ) -> None:
         self.index, self.locks, self.io, self.first = index, locks, io, first
         self._write_codec = write_codec
+        self._corrupt = corrupt
         self.queues = {t.name: _Queue(t) for t in tiers}
         self.max_pending_bytes = max_pending_bytes
         self.stall_s = stall_s
@@ -303,7 +308,15 @@ class WriteBehind:
                     self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is gone; nothing to copy"))
                 return
             replica = Replica(source.size, source.codec_id, source.version)
-            recoded = self._encode(tier, key_id, views, codec, replica) if codec is not None else None
+            try:
+                recoded = self._encode(tier, key_id, views, codec, replica) if codec is not None else None
+            except CorruptBlob as exc:  # never spread a copy found corrupt, nor keep it
+                stack.close()
+                self._corrupt(key_id, self.first, source, exc)
+                with self.index.lock:
+                    self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is corrupt ({exc}); "
+                                                         "it was dropped, not copied"))
+                return
             if recoded is not None:
                 views, replica = recoded
             self._write(q, job, views, replica, sync, recoded is not None)
@@ -318,10 +331,11 @@ class WriteBehind:
 
     @staticmethod
     def _encode(tier: Tier, key_id: bytes, views, codec: Codec, source: Replica):
-        """The pinned first-tier copy decoded and encoded by ``codec``, as (parts, replica),
-        or None (logged) to write the put's encoding instead."""
+        """The pinned first-tier copy verified, decoded and encoded by ``codec``, as (parts,
+        replica), or None (logged) to write the put's encoding instead; CorruptBlob if the
+        copy fails verification."""
+        header, payload = verify_blob(b"".join(views))
         try:
-            header, payload = verify_blob(b"".join(views))
             tensor = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
             encoded = codec.encode(tensor)
         except (CorruptBlob, ValueError, KeyError) as exc:

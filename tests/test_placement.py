@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from faults import Gate
 from kvstore.codecs import get_codec
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
@@ -374,3 +375,38 @@ def test_placement_never_exceeds_capacity_and_never_serves_a_wrong_chunk(
                 assert not store.contains(keys[i])
             for tier in store.stats().tiers.values():
                 assert tier.used_bytes <= tier.capacity_bytes
+
+
+def test_a_copy_that_finds_the_first_tiers_copy_corrupt_drops_it_and_writes_nothing(tmp_path):
+    """A copy written behind in another encoding verifies the host RAM copy it re-encodes.
+    Before the fix, a copy that failed verification was written anyway, as put, to the disk,
+    and the host copy it had just found corrupt kept being served (host RAM reads check only
+    headers). Now neither: the corrupt copy is dropped and the chunk is a miss."""
+    keys, values = chunks(2)
+    cfg = store_config(tmp_path, host_chunks=8, disk_chunks=64)
+    cfg.placement.disk_read_bytes_per_s = 2_000_000  # slow: copies are written int8
+    cfg.placement.decode_bytes_per_s = 10**9
+    cfg.placement.encode_on_write = True
+    cfg.write_behind.workers = 1
+    with Store(cfg) as store:
+        disk, host = store.tier("disk"), store.tier("host")
+        held = Gate(keys[0].id)
+        write = disk.write
+
+        def gated_write(key, parts):
+            held.pass_through(key)
+            write(key, parts)
+
+        disk.write = gated_write
+        store.put(keys[0], values[0])
+        assert held.entered.wait(10)  # the one copy worker is busy with chunk 0
+        store.put(keys[1], values[1])
+        with host.pinned(keys[1].id) as views:  # chunk 1's payload is damaged in host RAM
+            views[-1][len(views[-1]) // 2] ^= 0x10
+        held.open()
+        assert store.flush(30)
+        got = store.get([keys[1]])
+        assert not got or torch.equal(got[0], values[1]), "a copy found corrupt was served"
+        assert store.stats().tiers["host"].corruptions == 1
+        assert not disk.contains(keys[1].id), "a copy found corrupt was written to the disk"
+        assert within_int8(store.get([keys[0]])[0], values[0])  # the other chunk is untouched
