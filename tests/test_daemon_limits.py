@@ -158,3 +158,52 @@ def test_a_tenant_over_its_request_limit_is_shed_not_queued(slow_daemon):
     assert all(r == 8 for r in results if r not in shed)
     with Client(slow_daemon.addr) as client:  # and the daemon is fine afterwards
         assert client.lookup(keys) == 64
+
+
+def test_a_tenants_flood_of_lookups_and_deletes_is_shed_at_its_request_limit(tmp_path):
+    """Lookup, Contains, Pin, Unpin, Delete and Stats ran in the daemon's executor without
+    counting against the tenant's request limit: a tenant flooding them filled the executor
+    every tenant's calls wait for. Now a call past the limit is refused at once."""
+    from kvstore.daemon.config import DaemonConfig
+    from helpers import in_process_daemon
+
+    cfg = DaemonConfig(listen="127.0.0.1:0")
+    cfg.shm.enabled = False
+    cfg.bulk.enabled = False
+    cfg.store.host.capacity_bytes = 4 << 20
+    cfg.store.host.prefault = False
+    cfg.store.disk.enabled = False
+    cfg.limits.max_requests_per_tenant = 1
+    keys = chunk_keys(list(range(4 * NS.chunk_tokens)), NS)
+    with in_process_daemon(cfg) as daemon:
+        store = daemon.store
+        lookup = store.lookup
+        inside, release = threading.Event(), threading.Event()
+
+        def held_lookup(ks):
+            inside.set()
+            assert release.wait(30)
+            return lookup(ks)
+
+        store.lookup = held_lookup
+        with Client(daemon.address, transport="grpc", retries=0) as holder, \
+                Client(daemon.address, transport="grpc", retries=0) as flooder:
+            first = threading.Thread(target=holder.lookup, args=(keys,))
+            first.start()
+            try:
+                assert inside.wait(30)
+                calls = {"lookup": lambda: flooder.lookup(keys), "contains": lambda: flooder.contains(keys[0]),
+                         "delete": lambda: flooder.delete(keys), "stats": flooder.stats}
+                codes = {}
+                for name, call in calls.items():
+                    try:
+                        call()
+                        codes[name] = "served"
+                    except DaemonError as exc:
+                        codes[name] = exc.code
+                assert codes == dict.fromkeys(calls, grpc.StatusCode.RESOURCE_EXHAUSTED), codes
+            finally:
+                release.set()
+                first.join(30)
+            store.lookup = lookup
+            assert flooder.lookup(keys) == 0  # the slot is free again

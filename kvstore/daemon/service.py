@@ -92,6 +92,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         finally:
             self.io_inflight -= 1
 
+    async def _served(self, caller: Tenant, fn, *args):
+        """``_run`` within one of ``caller``'s request slots: a tenant's flood of small calls
+        (lookups, pins, deletes) is shed at its limit instead of filling the executor that
+        every tenant's calls wait for."""
+        with self.admission.admit(caller):
+            return await self._run(fn, *args)
+
     # -- who is calling, and on what -------------------------------------------------------
 
     def caller(self, context: grpc.aio.ServicerContext) -> Tenant:
@@ -394,11 +401,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, request, caller: Tenant):
         _, keys = self._keys(request, caller, READ)
-        return pb.CountReply(count=await self._run(self.store.lookup, keys))
+        return pb.CountReply(count=await self._served(caller, self.store.lookup, keys))
 
     async def Contains(self, request, caller: Tenant):
         _, keys = self._keys(request, caller, READ)
-        present = await self._run(lambda: [self.store.contains(k) for k in keys])
+        present = await self._served(caller, lambda: [self.store.contains(k) for k in keys])
         return pb.ContainsReply(present=present)
 
     def _prefetch(self, keys: list[ChunkKey]) -> list:
@@ -418,7 +425,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not (math.isfinite(ttl) and 0 < ttl <= self.limits.max_pin_ttl_s):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s must be in (0, {self.limits.max_pin_ttl_s:g}] seconds, got {ttl}")
-        return pb.CountReply(count=await self._run(self.store.pin, keys, ttl))
+        return pb.CountReply(count=await self._served(caller, self.store.pin, keys, ttl))
 
     # -- agent sessions (advisory: docs/agents.md) --------------------------------------------
 
@@ -439,7 +446,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(ttl if ttl else pin_ttl(expected) if expected else MIN_PIN_S)
         if not keys:
             return pb.CountReply(count=0)
-        pinned = await self._run(self.store.pin, keys, lease)
+        pinned = await self._served(caller, self.store.pin, keys, lease)
         self.sessions.pause(caller.name, session, keys[0].namespace, keys, lease)
         return pb.CountReply(count=pinned)
 
@@ -449,21 +456,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(pin_ttl(valid_duration(request.eta_s) or 0.0))
         started = 0
         for keys in self.sessions.resume(caller.name, session, lease):
-            await self._run(self.store.pin, keys, lease)
+            await self._served(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
                 started += len(await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo)))
         return pb.CountReply(count=started)
 
     async def Unpin(self, request, caller: Tenant):
         _, keys = self._keys(request, caller, WRITE)
-        return pb.CountReply(count=await self._run(self.store.unpin, keys))
+        return pb.CountReply(count=await self._served(caller, self.store.unpin, keys))
 
     async def Delete(self, request, caller: Tenant):
         _, keys = self._keys(request, caller, WRITE)
-        return pb.CountReply(count=await self._run(self.store.delete, keys))
+        return pb.CountReply(count=await self._served(caller, self.store.delete, keys))
 
     async def Stats(self, request, caller: Tenant):
-        stats = await self._run(self.store.stats)
+        stats = await self._served(caller, self.store.stats)
         return stats_to_proto(stats, address=self.address,
                               shm_slots_free=self.arena.free_slots if self.arena else 0,
                               bulk_sessions=self.bulk.sessions if self.bulk else 0)
