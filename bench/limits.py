@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kernels.parallel_copy import split
-from tiers.read_probe import INFLIGHT, cached_bytes, drop_cache, read_all, read_buffers
+from tiers.read_probe import INFLIGHT, cached_bytes, direct_supported, drop_cache, read_all, read_buffers
 
 GB = 1e9
 NOISE = 0.05
@@ -125,22 +125,12 @@ def memcpy_limit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], repeat: int = 3
 
 # -- disk (the page-cache tools are tiers/read_probe.py's, which sizes the disk tier's reads) ----
 
-def _direct_supported(path: str) -> bool:
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
-        return True
-    except OSError:
-        return False
-
-
 def disk_read_limit(paths: Sequence[str], repeat: int = 1, inflight: Sequence[int] = INFLIGHT) -> Limit:
     """Best GB/s reading the files whole, cold, per (buffered | O_DIRECT) x reads in flight."""
     paths = list(paths)
     total = sum(os.path.getsize(p) for p in paths)
     modes = [("buffered", False, None), (f"buffered in {SLICE_READ_BYTES >> 10} KiB reads", False, SLICE_READ_BYTES)]
-    modes += [("O_DIRECT", True, None)] if _direct_supported(paths[0]) else []
+    modes += [("O_DIRECT", True, None)] if direct_supported(paths[0]) else []
     tried: dict[str, float] = {}
     # made and touched once, outside the timing, as ours read into pre-touched buffers
     buffers = read_buffers(paths, max(inflight))

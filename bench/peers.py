@@ -27,6 +27,7 @@ import torch
 
 from bench.cli import UsageError
 from bench.limits import best_over, disk_read_limit, drop_cache, memcpy_limit, over_limit
+from bench.tiers import READ_FORMS
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
@@ -52,6 +53,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="directory for the disk copies (default: a temporary one)")
     p.add_argument("--direct-writes", action="store_true", help="our disk copies written with O_DIRECT (disk.direct_writes)")
+    p.add_argument("--read-form", default="buffered", choices=list(READ_FORMS),
+                   help="how our disk tier reads: through the page cache, with O_DIRECT, or auto (disk.o_direct)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -59,14 +62,18 @@ def add_parser(subparsers) -> None:
 class Ours:
     name = "ours (Store)"
 
-    def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str, direct_writes: bool = False) -> None:
+    def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str, direct_writes: bool = False,
+                 read_form: str = "buffered") -> None:
         room = chunks * (chunk_bytes + (1 << 20))
         self.store = Store(StoreConfig(
             host=HostTierConfig(capacity_bytes=2 * room),
-            disk=DiskTierConfig(path=os.path.join(root, "ours"), capacity_bytes=2 * room, direct_writes=direct_writes),
+            disk=DiskTierConfig(path=os.path.join(root, "ours"), capacity_bytes=2 * room, direct_writes=direct_writes,
+                                o_direct=READ_FORMS[read_form]),
             write_behind=WriteBehindConfig(max_pending_bytes=room),
         ))
         self.keys = chunk_keys(list(range(chunks * ns.chunk_tokens)), ns)
+        direct = getattr(self.store.tier("disk"), "o_direct", False)
+        self.read_form = f"{'O_DIRECT' if direct else 'buffered'}, {self.store.fetch_workers['disk']} in flight"
 
     def put(self, chunks) -> None:
         for k, c in zip(self.keys, chunks):
@@ -211,7 +218,8 @@ def run(args) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="kvbench-peers-")
     systems = []
     try:
-        systems.append(Ours(ns, args.chunks, chunk_bytes, root, args.direct_writes))
+        systems.append(Ours(ns, args.chunks, chunk_bytes, root, args.direct_writes, args.read_form))
+        ours_form = systems[0].read_form
         if peer_cls is not None:
             systems.append(peer_cls(ns, args.chunks, chunk_bytes, root, args.rounds))
         pairs = [(np.frombuffer(tensor_bytes(outs[i % len(outs)]), dtype=np.uint8),
@@ -232,7 +240,7 @@ def run(args) -> int:
         for r in per_round:
             r["memcpy"], r["disk_read"] = r["memcpy"].as_dict(), r["disk_read"].as_dict()
     report = {"chunk_bytes": chunk_bytes, "chunks": args.chunks, "destinations": args.destinations,
-              "rounds": rounds, "limits": {"memcpy": memcpy.as_dict(), "disk_read": disk.as_dict()}}
+              "ours_read_form": ours_form, "rounds": rounds, "limits": {"memcpy": memcpy.as_dict(), "disk_read": disk.as_dict()}}
     ours = rounds[systems[0].name]
     report["over_limit"] = (over_limit({"put": max(r["put"] for r in ours), "host get": max(r["host_get"] for r in ours)}, memcpy)
                             + over_limit({"cold get": max(r["cold_get"] for r in ours)}, disk))
@@ -251,7 +259,8 @@ def _span(values: list[float]) -> str:
 
 def _print(report: dict, names: list[str], memcpy, disk) -> None:
     print(f"{report['chunks']} chunks of {report['chunk_bytes'] / 2**20:.2f} MiB, {len(report['rounds'][names[0]])} rounds, "
-          f"gets into {report['destinations']} rotating destinations; GB/s, min-max over rounds")
+          f"gets into {report['destinations']} rotating destinations; ours reads the disk "
+          f"{report['ours_read_form']}; GB/s, min-max over rounds")
     limit_of = {"put": memcpy, "host_get": memcpy, "cold_get": disk}
     head = f"{'phase':<10}" + "".join(f"{n:>22}" for n in names) + f"{'limit':>10}"
     if len(names) > 1:

@@ -41,8 +41,12 @@ from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
+from tiers.disk import HASH_SLICE_BYTES, DiskTier
+from tiers.files import TMP_SUFFIX
 from tiers.host import HostTier
-from tiers.disk import DiskTier
+from tiers.read_probe import read_form
+
+READ_FORMS = {"buffered": False, "direct": True, "auto": "auto"}  # --read-form -> disk.o_direct
 
 GB = 1e9
 
@@ -57,7 +61,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chunks", type=int, default=48, help="chunks per measurement")
     p.add_argument("--repeat", type=int, default=3, help="measurements per figure; the best is kept")
     p.add_argument("--read-threads", type=int, default=4)
-    p.add_argument("--o-direct", action="store_true", help="read the disk tier with O_DIRECT")
+    p.add_argument("--read-form", default="buffered", choices=list(READ_FORMS),
+                   help="how the disk tier reads: through the page cache, with O_DIRECT, or auto (disk.o_direct)")
     p.add_argument("--dir", default=None, help="directory for the disk tier (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
@@ -189,7 +194,9 @@ def _pairs(flat: np.ndarray, pages: list[np.ndarray], reverse: bool = False) -> 
 def _bench_disk(keys, headers, payload, args, path) -> dict:
     payload_bytes = len(payload)
     capacity = 2 * len(keys) * (payload_bytes + 8192)
-    tier = DiskTier(path, capacity, o_direct=args.o_direct, read_threads=args.read_threads)
+    tier = DiskTier(path, capacity, read_threads=args.read_threads)
+    if args.read_form != "buffered":  # auto: as a Store decides, with the probe's figures for this device
+        tier.o_direct = args.read_form == "direct" or read_form(str(tier.root), None, TMP_SUFFIX, HASH_SLICE_BYTES)[0]
     files = [str(tier.path_of(k.id)) for k in keys]
     total = len(keys) * payload_bytes
     ring = [(bytearray(HEADER_BYTES), _prefaulted(payload_bytes)) for _ in range(2 * args.read_threads)]
@@ -221,7 +228,7 @@ def _bench_disk(keys, headers, payload, args, path) -> dict:
         "put_gbps": total / put_s / GB,
         "get_gbps": total / get_s / GB,
         **_limit_fields(limit, "raw_read"),
-        "o_direct": args.o_direct,
+        "read_form": args.read_form,
         "read_threads": args.read_threads,
     }
 
@@ -247,8 +254,8 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
     resident = max(2, len(keys) // 4)
     cfg = StoreConfig(
         host=HostTierConfig(capacity_bytes=resident * (blob + (256 << 10))),
-        disk=DiskTierConfig(path=path, capacity_bytes=2 * len(keys) * (blob + 8192), o_direct=args.o_direct,
-                            read_threads=args.read_threads),
+        disk=DiskTierConfig(path=path, capacity_bytes=2 * len(keys) * (blob + 8192),
+                            o_direct=READ_FORMS[args.read_form], read_threads=args.read_threads),
         write_behind=WriteBehindConfig(max_pending_bytes=resident // 2 * blob),
     )
     payload_bytes = chunk.numel() * chunk.element_size()
@@ -285,6 +292,8 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
             return elapsed
 
         disk_s, cold_limit = _interleaved(cold_get, lambda: disk_read_limit(cold_files), args.repeat)
+        direct = getattr(store.tier("disk"), "o_direct", False)
+        form = f"{'O_DIRECT' if direct else 'buffered'}, {store.fetch_workers['disk']} in flight"
         durable = keys[: max(1, len(keys) // 4)]
         store.delete(durable)
         t = time.perf_counter()
@@ -299,6 +308,7 @@ def _bench_store(ns, keys, chunk, args, path) -> dict:
         "durable_put_gbps": len(durable) * payload_bytes / durable_s / GB,
         "durable_put_ms": durable_s / len(durable) * 1e3,
         "cold_get_limit": cold_limit.as_dict(),
+        "cold_get_form": form,
     }
 
 
@@ -316,7 +326,7 @@ def _print_table(report: dict) -> None:
     print(f"store  put {s['put_gbps']:.2f} GB/s ({s['put_vs_memcpy']:.2f}x memcpy; into host RAM, while the disk copies are "
           f"written behind; {s['put_and_flush_gbps']:.2f} GB/s until they are all written), "
           f"get from host {s['host_get_gbps']:.2f} GB/s ({s['host_get_vs_memcpy']:.2f}x), cold get from disk "
-          f"{s['cold_disk_get_gbps']:.2f} GB/s ({s['cold_disk_get_vs_raw_read']:.2f}x raw read "
+          f"{s['cold_disk_get_gbps']:.2f} GB/s ({s['cold_get_form']}; {s['cold_disk_get_vs_raw_read']:.2f}x raw read "
           f"{s['cold_get_limit']['gbps']:.2f} GB/s, {s['cold_get_limit']['config']})")
     print(f"store  durable put {s['durable_put_gbps']:.2f} GB/s ({s['durable_put_ms']:.1f} ms a chunk: "
           f"written and fsync'ed on disk before it returns)")

@@ -77,7 +77,13 @@ class DiskTierConfig:
     path: str = field(default_factory=default_data_dir)
     capacity_bytes: int = 8 << 30
     fsync: bool = False
-    o_direct: bool = False
+    # Read with O_DIRECT (true), through the page cache (false), or "auto": whichever reads
+    # probe files cold faster on this device, measured with ``fetch_workers`` (once per device,
+    # kept in the data directory). O_DIRECT reads land in reused buffers, so they never fault
+    # in page-cache pages (on a VM whose host takes freed memory back, those faults made
+    # buffered reads collapse, docs/benchmarks.md), but they never hit the page cache either:
+    # chunks written behind moments ago, or read again soon, come from the device each time.
+    o_direct: bool | str = False
     # Write copies with O_DIRECT (where the file system allows it): no core spent copying
     # them into the page cache, and no second copy of bytes host RAM holds already; off by
     # default, since on this VM the first read of host RAM pages after a DMA from them ran
@@ -284,6 +290,8 @@ class StoreConfig:
                             ("max_pin_ttl_s", self.max_pin_ttl_s), ("fetch_stall_s", self.fetch_stall_s)):
             if not value > 0:
                 raise ConfigError(f"{path}: must be positive, got {value}")
+        if isinstance(self.disk.o_direct, str) and self.disk.o_direct != "auto":
+            raise ConfigError(f'disk.o_direct: expected true, false or "auto", got {self.disk.o_direct!r}')
         if self.disk.fetch_workers < 0:
             raise ConfigError(f"disk.fetch_workers: must be 0 (measured) or positive, got {self.disk.fetch_workers}")
         if self.write_behind.workers < 1 or self.prefetch_max_inflight < 1:

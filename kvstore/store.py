@@ -127,7 +127,8 @@ class Store:
         self._evictor = Evictor(self.index, self._locks, self._io, self._by_name, self.placement,
                                 set(config.placement.tiers), lambda: self._write_behind.progressing(),
                                 track_displaced=config.replication.mode == "utility")
-        fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
+        # reads in flight per tier (the disk's measured where not configured): for benchmarks and logs
+        self.fetch_workers = fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
         self._fetch_pools = {n: ThreadPoolExecutor(w, thread_name_prefix=f"fetch-{n}") for n, w in fetch_workers.items()}
         self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
         self._prefetching: set[bytes] = set()

@@ -20,7 +20,7 @@ from tiers.base import Tier, TierError, TierUnavailable
 from tiers.host import HostTier
 from tiers.files import TMP_SUFFIX
 from tiers.disk import HASH_SLICE_BYTES, DiskTier
-from tiers.read_probe import read_parallelism
+from tiers.read_probe import read_form
 from tiers.reconnecting import ReconnectingTier
 from tiers.throttle import ThrottledTier
 
@@ -65,11 +65,14 @@ def build_tiers(config: StoreConfig) -> list[TierSetup]:
             log.warning("gpu tier disabled: %s", exc)
     d = config.disk
     if d.enabled:
-        disk = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct, d.read_threads,
+        disk = DiskTier(d.path, d.capacity_bytes, d.fsync, d.o_direct is True, d.read_threads,
                         direct_writes=d.direct_writes)
-        # 0: as many as the device serves best, measured (tiers/read_probe.py)
-        workers = d.fetch_workers or read_parallelism(str(disk.root), disk.o_direct, TMP_SUFFIX,
-                                                      None if disk.o_direct else HASH_SLICE_BYTES)
+        workers = d.fetch_workers
+        if d.o_direct == "auto" or not workers:  # measured: the form and reads in flight the device serves best
+            direct, measured = read_form(str(disk.root), None if d.o_direct == "auto" else disk.o_direct,
+                                         TMP_SUFFIX, HASH_SLICE_BYTES)
+            disk.o_direct = direct and hasattr(os, "O_DIRECT")
+            workers = workers or measured
         setups.append(TierSetup(_capped(disk, d.read_bytes_per_s), workers, d.verify_payload))
     p = config.pfs
     if p.enabled:

@@ -63,12 +63,13 @@ def test_lookup_is_longest_present_prefix(tmp_path):
         assert store.lookup([]) == 0
 
 
-def test_restart_keeps_disk_chunks(tmp_path):
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_restart_keeps_disk_chunks(tmp_path, o_direct):
     keys, values = chunks(10)
-    with Store(config(tmp_path)) as store:
+    with Store(config(tmp_path, o_direct=o_direct)) as store:
         for k, v in zip(keys, values):
             store.put(k, v)
-    with Store(config(tmp_path)) as store:
+    with Store(config(tmp_path, o_direct=o_direct)) as store:
         assert store.lookup(keys) == 10
         got = store.get(keys)
         assert all(torch.equal(a, b) for a, b in zip(got, values))
@@ -84,19 +85,20 @@ def test_durable_put_is_on_disk_when_it_returns(tmp_path):
         assert len(disk_files(tmp_path)) == 3
 
 
+@pytest.mark.parametrize("o_direct", [False, True])  # buffered reads hash as they land, O_DIRECT ones as copied out
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
-def test_flipped_byte_anywhere_in_a_file_is_never_returned(tmp_path_factory, data):
+def test_flipped_byte_anywhere_in_a_file_is_never_returned(tmp_path_factory, o_direct, data):
     tmp_path = tmp_path_factory.mktemp("flip")
     keys, values = chunks(1)
-    with Store(config(tmp_path)) as store:
+    with Store(config(tmp_path, o_direct=o_direct)) as store:
         store.put(keys[0], values[0])
     (path,) = disk_files(tmp_path)
     raw = bytearray(path.read_bytes())
     pos = data.draw(st.integers(0, len(raw) - 1))
     raw[pos] ^= 1 << data.draw(st.integers(0, 7))
     path.write_bytes(bytes(raw))
-    with Store(config(tmp_path)) as store:
+    with Store(config(tmp_path, o_direct=o_direct)) as store:
         out = torch.empty(NS.chunk_shape, dtype=torch.float16)
         assert store.get_into(keys[0], out) is False
         assert store.stats().tiers["disk"].corruptions == 1 and store.lookup(keys) == 0

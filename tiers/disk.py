@@ -308,9 +308,7 @@ class DiskTier(Tier):
 
     def read_into_hashing(self, key: bytes, out, head_bytes: int, digest) -> int | None:
         """Buffered reads go in slices, each hashed as it lands; an O_DIRECT read lands in a
-        staging buffer first and is hashed after."""
-        if self.o_direct:
-            return super().read_into_hashing(key, out, head_bytes, digest)
+        staging buffer and is hashed slice by slice as it is copied out (one pass either way)."""
         return self._read(key, out, (head_bytes, digest))
 
     def _read(self, key: bytes, out, hashing: tuple | None) -> int | None:
@@ -323,7 +321,7 @@ class DiskTier(Tier):
             raise ValueError(f"{self.name}: buffer of {capacity} bytes is too small for {size}")
         if self.o_direct:
             try:
-                return self._read_direct(key, size, outs)
+                return self._read_direct(key, size, outs, hashing)
             except FileNotFoundError:
                 self._gone(key)
                 return None
@@ -353,8 +351,10 @@ class DiskTier(Tier):
         except OSError as exc:
             raise self._error(exc) from exc
 
-    def _read_direct(self, key: bytes, size: int, outs: list[memoryview]) -> int:
-        """O_DIRECT read into a reused, page-aligned per-thread staging buffer, then copy out."""
+    def _read_direct(self, key: bytes, size: int, outs: list[memoryview], hashing: tuple | None = None) -> int:
+        """O_DIRECT read into a reused, page-aligned per-thread staging buffer, then copy out:
+        on all cores, or (``hashing``: (head bytes, digest)) in slices, each hashed right after
+        it is copied, while it is in cache."""
         staging = getattr(self._local, "staging", None)
         need = round_up(size)
         if staging is None or len(staging) < need:
@@ -372,7 +372,19 @@ class DiskTier(Tier):
             take = min(len(o), got - done)
             pairs.append((np.frombuffer(o, dtype=np.uint8, count=take), src[done : done + take]))
             done += take
-        copy_pairs(pairs)
+        if hashing is None:
+            copy_pairs(pairs)
+            return got
+        head_bytes, digest = hashing
+        offset = 0
+        for dst, piece in pairs:
+            for lo in range(0, piece.size, HASH_SLICE_BYTES):
+                hi = min(piece.size, lo + HASH_SLICE_BYTES)
+                np.copyto(dst[lo:hi], piece[lo:hi])
+                start = max(lo, head_bytes - offset)
+                if start < hi:
+                    digest.update(dst[start:hi])
+            offset += piece.size
         return got
 
     def read_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:

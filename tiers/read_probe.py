@@ -1,10 +1,14 @@
-"""How many cold reads a device serves best at once, measured, and the page-cache tools that
-measuring cold reads needs.
+"""How a device serves cold reads best (buffered or O_DIRECT, how many at once), measured,
+and the page-cache tools that measuring cold reads needs.
 
-A local disk's best queue depth depends on the device (one virtual disk here peaks at 1-2
-reads in flight and loses a third at 8; an NVMe drive wants more), so the disk tier's fetch
-workers are sized by reading probe files cold at 1, 2, 4 and 8 in flight. The probe runs
-once per device and process, and its answer is kept in the data directory for later starts.
+A local disk's best queue depth depends on the device (an NVMe drive wants many reads in
+flight, one virtual disk here peaked at 1-2 and later at 8), and so does the form: buffered
+reads pay for page-cache pages (on a VM whose host takes freed memory back, each new page
+can fault: this VM's buffered reads of 32 MiB chunks collapsed to a third after memory was
+freed), O_DIRECT reads land in reused buffers and skip the page cache. So the disk tier's
+reads are sized by reading probe files cold at 1, 2, 4 and 8 in flight, in both forms, in
+turns. The probe runs once per device and process, and its figures are kept in the data
+directory for later starts.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ PROBE_FILES = 16
 PROBE_FILE_BYTES = 4 << 20
 RESULT_NAME = ".read-parallelism"
 # 2: read buffers set up outside the timing (version 1 counted their first-touch page faults
-# as disk time, which favoured few reads in flight): a saved answer of another version is measured again
-PROBE_VERSION = 2
+# as disk time, which favoured few reads in flight); 3: GB/s kept per form (buffered, O_DIRECT)
+# and reads in flight. A saved answer of another version is measured again.
+PROBE_VERSION = 3
 FALLBACK = 4  # where cold reads cannot be measured (a tmpfs, a read-only directory)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -38,7 +43,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_measured: dict[tuple[int, bool], int] = {}  # (st_dev, O_DIRECT) -> best reads in flight
+_measured: dict[int, dict[bool, dict[int, float]]] = {}  # st_dev -> O_DIRECT? -> reads in flight -> GB/s
 _lock = threading.Lock()
 
 
@@ -134,55 +139,80 @@ def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int 
         list(pool.map(read, paths))
 
 
-def best_inflight(paths: Sequence[str], direct: bool, inflight: Sequence[int] = INFLIGHT,
-                  read_bytes: int | None = None) -> tuple[int, dict[int, float]]:
-    """The reads in flight that read ``paths`` cold the fastest, and seconds per setting."""
-    seconds = {}
+def cold_speeds(paths: Sequence[str], forms: Sequence[bool], read_bytes: int | None = None,
+                inflight: Sequence[int] = INFLIGHT) -> dict[bool, dict[int, float]]:
+    """GB/s reading ``paths`` cold at each number of reads in flight, per form (True: O_DIRECT,
+    whole files; False: buffered, in ``read_bytes`` calls), the forms in turns. A form
+    ``paths`` cannot be opened with (O_DIRECT refused) gets {}."""
+    total = sum(os.path.getsize(p) for p in paths)
+    speeds: dict[bool, dict[int, float]] = {form: {} for form in forms}
+    usable = [form for form in forms if not form or direct_supported(paths[0])]
     buffers = read_buffers(paths, max(inflight))  # outside the timing
     for n in inflight:
-        drop_cache(paths)
-        t = time.perf_counter()
-        read_all(paths, n, direct, read_bytes, buffers)
-        seconds[n] = time.perf_counter() - t
-    return min(seconds, key=seconds.get), seconds
+        for form in usable:
+            drop_cache(paths)
+            t = time.perf_counter()
+            read_all(paths, n, form, None if form else read_bytes, buffers)
+            speeds[form][n] = total / (time.perf_counter() - t) / 1e9
+    return speeds
+
+
+def read_form(root: str, direct: bool | None = None, temp_suffix: str = ".tmp",
+              read_bytes: int | None = None) -> tuple[bool, int]:
+    """(O_DIRECT?, reads in flight) that read cold files on the device holding ``root``
+    fastest: buffered (in calls of ``read_bytes``, whole if None, as the tier reads) if
+    ``direct`` is False, O_DIRECT if True, the faster of both if None. Each form is measured
+    once per device and process, the two in turns (the device's speed drifts), and kept in
+    ``root`` for later starts; (False, ``FALLBACK``) where cold reads cannot be measured."""
+    forms = (False, True) if direct is None else (direct,)
+    with _lock:
+        speeds = _speeds(root, forms, temp_suffix, read_bytes)
+    tried = [(gbps, form, n) for form in forms for n, gbps in speeds.get(form, {}).items()]
+    if not tried:
+        return bool(direct), FALLBACK
+    _, form, n = max(tried)
+    return form, n
 
 
 def read_parallelism(root: str, direct: bool = False, temp_suffix: str = ".tmp", read_bytes: int | None = None) -> int:
-    """Best cold reads in flight for the device holding ``root``, each file read in calls of
-    ``read_bytes`` (whole if None), as the tier reads: measured once per device and process,
-    and kept in ``root`` for later starts. ``FALLBACK`` where it cannot be measured."""
-    key = (os.stat(root).st_dev, direct)
+    """Best cold reads in flight of one form (``read_form`` with ``direct`` given)."""
+    return read_form(root, direct, temp_suffix, read_bytes)[1]
+
+
+def _speeds(root: str, forms: Sequence[bool], temp_suffix: str, read_bytes: int | None) -> dict[bool, dict[int, float]]:
+    """GB/s per form and reads in flight: this process's, else the data directory's, else
+    measured now (the forms missing), and saved (lock held)."""
+    device = os.stat(root).st_dev
+    known = _measured.setdefault(device, {})
     saved = os.path.join(root, RESULT_NAME)
-    with _lock:
-        if key in _measured:
-            return _measured[key]
+    if any(form not in known for form in forms):
         try:
             with open(saved) as f:
                 data = json.load(f)
             if data.get("version") == PROBE_VERSION:
-                _measured[key] = int(data["inflight"][str(direct).lower()])
-                return _measured[key]
-        except (OSError, ValueError, KeyError, TypeError):
+                for form in forms:
+                    table = data["gbps"].get(str(form).lower())
+                    if table is not None and form not in known:
+                        known[form] = {int(n): float(g) for n, g in table.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
-        _measured[key] = n = _probe(root, direct, temp_suffix, read_bytes)
+    missing = [form for form in forms if form not in known]
+    if missing:
+        known.update(_probe(root, missing, temp_suffix, read_bytes))
         try:
-            data = {}
-            try:
-                with open(saved) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                pass
-            if not isinstance(data, dict) or data.get("version") != PROBE_VERSION:
-                data = {"version": PROBE_VERSION}
-            data.setdefault("inflight", {})[str(direct).lower()] = n
             with open(saved, "w") as f:
-                json.dump(data, f)
+                json.dump({"version": PROBE_VERSION,
+                           "gbps": {str(form).lower(): {str(n): g for n, g in table.items()}
+                                    for form, table in known.items()}}, f)
         except OSError:
             pass
-        return n
+    return known
 
 
-def _probe(root: str, direct: bool, temp_suffix: str, read_bytes: int | None) -> int:
+def _probe(root: str, forms: Sequence[bool], temp_suffix: str, read_bytes: int | None) -> dict[bool, dict[int, float]]:
+    """GB/s reading probe files cold at each of ``INFLIGHT`` reads in flight, per form (True:
+    O_DIRECT, whole files; False: buffered, in ``read_bytes`` calls), the forms in turns. A
+    form that cannot be measured (a tmpfs keeps pages cached, O_DIRECT refused) gets {}."""
     # temporary names: a crash mid-probe leaves files the tier removes at its next start
     paths = [os.path.join(root, f"read-probe-{os.getpid()}-{i}{temp_suffix}") for i in range(PROBE_FILES)]
     try:
@@ -190,16 +220,28 @@ def _probe(root: str, direct: bool, temp_suffix: str, read_bytes: int | None) ->
         for p in paths:
             with open(p, "wb") as f:
                 f.write(block)
-        n, seconds = best_inflight(paths, direct, read_bytes=read_bytes)
-        log.info("%s: %d cold reads in flight read fastest (%s)", root, n,
-                 ", ".join(f"{k}: {PROBE_FILES * PROBE_FILE_BYTES / s / 1e9:.2f} GB/s" for k, s in seconds.items()))
-        return n
+        speeds = cold_speeds(paths, forms, read_bytes)
+        log.info("%s: cold reads, GB/s by reads in flight: %s", root, "; ".join(
+            f"{'O_DIRECT' if form else 'buffered'} " + ", ".join(f"{n}: {g:.2f}" for n, g in table.items())
+            for form, table in speeds.items() if table))
+        return speeds
     except (OSError, StillCached) as exc:
-        log.info("%s: cold reads cannot be measured (%s); %d reads in flight", root, exc, FALLBACK)
-        return FALLBACK
+        log.info("%s: cold reads cannot be measured (%s); %d reads in flight, buffered", root, exc, FALLBACK)
+        return {form: {} for form in forms}
     finally:
         for p in paths:
             try:
                 os.unlink(p)
             except OSError:
                 pass
+
+
+def direct_supported(path: str) -> bool:
+    """Whether ``path``'s file system opens files with O_DIRECT (a tmpfs refuses it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
