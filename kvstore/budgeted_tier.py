@@ -290,15 +290,17 @@ class BudgetedTier(WrappedTier):
             self.remove(mine)  # failures are noted again
 
     def delete(self, key: bytes) -> bool:
-        """The entry is marked first, as evictions mark theirs: between the DEL and the release a
-        member's reservation was answered "present", and its durable put wrote nothing."""
+        """The key's entry is taken first (``Ledger.deleting``), as evictions take theirs, so that
+        no member's reservation of it is granted, or answered "present", while the value goes;
+        ``evicted`` then drops that entry and nothing else. (A release after it dropped whatever
+        entry the key had by then: a reservation another member was granted in between, even
+        committed, its durable put acknowledged with its value uncounted.)"""
         self._used = self.ledger.deleting(self.member, self.name, [key])
         try:
             removed = self.inner.delete(key)
         except TierError:
-            with self._pending_lock:  # marked evicting (if it was resident): ``settle`` tries again
+            with self._pending_lock:  # the entry stays taken (evicting): ``settle`` tries again
                 self._undeleted.add(key)
             raise
-        self._evicted([key])
-        self._used = self.ledger.release(self.member, self.name, [key])
+        self._used = self._evicted([key])
         return removed

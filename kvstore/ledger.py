@@ -209,17 +209,25 @@ end
 return used(T)
 """
 
-# ARGV: prefix, member, tier, keys... This member deletes these values now: resident ones
-# become evicting (state e, as make_room marks its victims), so that a reservation meanwhile
-# is answered busy, not "present" for a value about to be gone. Then ``evicted``.
+# ARGV: prefix, member, tier, keys... This member deletes these values now: it takes each
+# key's entry until ``evicted``, as make_room takes its victims, so that no reservation of the
+# key is granted meanwhile. A resident entry becomes evicting (a reservation is answered busy,
+# not "present" for a value about to be gone); so does a pending one (its writer's commit
+# answers 0: the value it may have written before the delete is gone, and it undoes its
+# write); a key with no entry gets a 0-byte evicting one (a reservation granted between this
+# and the delete would have its value deleted, and could be committed first). An entry
+# another member evicts now stays that member's to drop.
 _DELETING = _COMMON + r"""
 local m, T = ARGV[2], ARGV[3]
 for i = 4, #ARGV do
   local key = ARGV[i]
   local v = redis.call('HGET', P .. 't:' .. T, key)
-  if v then
+  if not v then
+    redis.call('HSET', P .. 't:' .. T, key, 'e 0 0 ' .. m)
+    redis.call('SADD', P .. 'f:' .. T .. ':' .. m, key)
+  else
     local s, fp, size, owner = parse(v)
-    if s == 'r' then
+    if s ~= 'e' then
       redis.call('HSET', P .. 't:' .. T, key, 'e ' .. fp .. ' ' .. size .. ' ' .. owner)
       redis.call('ZREM', P .. 'q:' .. T .. ':' .. owner, key)
       redis.call('SADD', P .. 'f:' .. T .. ':' .. m, key)
@@ -229,14 +237,18 @@ end
 return used(T)
 """
 
-# ARGV: prefix, member, tier, keys... This member finished deleting them (state e).
+# ARGV: prefix, member, tier, keys... This member finished deleting them (state e). Only the
+# entries it took (in its set) are dropped: one another member evicts or deletes now is that
+# member's to drop once its value is gone, or a reservation granted before would see its
+# value deleted after its commit.
 _EVICTED = _COMMON + r"""
 local m, T = ARGV[2], ARGV[3]
 for i = 4, #ARGV do
   local key = ARGV[i]
-  redis.call('SREM', P .. 'f:' .. T .. ':' .. m, key)
-  local v = redis.call('HGET', P .. 't:' .. T, key)
-  if v and string.sub(v, 1, 1) == 'e' then drop_entry(T, key) end
+  if redis.call('SREM', P .. 'f:' .. T .. ':' .. m, key) == 1 then
+    local v = redis.call('HGET', P .. 't:' .. T, key)
+    if v and string.sub(v, 1, 1) == 'e' then drop_entry(T, key) end
+  end
 end
 return used(T)
 """

@@ -100,6 +100,17 @@ class TierIO:
         failed delete (its medium refused the unlink) keeps it doomed (the tier holds it, the
         index does not: not an orphan), and its error is returned: it would come back at the
         next start, so ``Store.delete`` must not report it gone."""
+        unlisted = None
+        if tier.shared and self.shared_index is not None:
+            # before the value goes, not after: a daemon may write the chunk again once it is
+            # gone (a cluster member, as soon as the ledger drops the entry, inside
+            # ``tier.delete``), and a removal after that would erase its fresh entry, its
+            # durable put then found nowhere after a restart. Unreachable, it still raises
+            # once the delete is done, as it did after it.
+            try:
+                self.shared_index.remove(tier.name, [key_id])
+            except TierError as exc:
+                unlisted = exc
         error = None
         try:
             tier.delete(key_id)
@@ -115,8 +126,8 @@ class TierIO:
             if tier.shared and self._discoveries:  # a lookup that saw the value must not list it now
                 self._serial += 1
                 self._removed[tier.name, key_id] = self._serial
-        if tier.shared and self.shared_index is not None:
-            self.shared_index.remove(tier.name, [key_id])
+        if unlisted is not None:
+            raise unlisted
         return error if kept else None
 
     def _spared(self, tier_name: str, key_id: bytes) -> None:

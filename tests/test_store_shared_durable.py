@@ -6,9 +6,11 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+import threading  # noqa: E402
+
 import redis  # noqa: E402
 
-from faults import Call, FaultyTier, Gate  # noqa: E402
+from faults import Call, FaultyTier, Gate, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_store_shared import chunks, daemon_config  # noqa: E402
 from tiers.wrapped import WrappedTier  # noqa: E402
@@ -73,6 +75,61 @@ class HeldAfterDelete(WrappedTier):
         return gone
 
 
+class HeldBeforeDelete(WrappedTier):
+    """Holds the caller at ``gate``, then deletes (the ledger entry is taken, the value not gone yet)."""
+
+    def __init__(self, inner, gate):
+        super().__init__(inner)
+        self.gate = gate
+
+    def delete(self, key):
+        self.gate.pass_through(key)
+        return self.inner.delete(key)
+
+
+class HeldAfterWrite(WrappedTier):
+    """Writes, then holds the caller at ``gate`` (the value is in place, not committed yet)."""
+
+    def __init__(self, inner, gate):
+        super().__init__(inner)
+        self.gate = gate
+
+    def write(self, key, parts):
+        self.inner.write(key, parts)
+        self.gate.pass_through(key)
+
+
+class WatchedLedger:
+    """A member's ledger that notes a "busy" answer to a reservation, and holds a member at
+    ``after_evicted`` once the ledger was told its value is gone."""
+
+    def __init__(self, ledger, after_evicted=None):
+        self._ledger, self.after_evicted = ledger, after_evicted
+        self.busy = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._ledger, name)
+
+    def reserve(self, *args, **kwargs):
+        answer = self._ledger.reserve(*args, **kwargs)
+        if answer[0] == "busy":
+            self.busy.set()
+        return answer
+
+    def evicted(self, member, tier, key_ids):
+        used = self._ledger.evicted(member, tier, key_ids)
+        if self.after_evicted is not None:
+            for key_id in key_ids:
+                self.after_evicted.pass_through(key_id)
+        return used
+
+
+def watch_ledger(store, after_evicted=None) -> WatchedLedger:
+    budgeted = store.tier("redis")
+    budgeted.ledger = WatchedLedger(budgeted.ledger, after_evicted)
+    return budgeted.ledger
+
+
 def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keeps_a_copy(tmp_path, redis_server):
     """Member A's delete has removed the value and not yet released its ledger entry when B's
     durable put of the chunk starts. Before the fix the ledger answered B's reservation
@@ -89,13 +146,17 @@ def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keep
         gate = Gate(key.id)
         budgeted = a.tier("redis")
         budgeted.inner = HeldAfterDelete(budgeted.inner, gate)
+        seen = watch_ledger(b)
         deleting = Call(lambda: a.delete([key]))
         assert gate.entered.wait(10)
         assert not raw.exists(rkey)  # a's delete removed the value; its ledger entry is released next
         putting = Call(lambda: b.put(key, value, durable=True))  # starts after the value is gone
         # before the fix it was acknowledged at once, with nothing written; now its copy waits
-        # (the entry is busy) until a's delete is done, then writes the value
-        putting.finished.wait(1.0)
+        # (the entry is busy) until a's delete is done, then writes the value. Waited for as a
+        # condition: the fixed wait of a second this had let a loaded machine open the gate
+        # before b's copy asked the ledger at all, racing a's delete instead.
+        wait_until(lambda: seen.busy.is_set() or putting.finished.is_set(), what="b's copy to ask the ledger")
+        assert not putting.finished.is_set(), "b's durable put was acknowledged while a's delete held the entry"
         gate.open()
         deleting.outcome()
         putting.outcome()
@@ -103,6 +164,131 @@ def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keep
     with Store(cb) as b:  # b restarts: what was durable is there
         found = b.lookup([key])
     assert (on_redis, found) == (1, 1), "b's durable put, acknowledged after a's delete removed the value, has no copy"
+
+
+def test_a_durable_put_granted_right_after_a_members_delete_dropped_the_entry_keeps_its_entry_and_index(
+        tmp_path, redis_server):
+    """A's delete has told the ledger its value is gone (the entry dropped) and has not
+    returned when B's durable put of the chunk reserves, writes, commits and is acknowledged.
+    Before the fix A's delete then released the key's entry whatever it was by then (B's,
+    resident: its value on Redis uncounted by the budget), and removed the chunk from the
+    shared index after B had added it: after a restart B's durable put was found nowhere."""
+    keys, values = chunks(1, seed=17)
+    key, value = keys[0], values[0]
+    ca = redis_member(tmp_path, redis_server.url, "rv-granted", "a")
+    cb = redis_member(tmp_path, redis_server.url, "rv-granted", "b")
+    raw = redis.Redis.from_url(redis_server.url)
+    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    with Store(ca) as a, Store(cb) as b:
+        a.put(key, value, durable=True)
+        gate = Gate(key.id)
+        watch_ledger(a, after_evicted=gate)
+        deleting = Call(lambda: a.delete([key]))
+        assert gate.entered.wait(10)
+        assert not raw.exists(rkey)
+        b.put(key, value, durable=True)  # acknowledged: on Redis, synced
+        gate.open()
+        assert deleting.outcome() == 1
+        holder = b.tier("redis").ledger.holder("redis", key.id)
+        on_redis = raw.exists(rkey)
+    with Store(cb) as b:  # b restarts: what was durable is there
+        found = b.lookup([key])
+    assert (on_redis, holder, found) == (1, ("r", "b"), 1), \
+        "b's durable put, granted after a's delete dropped the entry, lost its ledger entry or its index entry"
+
+
+def test_a_delete_of_a_value_another_members_delete_holds_leaves_that_entry_to_it(tmp_path, redis_server):
+    """A's delete has taken the key's entry and not yet removed the value when C deletes the
+    chunk too. Before the fix C's delete dropped A's entry: B's durable put was then granted,
+    written and acknowledged, and A's delete removed its value."""
+    keys, values = chunks(1, seed=19)
+    key, value = keys[0], values[0]
+    ca, cb, cc = (redis_member(tmp_path, redis_server.url, "rv-two-deletes", m) for m in "abc")
+    raw = redis.Redis.from_url(redis_server.url)
+    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    with Store(ca) as a, Store(cb) as b, Store(cc) as c:
+        a.put(key, value, durable=True)
+        assert c.lookup([key]) == 1  # c finds it through the shared index
+        gate = Gate(key.id)
+        budgeted = a.tier("redis")
+        budgeted.inner = HeldBeforeDelete(budgeted.inner, gate)
+        deleting = Call(lambda: a.delete([key]))
+        assert gate.entered.wait(10)  # a holds the entry (evicting); the value is still there
+        assert c.delete([key]) == 1
+        seen = watch_ledger(b)
+        putting = Call(lambda: b.put(key, value, durable=True))
+        wait_until(lambda: seen.busy.is_set() or putting.finished.is_set(), what="b's copy to ask the ledger")
+        gate.open()  # a removes the value: b's, if b was let write it
+        deleting.outcome()
+        putting.outcome()
+        on_redis = raw.exists(rkey)
+    with Store(cb) as b:
+        found = b.lookup([key])
+    assert (on_redis, found) == (1, 1), "b's durable put, acknowledged, lost its copy to a's delete"
+
+
+def test_a_write_pending_when_a_members_delete_starts_is_not_acknowledged_without_its_value(tmp_path, redis_server):
+    """B's copy of a durable put has reserved the key and written the value, not committed it,
+    when A deletes the chunk. Before the fix A's delete left the pending entry alone until
+    it released it after its DEL: B's commit in between succeeded, and B's durable put was
+    acknowledged with its value deleted. Now the delete takes the entry: B's commit fails,
+    and so does its put."""
+    keys, values = chunks(1, seed=23)
+    key, value = keys[0], values[0]
+    ca = redis_member(tmp_path, redis_server.url, "rv-pending", "a")
+    cb = redis_member(tmp_path, redis_server.url, "rv-pending", "b")
+    raw = redis.Redis.from_url(redis_server.url)
+    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    with Store(ca) as a, Store(cb) as b:
+        a.put(key, value, durable=True)
+        raw.delete(rkey)  # Redis drops it on its own: b's copy takes the entry over and writes
+        written, deleted = Gate(key.id), Gate(key.id)
+        b.tier("redis").inner = HeldAfterWrite(b.tier("redis").inner, written)
+        a.tier("redis").inner = HeldAfterDelete(a.tier("redis").inner, deleted)
+        putting = Call(lambda: b.put(key, value, durable=True))
+        assert written.entered.wait(10)  # b's value is in place, its entry pending
+        deleting = Call(lambda: a.delete([key]))
+        assert deleted.entered.wait(10)  # a's DEL removed b's value
+        written.open()  # b commits
+        assert putting.finished.wait(30)
+        deleted.open()
+        deleting.outcome()
+        acknowledged = putting.error is None
+        on_redis = raw.exists(rkey)
+    with Store(cb) as b:
+        found = b.lookup([key])
+    assert not acknowledged or (on_redis, found) == (1, 1), \
+        "b's durable put was acknowledged though a's delete removed its value"
+
+
+def test_a_delete_of_a_value_the_ledger_lost_holds_the_key_until_the_value_is_gone(tmp_path, redis_server):
+    """The ledger has no entry for A's value (a failover lost its last updates: docs/cluster.md)
+    when A deletes it. Before the fix A's delete took nothing: B's durable put was granted,
+    written and acknowledged before A's DEL, which then removed its value."""
+    keys, values = chunks(1, seed=29)
+    key, value = keys[0], values[0]
+    ca = redis_member(tmp_path, redis_server.url, "rv-lost-entry", "a")
+    cb = redis_member(tmp_path, redis_server.url, "rv-lost-entry", "b")
+    raw = redis.Redis.from_url(redis_server.url)
+    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    with Store(ca) as a, Store(cb) as b:
+        a.put(key, value, durable=True)
+        a.cluster.ledger.release("a", "redis", [key.id])  # the entry is lost; the value stays
+        gate = Gate(key.id)
+        budgeted = a.tier("redis")
+        budgeted.inner = HeldBeforeDelete(budgeted.inner, gate)
+        deleting = Call(lambda: a.delete([key]))
+        assert gate.entered.wait(10)  # a's delete began; its DEL is next
+        seen = watch_ledger(b)
+        putting = Call(lambda: b.put(key, value, durable=True))
+        wait_until(lambda: seen.busy.is_set() or putting.finished.is_set(), what="b's copy to ask the ledger")
+        gate.open()
+        deleting.outcome()
+        putting.outcome()
+        on_redis = raw.exists(rkey)
+    with Store(cb) as b:
+        found = b.lookup([key])
+    assert (on_redis, found) == (1, 1), "b's durable put, acknowledged, lost its copy to a's delete"
 
 
 def test_a_failed_copy_of_a_re_put_leaves_the_durable_older_value_on_redis(tmp_path, redis_server):
