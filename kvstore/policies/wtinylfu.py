@@ -47,6 +47,11 @@ class WTinyLFUPolicy(EvictionPolicy):
             self._sketch = FrequencySketch(self._sketch_keys, 10 * self._sketch_keys)
         self._sketch.increment(key)
 
+    def _estimate(self, key: Hashable) -> int:
+        """The sketch's count of ``key``; 0 before any hit or miss was counted (an owner that
+        only inserts, as a store taking puts does, has no sketch yet)."""
+        return 0 if self._sketch is None else self._sketch.estimate(key)
+
     def _move(self, key: Hashable, src: str, dst: str) -> None:
         size = getattr(self, "_" + src).pop(key)
         self._bytes[src] -= size
@@ -104,7 +109,7 @@ class WTinyLFUPolicy(EvictionPolicy):
         if not getattr(self, "_" + victim_segment):
             return self._pop("window")
         victim = next(iter(getattr(self, "_" + victim_segment)))
-        if self._sketch.estimate(candidate) > self._sketch.estimate(victim):
+        if self._estimate(candidate) > self._estimate(victim):
             self._move(candidate, "window", "probation")
             return self._pop(victim_segment)
         return self._pop("window")
