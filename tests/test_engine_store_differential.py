@@ -182,13 +182,13 @@ def draw_store(case: Case, root, chunk_bytes: int) -> StoreConfig:
     return cfg
 
 
-def disturb(case: Case, store: Store, keys: list, p: float, when: str) -> None:
+def disturb(case: Case, store: Store, keys: list, p: float, when: str, ways=("host", "host", "disk", "delete")) -> None:
     """With probability ``p``: some of ``keys`` leave host RAM, the disk, or the store."""
     r = case.rng
     if not keys or r.random() >= p:
         return
     picked = r.sample(keys, r.randint(1, len(keys)))
-    what = r.choice(["host", "host", "disk", "delete"]) if isinstance(store, Store) else "delete"
+    what = r.choice(ways) if isinstance(store, Store) else "delete"
     n = store.delete(picked) if what == "delete" else store.drop(picked, what)
     case.note(f"  {when}: {what} {[keys.index(k) for k in picked]} of {len(keys)} chunks ({n} there)")
 
@@ -200,7 +200,8 @@ def disturbing_loads(case: Case, llm: LLM, store: Store, p: float) -> None:
     start = worker.start_load_kv
 
     def start_load_kv(meta):
-        disturb(case, store, [c.key for load in meta.loads for c in load.chunks], p, "before a load")
+        disturb(case, store, [c.key for load in meta.loads for c in load.chunks], p, "before a load",
+                ("host", "disk", "delete", "delete"))
         start(meta)
 
     worker.start_load_kv = start_load_kv
@@ -261,7 +262,7 @@ def run_case(seed: int, tiny: LLM, reference: Reference, root, daemon=None, race
     need = -(-(case.longest + case.most_out) // block)  # one request alone always fits
     num_blocks = need + rng.choice([0, 1, need // 2, 3 * need])
     case.note(f"seed {seed}: block {block}, chunk {chunk}, KV cache {num_blocks} blocks ({need} for one request)")
-    p_disturb = rng.choice([0.0, 0.1, 0.3])
+    p_disturb, p_before_load = rng.choice([0.0, 0.1, 0.3]), rng.choice([0.0, 0.25, 0.5])
     totals: dict[str, int] = {}
     with contextlib.nullcontext() if daemon else Store(draw_store(case, root, chunk_bytes)) as in_process:
         llm = None
@@ -276,7 +277,7 @@ def run_case(seed: int, tiny: LLM, reference: Reference, root, daemon=None, race
                 llm = tiny.with_config(kv_store=in_process, **knobs["engine"],
                                        connector=ConnectorConfig(**knobs["connector"]))
                 store = llm.kv_store
-                disturbing_loads(case, llm, store, p_disturb)
+                disturbing_loads(case, llm, store, p_before_load)
                 case.note(f"engine: {knobs}")
             elif rng.random() < 0.5:
                 llm.reset_prefix_cache()
