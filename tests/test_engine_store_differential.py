@@ -364,6 +364,7 @@ def test_outputs_through_a_daemon_equal_a_cold_run(tiny, reference, daemon, tmp_
 
 
 @pytest.mark.long
+@pytest.mark.timeout(0)  # as many seeds as asked
 def test_outputs_with_the_store_equal_a_cold_run_many_seeds(tiny, reference, tmp_path):
     """KVSTORE_DIFF_EXAMPLES seeds from KVSTORE_DIFF_SEED."""
     first = int(os.environ.get("KVSTORE_DIFF_SEED", "1000"))
@@ -372,6 +373,7 @@ def test_outputs_with_the_store_equal_a_cold_run_many_seeds(tiny, reference, tmp
 
 
 @pytest.mark.long
+@pytest.mark.timeout(0)  # as many seeds as asked
 def test_outputs_through_a_daemon_equal_a_cold_run_many_seeds(tiny, reference, daemon, tmp_path):
     """KVSTORE_DIFF_EXAMPLES / 10 seeds from KVSTORE_DIFF_SEED through the daemon."""
     first = int(os.environ.get("KVSTORE_DIFF_SEED", "1000"))
@@ -380,6 +382,7 @@ def test_outputs_through_a_daemon_equal_a_cold_run_many_seeds(tiny, reference, d
 
 
 @pytest.mark.long
+@pytest.mark.timeout(0)  # as many seeds as asked
 def test_outputs_with_a_racing_deleter_equal_a_cold_run_many_seeds(tiny, reference, tmp_path):
     """KVSTORE_DIFF_EXAMPLES / 3 seeds from KVSTORE_DIFF_SEED with a thread dropping and
     deleting chunks all along (not reproducible run to run: a failure prints its log)."""
