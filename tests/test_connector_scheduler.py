@@ -228,3 +228,24 @@ def test_the_configuration_loads_from_toml_with_the_store_as_a_subtree(tmp_path)
     assert cfg.daemon.transport == "remote" and cfg.store.host.capacity_bytes == 1 << 30
     with pytest.raises(ConnectorConfigError, match="connector.daemon.transport: unknown value 'udp'"):
         config_from_dict({"daemon": {"transport": "udp"}}, ConnectorConfig)
+
+
+def test_chunks_pinned_past_a_chunk_that_left_before_the_pin_are_unpinned_with_the_request(store):
+    """The lookup found 3 chunks; the second left before the pin, which pinned the first and
+    the third. The claim shrank to the first, and only it was held: the third stayed pinned
+    in the store after the request ended (until its lease ran out)."""
+    keys = put_chunks(store, 3)
+    pin = store.pin
+
+    def pin_after_a_delete(ks, ttl_s):
+        store.delete([keys[1]])
+        return pin(ks, ttl_s)
+
+    store.pin = pin_after_a_delete
+    conn = connector(store).scheduler
+    seq = request()
+    assert conn.get_num_new_matched_tokens(seq, 0) == (CHUNK, False)
+    store.pin = pin
+    assert store.stats().pinned == 2
+    conn.request_finished(seq)
+    assert store.stats().pinned == 0 and len(conn.pins) == 0
