@@ -37,12 +37,13 @@ class BudgetedTier(WrappedTier):
         self._used = 0  # the cluster's use of the budget, as the ledger last said
         # Work a failure left half-done, finished by ``settle`` (the heartbeat), under one lock:
         self._owed: set[bytes] = set()  # reservations of failed writes still to release
+        self._undos: dict[bytes, tuple[bytes, str]] = {}  # undos still to do: key -> (our header, token)
         self._uncommitted: dict[bytes, bytes] = {}  # commits whose reply was lost: key -> our header
         self._undeleted: set[bytes] = set()  # values marked evicting whose delete failed
         self._lost_rooms: set[str] = set()  # tokens of make_room calls whose reply was lost
         self._pending_lock = threading.Lock()
         # A key is written or settled, never both at once: a settle's undo of an old write
-        # would delete a newer write's value of the same blob (``_settle_commits``).
+        # would delete a newer write's value of the same blob (``_settle_keys``).
         self._writing: dict[bytes, int] = {}  # key -> writes in flight
         self._settling: set[bytes] = set()
         self._key_free = threading.Condition(self._pending_lock)
@@ -154,7 +155,7 @@ class BudgetedTier(WrappedTier):
             self._undo(key, ours)
             raise
         if not committed:
-            self._taken(key, ours)
+            self._undo(key, ours)
             raise TierError(f"{self.name}: {key.hex()} was deleted while it was written")
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
@@ -166,39 +167,48 @@ class BudgetedTier(WrappedTier):
     def _header(parts: Sequence[Buffer]) -> bytes:
         return b"".join(bytes(memoryview(p).cast("B")[:HEADER_BYTES]) for p in parts)[:HEADER_BYTES]
 
-    def _taken(self, key: bytes, ours: bytes) -> None:
-        """Undo a write whose entry was taken from this member (a delete, or it was reaped as
-        dead while paused), unless another member holds the entry now: that member may have
-        put the chunk since, and the value under the key is then its value, acknowledged, or
-        ours over it (a whole value of the same chunk: keys name content). Either way it is
-        that member's to keep or delete."""
-        try:
-            holder = self.ledger.holder(self.name, key)
-        except TierError:
-            holder = None
-        if holder is None or holder[1] == self.member:
-            self._undo(key, ours)
-
-    def _undo(self, key: bytes, ours: bytes) -> None:
-        """Remove a value written without a commit, and its reservation (owed for later if
-        the ledger cannot be reached: a live member's reservation is never reaped). A write
-        that failed may not have landed: an older value still there is whole (another
-        encoding of the chunk, maybe a durable put's), so it stays and is counted again;
-        before, the undo deleted it."""
+    def _undo(self, key: bytes, ours: bytes, token: str | None = None) -> None:
+        """Remove a value written without a commit, and its bytes, only while this member holds
+        the key's entry (``Ledger.undoing``: none left, or its own reservation): asking who held
+        it and deleting in a second step let another member reserve, write and commit the key
+        in between, and deleted that member's acknowledged value. Under another member's entry
+        the value is that member's (keys name content) and stays; under one being deleted, or
+        when the ledger cannot be asked, the undo waits for the next heartbeat. An older value
+        still there (the write did not land: another encoding, maybe a durable put's) stays
+        and is counted again."""
+        token = token or secrets.token_hex(12)
         older = self._older_value(key, ours)
-        if older is None:
-            try:
-                self.inner.delete(key)
-            except TierError as exc:
-                log.warning("%s: cannot remove uncommitted %s: %s", self.name, key.hex(), exc)
-        try:
-            self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
-        except TierError:
-            with self._pending_lock:
-                self._owed.add(key)
-            return
         if older is not None:
+            try:
+                self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
+            except TierError:
+                with self._pending_lock:
+                    self._owed.add(key)
+                return
             self._recount(key, older)
+            return
+        try:
+            answer = self.ledger.undoing(self.member, self.name, key, token)
+        except TierError as exc:
+            answer = "busy"
+            log.warning("%s: cannot undo the uncommitted write of %s now: %s", self.name, key.hex(), exc)
+        if answer == "busy":
+            with self._pending_lock:
+                self._undos[key] = (ours, token)
+            return
+        if answer != "mine":
+            return
+        try:  # the entry is this member's, evicting: no other member writes the key meanwhile
+            self.inner.delete(key)
+        except TierError as exc:
+            log.warning("%s: cannot remove uncommitted %s: %s", self.name, key.hex(), exc)
+            with self._pending_lock:  # the entry stays taken: ``settle`` deletes it
+                self._undeleted.add(key)
+            return
+        try:
+            self._used = self._evicted([key])
+        except TierError:
+            pass  # ``settle`` tells the ledger again
 
     def _older_value(self, key: bytes, ours: bytes) -> int | None:
         """The size of a whole value under ``key`` whose header is not ``ours`` (the one this
@@ -227,11 +237,13 @@ class BudgetedTier(WrappedTier):
 
     def settle(self) -> None:
         """Finish what a failure left half-done (the heartbeat calls this; a TierError leaves
-        the rest for the next beat): commit again the writes whose commit reply was lost;
-        delete the victims of make_room calls whose reply was lost, and the values whose
-        delete the medium refused (while their entries stay evicting, nobody may write those
-        keys, and their bytes stay counted); release the reservations ``_undo`` could not."""
-        self._settle_commits()
+        the rest for the next beat): commit again the writes whose commit reply was lost; undo
+        the writes whose undo had to wait; delete the victims of make_room calls whose reply
+        was lost, and the values whose delete the medium refused (while their entries stay
+        evicting, nobody may write those keys, and their bytes stay counted); release the
+        reservations ``_undo`` could not."""
+        self._settle_keys(self._uncommitted, self._settle_commit)
+        self._settle_keys(self._undos, lambda key, owed: self._undo(key, *owed))
         self._settle_deletes()
         with self._pending_lock:
             owed = list(self._owed)
@@ -240,34 +252,37 @@ class BudgetedTier(WrappedTier):
             with self._pending_lock:
                 self._owed.difference_update(owed)
 
-    def _settle_commits(self) -> None:
+    def _settle_keys(self, pending: dict, settle_one: Callable) -> None:
         """Each key is settled while no write of it is in flight, and writes of it wait until
-        its settle ends: a write between the commit and the undo re-took the entry and wrote
-        the same blob, which the undo then deleted. A key being written is left for the next
-        beat (that write pops it, and its own commit decides)."""
+        its settle ends: a write between a settle's commit and its undo re-took the entry and
+        wrote the same blob, which the undo then deleted. A key being written is left for the
+        next beat (a write pops its key's lost commit: its own commit decides)."""
         with self._pending_lock:
-            uncommitted = list(self._uncommitted)
-        for key in uncommitted:
+            keys = list(pending)
+        for key in keys:
             with self._pending_lock:
                 if key in self._writing:
                     continue
-                ours = self._uncommitted.pop(key, None)
-                if ours is None:
+                owed = pending.pop(key, None)
+                if owed is None:
                     continue
                 self._settling.add(key)
             try:
-                try:
-                    committed = self.ledger.commit(self.member, self.name, key)
-                except TierError:
-                    with self._pending_lock:
-                        self._uncommitted[key] = ours
-                    raise
-                if not committed:  # the entry was taken from this member meanwhile
-                    self._taken(key, ours)
+                settle_one(key, owed)
             finally:
                 with self._pending_lock:
                     self._settling.discard(key)
                     self._key_free.notify_all()
+
+    def _settle_commit(self, key: bytes, ours: bytes) -> None:
+        try:
+            committed = self.ledger.commit(self.member, self.name, key)
+        except TierError:
+            with self._pending_lock:
+                self._uncommitted[key] = ours
+            raise
+        if not committed:  # the entry was taken from this member meanwhile
+            self._undo(key, ours)
 
     def _settle_deletes(self) -> None:
         with self._pending_lock:

@@ -237,6 +237,32 @@ end
 return used(T)
 """
 
+# ARGV: prefix, member, tier, key, token. This member undoes a write of the key that was not
+# committed: it takes the key's entry, as ``deleting`` does, but only where no other member's
+# value can be under the key: no entry (the write's was taken and dropped since), or this
+# member's own pending one. Returns 'mine' (taken, evicting: delete the value, then
+# ``evicted``), 'kept' (a resident or pending entry another member holds, or this member's
+# committed one: the value is that one's, never deleted by the undo) or 'busy' (a member
+# deletes or evicts it now: ask again later). A 'mine' is kept under the token for an hour, so
+# a retry of a call whose reply was lost answers 'mine' again instead of 'busy'.
+_UNDOING = _COMMON + r"""
+local m, T, key = ARGV[2], ARGV[3], ARGV[4]
+local memo = P .. 'undo:' .. ARGV[5]
+if redis.call('EXISTS', memo) == 1 then return 'mine' end
+local v = redis.call('HGET', P .. 't:' .. T, key)
+if v then
+  local s, fp, size, owner = parse(v)
+  if s == 'e' then return 'busy' end
+  if s ~= 'p' or owner ~= m then return 'kept' end
+  redis.call('HSET', P .. 't:' .. T, key, 'e ' .. fp .. ' ' .. size .. ' ' .. m)
+else
+  redis.call('HSET', P .. 't:' .. T, key, 'e 0 0 ' .. m)
+end
+redis.call('SADD', P .. 'f:' .. T .. ':' .. m, key)
+redis.call('SET', memo, '1', 'PX', 3600000)
+return 'mine'
+"""
+
 # ARGV: prefix, member, tier, keys... This member finished deleting them (state e). Only the
 # entries it took (in its set) are dropped: one another member evicts or deletes now is that
 # member's to drop once its value is gone, or a reservation granted before would see its
@@ -392,7 +418,7 @@ class Ledger:
         self._tag = self.prefix + "tag"  # routes every script to the ledger's slot
         self._client = connect(url, cluster, socket_timeout_s, connect_timeout_s, max_connections)
         scripts = dict(join=_JOIN, beat=_BEAT, leave=_LEAVE, reserve=_RESERVE, commit=_COMMIT, release=_RELEASE,
-                       deleting=_DELETING, evicted=_EVICTED, mine_to_delete=_MINE_TO_DELETE,
+                       deleting=_DELETING, undoing=_UNDOING, evicted=_EVICTED, mine_to_delete=_MINE_TO_DELETE,
                        make_room=_MAKE_ROOM, room_victims=_ROOM_VICTIMS, pin=_PIN, now=_NOW)
         self._scripts = {name: self._client.register_script(code) for name, code in scripts.items()}
 
@@ -462,6 +488,11 @@ class Ledger:
 
     def deleting(self, member: str, tier: str, key_ids: Sequence[bytes]) -> int:
         return int(self._call("deleting", member, tier, *[k.hex() for k in key_ids]))
+
+    def undoing(self, member: str, tier: str, key_id: bytes, token: str) -> str:
+        """Take the key's entry to undo this member's uncommitted write of it: 'mine', 'kept' or
+        'busy' (``_UNDOING``). ``token`` names the undo: the same for every retry of it."""
+        return self._str(self._call("undoing", member, tier, key_id.hex(), token))
 
     def evicted(self, member: str, tier: str, key_ids: Sequence[bytes]) -> int:
         return int(self._call("evicted", member, tier, *[k.hex() for k in key_ids]))

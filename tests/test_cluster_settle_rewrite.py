@@ -3,7 +3,7 @@
 A write whose commit reply was lost (and whose retry failed too) leaves its key in
 BudgetedTier._uncommitted; the heartbeat's ``settle`` commits it again. If the entry was
 taken from this member meanwhile (a delete), that commit answers False and settle undoes the
-old write: it asks the ledger who holds the entry, then deletes the value and releases the
+old write: it asks the ledger for the entry, then deletes the value and releases the
 reservation. A new write of the same key by this member, between that commit and the undo,
 wrote and committed the same blob: the undo found this member holding the entry and the
 value's header its own, deleted the value and released the new write's entry. The new write
@@ -44,15 +44,15 @@ def test_a_settle_that_undoes_a_taken_write_keeps_a_newer_write_of_the_key(tmp_p
         tier.delete(key.id)  # the entry is taken from this member: settle's commit answers False
 
         rewrite = threading.Thread(target=tier.write, args=(key.id, parts))
-        real_holder = ledger.holder
+        real_undoing = ledger.undoing
 
-        def holder(tier_name, key_id):  # settle's undo asks who holds the entry: a new write ran first
+        def undoing(*args):  # settle's undo asks the ledger for the entry: a new write ran first
             if not rewrite.is_alive() and rewrite.ident is None:
                 rewrite.start()
                 rewrite.join(1.0)  # with the fix it waits for the settle to end
-            return real_holder(tier_name, key_id)
+            return real_undoing(*args)
 
-        ledger.holder = holder
+        ledger.undoing = undoing
         tier.settle()
         rewrite.join(30)
         assert rewrite.ident is not None and not rewrite.is_alive()
