@@ -38,17 +38,28 @@ def test_cold_speeds_measure_both_forms_at_every_setting_each_run_cold(tmp_path,
         pytest.skip("this file system keeps pages cached")
     real, runs = read_probe.read_all, []
 
-    def read_all(ps, n, direct, read_bytes=None, buffers=None):
+    def read_all(ps, n, direct, read_bytes=None, buffers=None, outs=None):
         assert all(read_probe.cached_bytes(p) == 0 for p in ps)
-        runs.append((direct, n, read_bytes))
-        real(ps, n, direct, read_bytes, buffers)
+        runs.append((direct, n, read_bytes, outs is not None))
+        real(ps, n, direct, read_bytes, buffers, outs)
 
     monkeypatch.setattr(read_probe, "read_all", read_all)
-    speeds = cold_speeds(paths, (False, True), read_bytes=16 << 10)
+    speeds = cold_speeds(paths, (False, True), read_bytes=16 << 10, verify=True)
     forms = (False, True) if read_probe.direct_supported(paths[0]) else (False,)
     assert {form: set(table) for form, table in speeds.items() if table} == {f: set(read_probe.INFLIGHT) for f in forms}
-    # in turns, one setting at a time; buffered reads go in slices, O_DIRECT ones whole
-    assert runs == [(form, n, None if form else 16 << 10) for n in read_probe.INFLIGHT for form in forms]
+    # in turns, one setting at a time; buffered reads go in slices, O_DIRECT ones whole; all verified
+    assert runs == [(form, n, None if form else 16 << 10, True) for n in read_probe.INFLIGHT for form in forms]
+
+
+def test_a_verified_whole_read_is_copied_out_as_the_tier_copies_an_o_direct_read(tmp_path):
+    """The probe judges O_DIRECT by what it costs the tier: the read, then the copy out of the
+    staging buffer (hashed slice by slice), not the read alone."""
+    data = os.urandom(600 << 10)
+    (tmp_path / "f").write_bytes(data)
+    paths = [str(tmp_path / "f")]
+    buffers, outs = read_probe.read_buffers(paths, 1), read_probe.read_buffers(paths, 1)
+    read_probe.read_all(paths, 1, read_probe.direct_supported(paths[0]), None, buffers, outs)
+    assert outs[0][:len(data)] == data
 
 
 def test_measured_once_per_device_then_read_back_from_the_data_directory(tmp_path, monkeypatch):

@@ -24,6 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import xxhash
+
+from tiers.disk import HASH_SLICE_BYTES
+
 log = logging.getLogger(__name__)
 
 INFLIGHT = (1, 2, 4, 8)
@@ -32,7 +36,8 @@ PROBE_FILE_BYTES = 4 << 20
 RESULT_NAME = ".read-parallelism"
 # 2: read buffers set up outside the timing (version 1 counted their first-touch page faults
 # as disk time, which favoured few reads in flight); 3: GB/s kept per form (buffered, O_DIRECT)
-# and reads in flight. A saved answer of another version is measured again.
+# and reads in flight, each form timed with the tier's hashing (and O_DIRECT's copy out). A
+# saved answer of another version is measured again.
 PROBE_VERSION = 3
 FALLBACK = 4  # where cold reads cannot be measured (a tmpfs, a read-only directory)
 
@@ -102,14 +107,17 @@ def read_buffers(paths: Sequence[str], count: int) -> list[mmap.mmap]:
 
 
 def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int | None = None,
-             buffers: Sequence[mmap.mmap] | None = None) -> None:
+             buffers: Sequence[mmap.mmap] | None = None, outs: Sequence[mmap.mmap] | None = None) -> None:
     """Read each file into page-aligned, pre-touched buffers (``buffers``, from
     ``read_buffers``; made here if None), ``inflight`` files at once: in one read call per
     file, or in calls of ``read_bytes`` (as the disk tier reads when it hashes what lands,
-    which keeps the kernel's readahead ahead of the copies)."""
+    which keeps the kernel's readahead ahead of the copies). With ``outs`` (as many as
+    ``buffers``), the disk tier's verification too: each slice read is hashed as it lands,
+    and a whole file read is copied out into its ``outs`` buffer slice by slice, each slice
+    hashed after its copy (what an O_DIRECT read through a staging buffer costs)."""
     if buffers is None:
         buffers = read_buffers(paths, inflight)
-    if len(buffers) < inflight:
+    if len(buffers) < inflight or (outs is not None and len(outs) < inflight):
         raise ValueError(f"{len(buffers)} buffers for {inflight} reads in flight")
     free = list(range(inflight))
     lock = threading.Lock()
@@ -121,16 +129,26 @@ def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int 
         try:
             view = memoryview(buffers[slot])
             step = read_bytes or len(view)
+            digest = xxhash.xxh3_64() if outs is not None else None
             fd = os.open(path, flags)
             try:
                 offset = 0
                 while True:
-                    got = os.preadv(fd, [view[offset % len(view) : offset % len(view) + step]], offset)
+                    start = offset % len(view)
+                    got = os.preadv(fd, [view[start : start + step]], offset)
                     if got == 0:
                         break
+                    if digest is not None and read_bytes:
+                        digest.update(view[start : start + got])
                     offset += got
             finally:
                 os.close(fd)
+            if digest is not None and not read_bytes:
+                out = memoryview(outs[slot])
+                for lo in range(0, min(offset, len(view)), HASH_SLICE_BYTES):
+                    hi = min(offset, lo + HASH_SLICE_BYTES)
+                    out[lo:hi] = view[lo:hi]
+                    digest.update(out[lo:hi])
         finally:
             with lock:
                 free.append(slot)
@@ -140,19 +158,22 @@ def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int 
 
 
 def cold_speeds(paths: Sequence[str], forms: Sequence[bool], read_bytes: int | None = None,
-                inflight: Sequence[int] = INFLIGHT) -> dict[bool, dict[int, float]]:
+                inflight: Sequence[int] = INFLIGHT, verify: bool = False) -> dict[bool, dict[int, float]]:
     """GB/s reading ``paths`` cold at each number of reads in flight, per form (True: O_DIRECT,
-    whole files; False: buffered, in ``read_bytes`` calls), the forms in turns. A form
-    ``paths`` cannot be opened with (O_DIRECT refused) gets {}."""
+    whole files; False: buffered, in ``read_bytes`` calls), the forms in turns; with
+    ``verify``, hashing (and copying out of the staging buffer) as the disk tier does, so a
+    form is judged by what its reads cost the tier. A form ``paths`` cannot be opened with
+    (O_DIRECT refused) gets {}."""
     total = sum(os.path.getsize(p) for p in paths)
     speeds: dict[bool, dict[int, float]] = {form: {} for form in forms}
     usable = [form for form in forms if not form or direct_supported(paths[0])]
     buffers = read_buffers(paths, max(inflight))  # outside the timing
+    outs = read_buffers(paths, max(inflight)) if verify else None
     for n in inflight:
         for form in usable:
             drop_cache(paths)
             t = time.perf_counter()
-            read_all(paths, n, form, None if form else read_bytes, buffers)
+            read_all(paths, n, form, None if form else read_bytes, buffers, outs)
             speeds[form][n] = total / (time.perf_counter() - t) / 1e9
     return speeds
 
@@ -220,7 +241,7 @@ def _probe(root: str, forms: Sequence[bool], temp_suffix: str, read_bytes: int |
         for p in paths:
             with open(p, "wb") as f:
                 f.write(block)
-        speeds = cold_speeds(paths, forms, read_bytes)
+        speeds = cold_speeds(paths, forms, read_bytes, verify=True)
         log.info("%s: cold reads, GB/s by reads in flight: %s", root, "; ".join(
             f"{'O_DIRECT' if form else 'buffered'} " + ", ".join(f"{n}: {g:.2f}" for n, g in table.items())
             for form, table in speeds.items() if table))
