@@ -143,13 +143,8 @@ class BudgetedTier(WrappedTier):
             self._undo(key, ours)
             raise
         try:
-            committed = self.ledger.commit(self.member, self.name, key)
+            committed = self._commit(key, ours)
         except TierError:
-            # the commit may have run and only its reply was lost: then the value is resident,
-            # counted, and a member may have been told "present" since. Never delete it on a
-            # guess: the heartbeat asks again (``settle``).
-            with self._pending_lock:
-                self._uncommitted[key] = ours
             raise
         except BaseException:
             self._undo(key, ours)
@@ -274,14 +269,20 @@ class BudgetedTier(WrappedTier):
                     self._settling.discard(key)
                     self._key_free.notify_all()
 
-    def _settle_commit(self, key: bytes, ours: bytes) -> None:
+    def _commit(self, key: bytes, ours: bytes) -> bool:
+        """The ledger's commit of this member's write of ``key``. A failed call may have run
+        and only its reply was lost: then the value is resident, counted, and a member may
+        have been told "present" since. Never deleted on a guess: the heartbeat asks again
+        (``settle``)."""
         try:
-            committed = self.ledger.commit(self.member, self.name, key)
+            return self.ledger.commit(self.member, self.name, key)
         except TierError:
             with self._pending_lock:
                 self._uncommitted[key] = ours
             raise
-        if not committed:  # the entry was taken from this member meanwhile
+
+    def _settle_commit(self, key: bytes, ours: bytes) -> None:
+        if not self._commit(key, ours):  # the entry was taken from this member meanwhile
             self._undo(key, ours)
 
     def _settle_deletes(self) -> None:

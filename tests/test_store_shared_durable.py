@@ -26,6 +26,26 @@ def redis_member(tmp_path, url, prefix, name="a"):
     return cfg
 
 
+def one_chunk_cluster(tmp_path, url, prefix, seed, names="ab"):
+    """One chunk (key, value), the configs of members ``names`` of one cluster on ``url``, a
+    plain Redis client, and the chunk's key on Redis."""
+    keys, values = chunks(1, seed=seed)
+    members = [redis_member(tmp_path, url, prefix, name) for name in names]
+    rkey = members[0].redis.key_prefix.encode() + keys[0].id.hex().encode()
+    return keys[0], values[0], members, redis.Redis.from_url(url), rkey
+
+
+def durable_put_beside_a_held_delete(b, key, value, gate, deleting) -> None:
+    """B's durable put of the chunk while a delete is held at ``gate``: the delete goes on once
+    B's copy has asked the ledger (and was told busy) or B's put has ended; both end here."""
+    seen = watch_ledger(b)
+    putting = Call(lambda: b.put(key, value, durable=True))
+    wait_until(lambda: seen.busy.is_set() or putting.finished.is_set(), what="b's copy to ask the ledger")
+    gate.open()  # the delete removes the value: b's, if b was let write it
+    deleting.outcome()
+    putting.outcome()
+
+
 def test_a_durable_re_put_after_the_ledger_evicted_its_redis_copy_writes_it_again(tmp_path, redis_server):
     """The ledger has this member evict a value; the shared index forgets it, this index still
     lists its copy as current and synced. Before the fix a durable re-put trusted that copy
@@ -135,12 +155,7 @@ def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keep
     durable put of the chunk starts. Before the fix the ledger answered B's reservation
     "present", B wrote nothing and was acknowledged, and A's release then dropped the entry:
     the chunk was on no tier but B's host RAM."""
-    keys, values = chunks(1, seed=11)
-    key, value = keys[0], values[0]
-    ca = redis_member(tmp_path, redis_server.url, "rv-present", "a")
-    cb = redis_member(tmp_path, redis_server.url, "rv-present", "b")
-    raw = redis.Redis.from_url(redis_server.url)
-    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-present", 11)
     with Store(ca) as a, Store(cb) as b:
         a.put(key, value, durable=True)
         gate = Gate(key.id)
@@ -173,12 +188,7 @@ def test_a_durable_put_granted_right_after_a_members_delete_dropped_the_entry_ke
     Before the fix A's delete then released the key's entry whatever it was by then (B's,
     resident: its value on Redis uncounted by the budget), and removed the chunk from the
     shared index after B had added it: after a restart B's durable put was found nowhere."""
-    keys, values = chunks(1, seed=17)
-    key, value = keys[0], values[0]
-    ca = redis_member(tmp_path, redis_server.url, "rv-granted", "a")
-    cb = redis_member(tmp_path, redis_server.url, "rv-granted", "b")
-    raw = redis.Redis.from_url(redis_server.url)
-    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-granted", 17)
     with Store(ca) as a, Store(cb) as b:
         a.put(key, value, durable=True)
         gate = Gate(key.id)
@@ -201,11 +211,7 @@ def test_a_delete_of_a_value_another_members_delete_holds_leaves_that_entry_to_i
     """A's delete has taken the key's entry and not yet removed the value when C deletes the
     chunk too. Before the fix C's delete dropped A's entry: B's durable put was then granted,
     written and acknowledged, and A's delete removed its value."""
-    keys, values = chunks(1, seed=19)
-    key, value = keys[0], values[0]
-    ca, cb, cc = (redis_member(tmp_path, redis_server.url, "rv-two-deletes", m) for m in "abc")
-    raw = redis.Redis.from_url(redis_server.url)
-    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    key, value, (ca, cb, cc), raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-two-deletes", 19, "abc")
     with Store(ca) as a, Store(cb) as b, Store(cc) as c:
         a.put(key, value, durable=True)
         assert c.lookup([key]) == 1  # c finds it through the shared index
@@ -215,12 +221,7 @@ def test_a_delete_of_a_value_another_members_delete_holds_leaves_that_entry_to_i
         deleting = Call(lambda: a.delete([key]))
         assert gate.entered.wait(10)  # a holds the entry (evicting); the value is still there
         assert c.delete([key]) == 1
-        seen = watch_ledger(b)
-        putting = Call(lambda: b.put(key, value, durable=True))
-        wait_until(lambda: seen.busy.is_set() or putting.finished.is_set(), what="b's copy to ask the ledger")
-        gate.open()  # a removes the value: b's, if b was let write it
-        deleting.outcome()
-        putting.outcome()
+        durable_put_beside_a_held_delete(b, key, value, gate, deleting)
         on_redis = raw.exists(rkey)
     with Store(cb) as b:
         found = b.lookup([key])
@@ -233,12 +234,7 @@ def test_a_write_pending_when_a_members_delete_starts_is_not_acknowledged_withou
     it released it after its DEL: B's commit in between succeeded, and B's durable put was
     acknowledged with its value deleted. Now the delete takes the entry: B's commit fails,
     and so does its put."""
-    keys, values = chunks(1, seed=23)
-    key, value = keys[0], values[0]
-    ca = redis_member(tmp_path, redis_server.url, "rv-pending", "a")
-    cb = redis_member(tmp_path, redis_server.url, "rv-pending", "b")
-    raw = redis.Redis.from_url(redis_server.url)
-    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-pending", 23)
     with Store(ca) as a, Store(cb) as b:
         a.put(key, value, durable=True)
         raw.delete(rkey)  # Redis drops it on its own: b's copy takes the entry over and writes
@@ -265,12 +261,7 @@ def test_a_delete_of_a_value_the_ledger_lost_holds_the_key_until_the_value_is_go
     """The ledger has no entry for A's value (a failover lost its last updates: docs/cluster.md)
     when A deletes it. Before the fix A's delete took nothing: B's durable put was granted,
     written and acknowledged before A's DEL, which then removed its value."""
-    keys, values = chunks(1, seed=29)
-    key, value = keys[0], values[0]
-    ca = redis_member(tmp_path, redis_server.url, "rv-lost-entry", "a")
-    cb = redis_member(tmp_path, redis_server.url, "rv-lost-entry", "b")
-    raw = redis.Redis.from_url(redis_server.url)
-    rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
+    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-lost-entry", 29)
     with Store(ca) as a, Store(cb) as b:
         a.put(key, value, durable=True)
         a.cluster.ledger.release("a", "redis", [key.id])  # the entry is lost; the value stays
@@ -279,12 +270,7 @@ def test_a_delete_of_a_value_the_ledger_lost_holds_the_key_until_the_value_is_go
         budgeted.inner = HeldBeforeDelete(budgeted.inner, gate)
         deleting = Call(lambda: a.delete([key]))
         assert gate.entered.wait(10)  # a's delete began; its DEL is next
-        seen = watch_ledger(b)
-        putting = Call(lambda: b.put(key, value, durable=True))
-        wait_until(lambda: seen.busy.is_set() or putting.finished.is_set(), what="b's copy to ask the ledger")
-        gate.open()
-        deleting.outcome()
-        putting.outcome()
+        durable_put_beside_a_held_delete(b, key, value, gate, deleting)
         on_redis = raw.exists(rkey)
     with Store(cb) as b:
         found = b.lookup([key])
