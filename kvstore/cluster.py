@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -101,10 +102,16 @@ class ClusterMember:
         self._thread.start()
 
     def _beat(self) -> None:
+        """A beat that failed may have run and handed this member a dead member's work: the
+        next one passes its token and is answered that work again (``Ledger.beat``)."""
         c = self.config
+        token = None
         while not self._stop.wait(c.heartbeat_s):
             try:
-                self._remove(self.ledger.beat(self.name, self.info, c.member_ttl_s, c.forget_after_s))
+                token = token or secrets.token_hex(12)
+                handed = self.ledger.beat(self.name, self.info, c.member_ttl_s, c.forget_after_s, token)
+                token = None
+                self._remove(handed)
                 for tier in self.tiers.values():
                     tier.settle()
             except TierError as exc:

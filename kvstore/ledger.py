@@ -22,6 +22,7 @@ dead: its pins stop counting at once, and its unfinished writes and deletes are 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -103,17 +104,32 @@ end
 return out
 """
 
-# ARGV: prefix, member, info json, member_ttl_ms, forget_after_ms. Beats, drops dead members'
-# pins and hands this member their unfinished writes and deletes: returns {'tier key', ...}
-# to delete (then ``evicted``).
+# ARGV: prefix, member, info json, member_ttl_ms, forget_after_ms, token. Beats, drops dead
+# members' pins and hands this member their unfinished writes and deletes: returns
+# {'tier key', ...} to delete (then ``evicted``). What it hands is kept under the call's token
+# for an hour: run again with the same token (redis-py's retry of a lost reply, or the next
+# beat after a failed one), it answers those of them still this member's to delete. Without
+# it a lost reply left them evicting in this member's set, which nothing would ever delete
+# while the member lived: bytes counted for good, the chunks busy to every writer.
 _BEAT = _COMMON + r"""
 local m, ttl, forget = ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
+local memo = P .. 'reap:' .. ARGV[6]
 local now, alive_after = clock(ttl)
 redis.call('ZADD', P .. 'beats', now, m)
 redis.call('HSET', P .. 'info', m, ARGV[3])
 redis.call('ZREMRANGEBYSCORE', P .. 'pins:' .. m, '-inf', now)
-local tiers = redis.call('HKEYS', P .. 'budget')
 local out = {}
+if redis.call('EXISTS', memo) == 1 then
+  for _, item in ipairs(redis.call('LRANGE', memo, 0, -1)) do
+    local T, key = string.match(item, '^(%S+) (%S+)$')
+    local v = redis.call('HGET', P .. 't:' .. T, key)
+    if v and string.sub(v, 1, 1) == 'e' and redis.call('SISMEMBER', P .. 'f:' .. T .. ':' .. m, key) == 1 then
+      table.insert(out, item)
+    end
+  end
+  return out
+end
+local tiers = redis.call('HKEYS', P .. 'budget')
 for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. alive_after)) do
   redis.call('DEL', P .. 'pins:' .. d)
   local holds = false
@@ -128,6 +144,7 @@ for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. aliv
           redis.call('HSET', P .. 't:' .. T, key, 'e ' .. fp .. ' ' .. size .. ' ' .. owner)
           redis.call('SADD', P .. 'f:' .. T .. ':' .. m, key)
           table.insert(out, T .. ' ' .. key)
+          redis.call('RPUSH', memo, T .. ' ' .. key)
         end
       end
     end
@@ -138,6 +155,7 @@ for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. aliv
     redis.call('HDEL', P .. 'info', d)
   end
 end
+if #out > 0 then redis.call('PEXPIRE', memo, 3600000) end
 return out
 """
 
@@ -457,9 +475,13 @@ class Ledger:
                                  f"cluster must configure the same budget (see docs/cluster.md)")
         return self._pairs(answer[1:])
 
-    def beat(self, member: str, info: dict, member_ttl_s: float, forget_after_s: float) -> list[tuple[str, bytes]]:
-        """A heartbeat; returns the (tier, key) values of dead members this member must delete."""
-        answer = self._call("beat", member, json.dumps(info), int(member_ttl_s * 1000), int(forget_after_s * 1000))
+    def beat(self, member: str, info: dict, member_ttl_s: float, forget_after_s: float,
+             token: str | None = None) -> list[tuple[str, bytes]]:
+        """A heartbeat; returns the (tier, key) values of dead members this member must delete.
+        ``token`` names the call: a beat after one that failed passes that one's token, so that
+        what it may have handed over is answered again rather than lost (``_BEAT``)."""
+        answer = self._call("beat", member, json.dumps(info), int(member_ttl_s * 1000), int(forget_after_s * 1000),
+                            token or secrets.token_hex(12))
         return self._pairs(answer)
 
     def leave(self, member: str, info: dict) -> None:
