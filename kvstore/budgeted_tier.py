@@ -77,8 +77,9 @@ class BudgetedTier(WrappedTier):
     def remove(self, key_ids: Sequence[bytes]) -> None:
         """Delete values the ledger marked as this member's to delete, then free their bytes.
         A value that cannot be deleted (the medium is down) stays counted, and marked, until
-        ``settle`` deletes it; so do the values deleted when the ledger cannot be told (their
-        entries stay evicting: nobody could write those chunks again)."""
+        ``settle`` deletes it; so do the values deleted when the ledger, or the lookup index,
+        cannot be told (their entries stay evicting: nobody could write those chunks again;
+        forgotten by this member, they stayed so for as long as it lived)."""
         gone = []
         for key_id in key_ids:
             try:
@@ -89,7 +90,12 @@ class BudgetedTier(WrappedTier):
                 with self._pending_lock:
                     self._undeleted.add(key_id)
         if gone:
-            self._forget(self.name, gone)
+            try:
+                self._forget(self.name, gone)
+            except TierError:
+                with self._pending_lock:
+                    self._undeleted.update(gone)
+                raise
             self._used = self._evicted(gone)
 
     def _evicted(self, key_ids: Sequence[bytes]) -> int:
