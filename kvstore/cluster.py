@@ -119,15 +119,24 @@ class ClusterMember:
                 log.warning("cluster: heartbeat failed: %s", exc)
 
     def _remove(self, pairs: list[tuple[str, bytes]]) -> None:
+        """Every tier's share is removed even where another tier's failed: the keys are
+        evicting in this member's sets already, and a failure ending the loop left the rest
+        of them so for good (a failed removal is remembered by its tier, for ``settle``)."""
         by_tier = defaultdict(list)
         for tier, key_id in pairs:
             by_tier[tier].append(key_id)
+        failure = None
         for tier, key_ids in by_tier.items():
             if tier in self.tiers:
-                self.tiers[tier].remove(key_ids)
+                try:
+                    self.tiers[tier].remove(key_ids)
+                except TierError as exc:
+                    failure = failure or exc
             else:  # a tier this member does not mount: it cannot delete those values
                 log.warning("cluster: %d unfinished %s values of a dead member left to a member with that tier",
                             len(key_ids), tier)
+        if failure is not None:
+            raise failure
 
     def pin(self, key_ids: Sequence[bytes], ttl_s: float) -> None:
         """Pins other members see: best effort (a Redis outage leaves them local only)."""
