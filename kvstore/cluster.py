@@ -109,7 +109,8 @@ class ClusterMember:
         while not self._stop.wait(c.heartbeat_s):
             try:
                 token = token or secrets.token_hex(12)
-                handed = self.ledger.beat(self.name, self.info, c.member_ttl_s, c.forget_after_s, token)
+                handed = self.ledger.beat(self.name, self.info, c.member_ttl_s, c.forget_after_s, token,
+                                          list(self.tiers))
                 token = None
                 self._remove(handed)
                 for tier in self.tiers.values():

@@ -104,9 +104,11 @@ end
 return out
 """
 
-# ARGV: prefix, member, info json, member_ttl_ms, forget_after_ms, token. Beats, drops dead
-# members' pins and hands this member their unfinished writes and deletes: returns
-# {'tier key', ...} to delete (then ``evicted``). What it hands is kept under the call's token
+# ARGV: prefix, member, info json, member_ttl_ms, forget_after_ms, token, then the tiers this
+# member mounts (none: every tier). Beats, drops dead members' pins and hands this member
+# their unfinished writes and deletes on its tiers: returns {'tier key', ...} to delete (then
+# ``evicted``). Work on a tier it lacks stays the dead member's, for a member with the tier
+# (taken, it stayed evicting in this member's set for good), and keeps the dead member known. What it hands is kept under the call's token
 # for an hour: run again with the same token (redis-py's retry of a lost reply, or the next
 # beat after a failed one), it answers those of them still this member's to delete. Without
 # it a lost reply left them evicting in this member's set, which nothing would ever delete
@@ -130,12 +132,15 @@ if redis.call('EXISTS', memo) == 1 then
   return out
 end
 local tiers = redis.call('HKEYS', P .. 'budget')
+local mounted = {}
+for i = 7, #ARGV do mounted[ARGV[i]] = true end
+if #ARGV < 7 then for _, T in ipairs(tiers) do mounted[T] = true end end
 for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. alive_after)) do
   redis.call('DEL', P .. 'pins:' .. d)
   local holds = false
   for _, T in ipairs(tiers) do
     local fset = P .. 'f:' .. T .. ':' .. d
-    for _, key in ipairs(redis.call('SMEMBERS', fset)) do
+    for _, key in ipairs(mounted[T] and redis.call('SMEMBERS', fset) or {}) do
       local v = redis.call('HGET', P .. 't:' .. T, key)
       redis.call('SREM', fset, key)
       if v then
@@ -148,7 +153,7 @@ for _, d in ipairs(redis.call('ZRANGEBYSCORE', P .. 'beats', '-inf', '(' .. aliv
         end
       end
     end
-    if redis.call('HEXISTS', P .. 'u:' .. T, d) == 1 then holds = true end
+    if redis.call('HEXISTS', P .. 'u:' .. T, d) == 1 or redis.call('SCARD', fset) > 0 then holds = true end
   end
   if not holds and tonumber(redis.call('ZSCORE', P .. 'beats', d)) < now - forget then
     redis.call('ZREM', P .. 'beats', d)
@@ -476,12 +481,13 @@ class Ledger:
         return self._pairs(answer[1:])
 
     def beat(self, member: str, info: dict, member_ttl_s: float, forget_after_s: float,
-             token: str | None = None) -> list[tuple[str, bytes]]:
-        """A heartbeat; returns the (tier, key) values of dead members this member must delete.
-        ``token`` names the call: a beat after one that failed passes that one's token, so that
-        what it may have handed over is answered again rather than lost (``_BEAT``)."""
+             token: str | None = None, tiers: Sequence[str] = ()) -> list[tuple[str, bytes]]:
+        """A heartbeat; returns the (tier, key) values of dead members this member must delete,
+        on ``tiers`` (the tiers it mounts; none: every tier). ``token`` names the call: a beat
+        after one that failed passes that one's token, so that what it may have handed over is
+        answered again rather than lost (``_BEAT``)."""
         answer = self._call("beat", member, json.dumps(info), int(member_ttl_s * 1000), int(forget_after_s * 1000),
-                            token or secrets.token_hex(12))
+                            token or secrets.token_hex(12), *tiers)
         return self._pairs(answer)
 
     def leave(self, member: str, info: dict) -> None:
