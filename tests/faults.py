@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from tiers.base import Buffer, Tier, TierUnavailable, as_buffers
+from tiers.base import Buffer, Tier, TierError, TierUnavailable, as_buffers
 from tiers.wrapped import WrappedTier
 
 
@@ -23,6 +23,21 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(0.002)
+
+
+def unlisting_fails_once(index) -> list[tuple[str, list[bytes]]]:
+    """Make a shared index's next ``remove`` fail as an unreachable Redis would; returns the
+    list the failed call's (tier name, key ids) land in."""
+    remove, failed = index.remove, []
+
+    def remove_once(tier_name, key_ids):
+        if not failed:
+            failed.append((tier_name, list(key_ids)))
+            raise TierError("shared index: remove: Redis unreachable (injected)")
+        return remove(tier_name, key_ids)
+
+    index.remove = remove_once
+    return failed
 
 
 class Call(threading.Thread):

@@ -14,7 +14,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
-from faults import wait_until  # noqa: E402
+from faults import unlisting_fails_once, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_stuck_evicting import quick  # noqa: E402
 from test_store_shared import chunks  # noqa: E402
@@ -31,25 +31,16 @@ def test_a_victim_deleted_while_the_lookup_index_was_unreachable_is_still_uncoun
     with Store(cfg) as a:
         for k, v in zip(keys[:2], values[:2]):
             a.put(k, v, durable=True)
-        index, remove = a.shared_index, a.shared_index.remove
-        failed = []
-
-        def unreachable_once(tier_name, key_ids):
-            if not failed:
-                failed.append(key_ids)
-                raise TierError("shared index: remove: Redis unreachable (injected)")
-            return remove(tier_name, key_ids)
-
-        index.remove = unreachable_once
+        failed = unlisting_fails_once(a.shared_index)
         try:
             a.put(keys[2], values[2], durable=True)  # the ledger has a evict the first chunk
         except TierError:
             pass  # the copy may fail with the index: what matters is the ledger after it
-        assert failed == [[keys[0].id]] and not raw.exists(rkey), "the oldest chunk was evicted from Redis"
+        assert [keys for _, keys in failed] == [[keys[0].id]] and not raw.exists(rkey), "the oldest chunk was evicted from Redis"
         ledger = a.cluster.ledger
 
         def uncounted():
             usage = ledger.state(10.0).tiers["redis"]
             return ledger.holder("redis", keys[0].id) is None and usage.in_flight == 0
         wait_until(uncounted, timeout_s=5, what="the evicted chunk's entry to be dropped (not left evicting)")
-        assert index.lookup([keys[0].id]) == {}, "the lookup index still lists the evicted chunk on Redis"
+        assert a.shared_index.lookup([keys[0].id]) == {}, "the lookup index still lists the evicted chunk on Redis"

@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from faults import wait_until  # noqa: E402
+from faults import unlisting_fails_once, wait_until  # noqa: E402
 from kvstore.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_reaped_writer import quick  # noqa: E402
 from test_store_shared import daemon_config  # noqa: E402
-from tiers.base import TierError  # noqa: E402
 
 KEY, BLOB = b"\x7c" * 32, 4224
 
@@ -25,16 +24,7 @@ def test_a_dead_members_work_on_every_tier_is_finished_when_one_tiers_removal_fa
     cfg = quick(daemon_config(tmp_path, "b", redis_server.url, True, "rv-reap-two", pfs=True))
     cfg.cluster.enabled, cfg.cluster.member = True, "b"
     with Store(cfg) as b:
-        index, remove = b.shared_index, b.shared_index.remove
-        failed = []
-
-        def unreachable_once(tier_name, key_ids):
-            if not failed:
-                failed.append(tier_name)
-                raise TierError("shared index: remove: Redis unreachable (injected)")
-            return remove(tier_name, key_ids)
-
-        index.remove = unreachable_once
+        failed = unlisting_fails_once(b.shared_index)
         budgets = {"pfs": cfg.pfs.capacity_bytes, "redis": cfg.redis.capacity_bytes}
         d = Ledger(redis_server.url, cfg.shared_index.key_prefix, False)
         try:  # d reserves the chunk on both tiers and dies before writing either

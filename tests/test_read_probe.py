@@ -38,10 +38,10 @@ def test_cold_speeds_measure_both_forms_at_every_setting_each_run_cold(tmp_path,
         pytest.skip("this file system keeps pages cached")
     real, runs = read_probe.read_all, []
 
-    def read_all(ps, n, direct, read_bytes=None, buffers=None, outs=None):
+    def read_all(ps, n, direct, read_bytes=None, buffers=None, verify=False, outs=None):
         assert all(read_probe.cached_bytes(p) == 0 for p in ps)
-        runs.append((direct, n, read_bytes, outs is not None))
-        real(ps, n, direct, read_bytes, buffers, outs)
+        runs.append((direct, n, read_bytes, verify))
+        real(ps, n, direct, read_bytes, buffers, verify, outs)
 
     monkeypatch.setattr(read_probe, "read_all", read_all)
     speeds = cold_speeds(paths, (False, True), read_bytes=16 << 10, verify=True)
@@ -58,7 +58,7 @@ def test_a_verified_whole_read_is_copied_out_as_the_tier_copies_an_o_direct_read
     (tmp_path / "f").write_bytes(data)
     paths = [str(tmp_path / "f")]
     buffers, outs = read_probe.read_buffers(paths, 1), read_probe.read_buffers(paths, 1)
-    read_probe.read_all(paths, 1, read_probe.direct_supported(paths[0]), None, buffers, outs)
+    read_probe.read_all(paths, 1, read_probe.direct_supported(paths[0]), None, buffers, True, outs)
     assert outs[0][:len(data)] == data
 
 

@@ -107,17 +107,18 @@ def read_buffers(paths: Sequence[str], count: int) -> list[mmap.mmap]:
 
 
 def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int | None = None,
-             buffers: Sequence[mmap.mmap] | None = None, outs: Sequence[mmap.mmap] | None = None) -> None:
+             buffers: Sequence[mmap.mmap] | None = None, verify: bool = False,
+             outs: Sequence[mmap.mmap] | None = None) -> None:
     """Read each file into page-aligned, pre-touched buffers (``buffers``, from
     ``read_buffers``; made here if None), ``inflight`` files at once: in one read call per
     file, or in calls of ``read_bytes`` (as the disk tier reads when it hashes what lands,
-    which keeps the kernel's readahead ahead of the copies). With ``outs`` (as many as
-    ``buffers``), the disk tier's verification too: each slice read is hashed as it lands,
-    and a whole file read is copied out into its ``outs`` buffer slice by slice, each slice
-    hashed after its copy (what an O_DIRECT read through a staging buffer costs)."""
+    which keeps the kernel's readahead ahead of the copies). With ``verify``, the disk tier's
+    verification too: each slice read is hashed as it lands, and a whole file read is copied
+    out into its ``outs`` buffer (as many as ``buffers``) slice by slice, each slice hashed
+    after its copy (what an O_DIRECT read through a staging buffer costs)."""
     if buffers is None:
         buffers = read_buffers(paths, inflight)
-    if len(buffers) < inflight or (outs is not None and len(outs) < inflight):
+    if len(buffers) < inflight or (verify and not read_bytes and (outs is None or len(outs) < inflight)):
         raise ValueError(f"{len(buffers)} buffers for {inflight} reads in flight")
     free = list(range(inflight))
     lock = threading.Lock()
@@ -129,7 +130,7 @@ def read_all(paths: Sequence[str], inflight: int, direct: bool, read_bytes: int 
         try:
             view = memoryview(buffers[slot])
             step = read_bytes or len(view)
-            digest = xxhash.xxh3_64() if outs is not None else None
+            digest = xxhash.xxh3_64() if verify else None
             fd = os.open(path, flags)
             try:
                 offset = 0
@@ -168,12 +169,12 @@ def cold_speeds(paths: Sequence[str], forms: Sequence[bool], read_bytes: int | N
     speeds: dict[bool, dict[int, float]] = {form: {} for form in forms}
     usable = [form for form in forms if not form or direct_supported(paths[0])]
     buffers = read_buffers(paths, max(inflight))  # outside the timing
-    outs = read_buffers(paths, max(inflight)) if verify else None
+    outs = read_buffers(paths, max(inflight)) if verify and True in usable else None  # O_DIRECT's copy out
     for n in inflight:
         for form in usable:
             drop_cache(paths)
             t = time.perf_counter()
-            read_all(paths, n, form, None if form else read_bytes, buffers, outs)
+            read_all(paths, n, form, None if form else read_bytes, buffers, verify, outs)
             speeds[form][n] = total / (time.perf_counter() - t) / 1e9
     return speeds
 
