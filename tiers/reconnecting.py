@@ -3,7 +3,8 @@ first use and, while that fails, retried at most every ``retry_s`` seconds.
 
 Until the medium is reached, reads and writes raise ``TierUnavailable`` (the store counts
 the error and uses other replicas) and the tier looks empty. Once built, the inner tier
-handles later outages itself.
+handles later outages itself. Once closed, it is never built again: a call after ``close``
+connecting would open a connection nobody closes.
 """
 
 from __future__ import annotations
@@ -26,27 +27,29 @@ class ReconnectingTier(Tier):
         self._retry_s = retry_s
         self._inner: Tier | None = None
         self._next_try = 0.0
-        self._lock = threading.Lock()
+        self._closed = False
+        self._lock = threading.Lock()  # held while building, so a close waits for a build under way
         self.connect()
 
     def connect(self) -> Tier | None:
-        """The inner tier, building it now if it is not built and a retry is due."""
-        if self._inner is not None:
-            return self._inner
+        """The inner tier, building it now if it is not built, not closed and a retry is due."""
+        inner = self._inner
+        if inner is not None:
+            return inner
         with self._lock:
-            if self._inner is None and time.monotonic() >= self._next_try:
+            if self._inner is None and not self._closed and time.monotonic() >= self._next_try:
                 try:
                     self._inner = self._factory()
                     log.info("%s: connected", self.name)
                 except TierUnavailable as exc:
                     self._next_try = time.monotonic() + self._retry_s
                     log.warning("%s: unavailable, retrying every %.0f s: %s", self.name, self._retry_s, exc)
-        return self._inner
+            return self._inner
 
     def _require(self) -> Tier:
         inner = self.connect()
         if inner is None:
-            raise TierUnavailable(f"{self.name}: not connected")
+            raise TierUnavailable(f"{self.name}: {'closed' if self._closed else 'not connected'}")
         return inner
 
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
@@ -90,5 +93,8 @@ class ReconnectingTier(Tier):
         return 0 if self._inner is None else len(self._inner)
 
     def close(self) -> None:
-        if self._inner is not None:
-            self._inner.close()
+        with self._lock:
+            self._closed = True
+            inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
