@@ -10,7 +10,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
-from tiers.base import TierFull, TierUnavailable
+from tiers.base import TierError, TierFull, TierUnavailable
 from tiers.redis import RedisTier
 
 _prefixes = itertools.count()
@@ -144,6 +144,24 @@ def test_unreachable_server_at_start_is_a_clear_error(own_redis_server):
     own_redis_server.stop()
     with pytest.raises(TierUnavailable, match="cannot reach Redis"):
         RedisTier(url, 1 << 20, connect_timeout_s=0.5)
+
+
+def limited_user(server, name: str, rules: str) -> str:
+    """A URL for a new ACL user, password ``pw``, with ``rules`` after every command on every key."""
+    server.cli("ACL", "SETUSER", name, "reset", "on", ">pw", "~*", "+@all", *rules.split())
+    return f"redis://{name}:pw@127.0.0.1:{server.port}/0"
+
+
+@pytest.mark.parametrize("refusal", ["wrong password", "no PING"])
+def test_a_server_refusing_the_client_at_start_is_a_tier_error_not_an_outage(redis_server, refusal):
+    """A wrong password was "cannot reach Redis" (retried for ever, as if the server were
+    down), and an ACL without PING escaped as redis-py's own NoPermissionError."""
+    url = limited_user(redis_server, "noping", "-ping")
+    if refusal == "wrong password":
+        url = url.replace(":pw@", ":wrong@")
+    with pytest.raises(TierError, match="refuses this client") as raised:
+        RedisTier(url, 1 << 20)
+    assert not isinstance(raised.value, TierUnavailable)
 
 
 def test_cluster_round_trip_across_slots(redis_cluster):

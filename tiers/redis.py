@@ -36,7 +36,9 @@ def connect(
 ) -> redis.Redis | RedisCluster:
     """A pooled client with timeouts and one quick retry, checked with a PING.
 
-    Raises TierUnavailable if the server (or every cluster node) cannot be reached.
+    Raises TierUnavailable if the server (or every cluster node) cannot be reached, and
+    TierError if it answers but refuses this client (a wrong password, an ACL without
+    PING): a configuration error, which waiting for the server does not mend.
     """
     retry = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)
     common = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s, retry=retry)
@@ -49,6 +51,8 @@ def connect(
             )
             client = redis.Redis(connection_pool=pool)
         client.ping()
+    except (rex.AuthenticationError, rex.ResponseError) as exc:  # the former is a ConnectionError to redis-py
+        raise TierError(f"Redis refuses this client (its user, password or ACL): {exc}") from exc
     except REDIS_DOWN as exc:
         raise TierUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
     return client
