@@ -110,7 +110,7 @@ def budgets(config: StoreConfig) -> dict[str, int]:
 
 
 class SharedIndexClient:
-    """The shared index, connected on first use and retried while Redis is down.
+    """The shared index, connected on first use and retried while Redis is down or refuses us.
 
     Every call is best effort: with Redis unreachable, lookups find nothing extra and
     updates are skipped (counted in ``errors``); the local index keeps working.
@@ -134,7 +134,7 @@ class SharedIndexClient:
                 c = self._config
                 try:
                     self._index = SharedIndex(c.url, c.key_prefix, c.cluster, c.socket_timeout_s)
-                except TierUnavailable as exc:
+                except TierError as exc:  # down, or refusing us (a wrong password): retried the same
                     self._next_try = time.monotonic() + self._retry_s
                     log.warning("shared index unavailable, retrying every %.0f s: %s", self._retry_s, exc)
         return self._index

@@ -1,5 +1,6 @@
 """The store over shared tiers (PFS directory, Redis) as several daemons would use them."""
 
+import logging
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from kvstore.config import (  # noqa: E402
 from kvstore.keys import Namespace, chunk_keys  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from faults import Call, Gate  # noqa: E402
+from tiers.base import TierError, TierUnavailable  # noqa: E402
 
 PAGE = 4096
 NS = Namespace("shared-test", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
@@ -102,6 +104,47 @@ def test_redis_down_at_start_then_back(tmp_path, own_redis_server):
         time.sleep(0.3)
         store.put(keys[1], values[1], durable=True)
         assert "redis" in store.replicas(keys[1:2])[0]
+
+
+NO_PING = ("--user", "noping", "on", ">pw", "~*", "+@all", "-ping")  # a server's user whose ACL lacks PING
+
+
+def no_ping_url(server) -> str:
+    return f"redis://noping:pw@127.0.0.1:{server.port}/0"
+
+
+def test_redis_refusing_the_client_at_start_is_one_clear_error(tmp_path, own_redis_server):
+    """The connect's NoPermissionError escaped raw from the Store (a traceback from ``kvstore serve``)."""
+    own_redis_server.stop()
+    own_redis_server.args = NO_PING
+    own_redis_server.start()
+    with pytest.raises(TierError, match=r"^redis: Redis refuses this client .*'ping'"):
+        Store(daemon_config(tmp_path, "a", no_ping_url(own_redis_server), True, "refused", pfs=False))
+
+
+@pytest.mark.parametrize("shared_index", [True, False])
+def test_redis_back_but_refusing_the_client_is_that_tier_failing(tmp_path, own_redis_server, shared_index, caplog):
+    """Redis down at start, then back refusing us: the connect's NoPermissionError escaped
+    from lookups, and failed each copy as a bug ("failed unexpectedly")."""
+    own_redis_server.stop()
+    own_redis_server.args = NO_PING
+    keys, values = chunks(3, seed=4)
+    cfg = daemon_config(tmp_path, "a", no_ping_url(own_redis_server), shared_index, "refused", pfs=False)
+    cfg.redis.reconnect_s = cfg.shared_index.reconnect_s = 0  # every call tries again
+    with Store(cfg) as store:
+        own_redis_server.start()
+        caplog.clear()
+        assert store.lookup(keys[1:]) == 0
+        store.put(keys[0], values[0])
+        store.flush()
+        with pytest.raises(TierUnavailable, match="redis: not connected"):
+            store.put(keys[1], values[1], durable=True)
+        got = store.get(keys[:2])
+        assert len(got) == 2 and all(torch.equal(x, y) for x, y in zip(got, values))
+        assert store.stats().tiers["redis"].errors >= 2
+    refusals = [r for r in caplog.records if "no permissions to run the 'ping'" in r.getMessage()]
+    assert {r.name for r in refusals} == {"tiers.reconnecting"} | ({"kvstore.tier_setup"} if shared_index else set())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no "failed unexpectedly"
 
 
 def test_redis_killed_mid_read_is_invisible_to_the_caller(tmp_path, own_redis_server):

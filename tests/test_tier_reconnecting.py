@@ -1,11 +1,12 @@
 """ReconnectingTier: a tier built on first use and retried while its medium is down."""
 
+import logging
 import threading
 
 import pytest
 
 from faults import Call, Gate, wait_until
-from tiers.base import TierUnavailable
+from tiers.base import TierError, TierUnavailable
 from tiers.host import HostTier
 from tiers.reconnecting import ReconnectingTier
 from tiers.wrapped import WrappedTier
@@ -25,17 +26,20 @@ class Medium(WrappedTier):
 
 
 class Factory:
-    """Builds Media, after failing as a server down would ``down`` times; each build may be
-    held at ``gate``."""
+    """Builds Media, after failing as a server down would ``down`` times, then as one that
+    refuses us would ``refused`` times; each build may be held at ``gate``."""
 
-    def __init__(self, down: int = 0, gate: Gate | None = None) -> None:
-        self.down, self.gate = down, gate
+    def __init__(self, down: int = 0, refused: int = 0, gate: Gate | None = None) -> None:
+        self.down, self.refused, self.gate = down, refused, gate
         self.built: list[Medium] = []
 
     def __call__(self) -> Medium:
         if self.down:
             self.down -= 1
             raise TierUnavailable("server down (injected)")
+        if self.refused:
+            self.refused -= 1
+            raise TierError("wrong password (injected)")
         if self.gate is not None:
             self.gate.pass_through(b"")
         self.built.append(Medium(HostTier(4 * PAGE, page_bytes=PAGE, prefault=False)))
@@ -98,3 +102,25 @@ def test_a_close_racing_a_build_closes_what_was_built():
     assert len(factory.built) == 1 and factory.built[0].closed
     assert_closed(tier)
     assert len(factory.built) == 1
+
+
+def test_a_refusal_at_start_is_raised_naming_the_tier():
+    with pytest.raises(TierError, match="^r: wrong password") as raised:
+        ReconnectingTier("r", 4 * PAGE, Factory(refused=1), shared=True, retry_s=0)
+    assert not isinstance(raised.value, TierUnavailable)
+
+
+def test_a_refusal_later_is_this_tier_failing_logged_and_retried(caplog):
+    """A medium down at start, then refusing us (the server came back with other
+    credentials): the factory's error escaped from every call, into the store's threads."""
+    factory = Factory(down=1, refused=1)
+    tier = ReconnectingTier("r", 4 * PAGE, factory, shared=True, retry_s=0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tiers.reconnecting"):
+        with pytest.raises(TierUnavailable, match="not connected"):
+            tier.write(KEY, [b"v"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "r: unavailable, retrying every 0 s: wrong password (injected)"]
+    tier.write(KEY, [b"v"])  # the next try succeeds
+    assert tier.read(KEY) == b"v" and len(factory.built) == 1
+    tier.close()

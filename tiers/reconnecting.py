@@ -2,9 +2,10 @@
 first use and, while that fails, retried at most every ``retry_s`` seconds.
 
 Until the medium is reached, reads and writes raise ``TierUnavailable`` (the store counts
-the error and uses other replicas) and the tier looks empty. Once built, the inner tier
-handles later outages itself. Once closed, it is never built again: a call after ``close``
-connecting would open a connection nobody closes.
+the error and uses other replicas) and the tier looks empty, whether it is down or refuses
+us (a wrong password); at start, though, a refusal is a configuration error, and raised.
+Once built, the inner tier handles later outages itself. Once closed, it is never built
+again: a call after ``close`` connecting would open a connection nobody closes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from tiers.base import Buffer, Tier, TierUnavailable
+from tiers.base import Buffer, Tier, TierError, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,17 @@ class ReconnectingTier(Tier):
         self._next_try = 0.0
         self._closed = False
         self._lock = threading.Lock()  # held while building, so a close waits for a build under way
-        self.connect()
+        self._connect(TierUnavailable)
 
     def connect(self) -> Tier | None:
         """The inner tier, building it now if it is not built, not closed and a retry is due."""
+        return self._connect(TierError)
+
+    def _connect(self, retried: type[TierError]) -> Tier | None:
+        """``connect``, where a build failing with ``retried`` is logged and tried again later.
+        At start that is only a medium that is down: one that refuses us (a wrong password, a
+        missing permission) is a configuration error, raised naming the tier. Later, any tier
+        error is this tier failing, for the store to count, never the caller's exception."""
         inner = self._inner
         if inner is not None:
             return inner
@@ -41,9 +49,11 @@ class ReconnectingTier(Tier):
                 try:
                     self._inner = self._factory()
                     log.info("%s: connected", self.name)
-                except TierUnavailable as exc:
+                except retried as exc:
                     self._next_try = time.monotonic() + self._retry_s
                     log.warning("%s: unavailable, retrying every %.0f s: %s", self.name, self._retry_s, exc)
+                except TierError as exc:
+                    raise TierError(f"{self.name}: {exc}") from exc
             return self._inner
 
     def _require(self) -> Tier:
