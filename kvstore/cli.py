@@ -195,6 +195,7 @@ def cmd_cluster(args) -> int:
 
     from kvstore.daemon.config import DaemonConfig
     from kvstore.ledger import Ledger
+    from tiers.redis import redact_url
 
     store = (load_config(args.config, DaemonConfig) if args.config else DaemonConfig()).store
     si = store.shared_index
@@ -210,13 +211,13 @@ def cmd_cluster(args) -> int:
     problems += [f"{n} uses {format_size(t.used_bytes)} of a {format_size(t.budget_bytes)} budget"
                  for n, t in state.tiers.items() if t.used_bytes > t.budget_bytes]
     if args.json:
-        print(json.dumps({"shared_index": {"url": url, "key_prefix": prefix, "cluster": redis_cluster},
+        print(json.dumps({"shared_index": {"url": redact_url(url), "key_prefix": prefix, "cluster": redis_cluster},
                           "members": [dataclasses.asdict(m) for m in state.members],
                           "tiers": {n: dataclasses.asdict(t) for n, t in state.tiers.items()},
                           "health": {**health, "ok": not problems, "problems": problems}}, indent=1))
         return 1 if problems else 0
     live = sum(m.live for m in state.members)
-    print(f"cluster at {url} (prefix {prefix}): {live} live members, {len(state.members) - live} not live; "
+    print(f"cluster at {redact_url(url)} (prefix {prefix}): {live} live members, {len(state.members) - live} not live; "
           f"health: {'ok' if not problems else '; '.join(problems)}")
     print(f"{'member':40} {'state':5} {'address':21} {'heartbeat':>10} {'pins':>6} " + " ".join(f"{n:>9}" for n in state.tiers))
     for m in state.members:

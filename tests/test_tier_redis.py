@@ -164,6 +164,17 @@ def test_a_server_refusing_the_client_at_start_is_a_tier_error_not_an_outage(red
     assert not isinstance(raised.value, TierUnavailable)
 
 
+def test_an_unreachable_server_is_reported_without_its_password(own_redis_server):
+    """The message lands in logs and on the console; the password would open every chunk."""
+    port = own_redis_server.url.rsplit(":", 1)[1].split("/")[0]
+    own_redis_server.stop()
+    url = f"redis://kv:s3cret-pw@127.0.0.1:{port}/0?password=s3cret-q"
+    with pytest.raises(TierUnavailable, match="cannot reach Redis") as caught:
+        RedisTier(url, 1 << 20, connect_timeout_s=0.5)
+    assert "s3cret" not in str(caught.value)
+    assert f"kv:***@127.0.0.1:{port}" in str(caught.value)
+
+
 def test_cluster_round_trip_across_slots(redis_cluster):
     url = redis_cluster[0].url
     tier = RedisTier(url, 1 << 24, key_prefix=prefix(), cluster=True)

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import functools
 import math
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, aclosing
 from copy import deepcopy
@@ -48,6 +47,7 @@ from kvstore.store import Store
 from kvstore.wire.auth import METADATA_KEY
 from kvstore.wire.convert import stats_to_proto
 from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
+from tiers.redis import redact_url
 
 
 def _copy(dst, src) -> None:
@@ -504,23 +504,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self.bulk.issue(caller)
         return pb.BulkAttachReply(port=self.bulk.port, session=session.session_id, token=session.token,
                                   max_frame_bytes=self.bulk.max_frame_bytes, pin_ttl_s=self.bulk.config.pin_ttl_s)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "***"  # not a URL we can take apart: say nothing of it
-    netloc = parts.netloc
-    if password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:***@{hostport}"
-    query = urllib.parse.urlencode([(k, "***" if k.lower() == "password" else v)
-                                    for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)], safe="*")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def redacted(config):
