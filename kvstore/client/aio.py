@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.core import ClientCore, channel_for
-from kvstore.client.effects import CancelGet, Close, Connect, Copy, NextReply, OpenGet, RecvInto, Rpc, Send, Sleep
+from kvstore.client.effects import (CallsDone, CancelGet, Close, Connect, Copy, NextReply, OpenGet, RecvInto, Rpc,
+                                    Send, Sleep)
 from kvstore.client.errors import DaemonError
 from kvstore.client.options import ClientOptions
 from kvstore.fence import fenced
@@ -26,6 +27,7 @@ class _Awaiting:
     operations under it as a timeout, copies in threads."""
 
     def __init__(self, core: ClientCore) -> None:
+        self.core = core
         self.timeout_s, self.metadata = core.options.timeout_s, core.metadata
         self.buffer_bytes = core.options.socket_buffer_bytes
         self.channel = channel_for(core, grpc.aio)
@@ -34,7 +36,7 @@ class _Awaiting:
         self.copies = ThreadPoolExecutor(core.options.copy_threads, thread_name_prefix="kvstore-copy")
         self.perform = {Rpc: self._rpc, OpenGet: self._open, NextReply: self._next, CancelGet: self._cancel,
                         Connect: self._connect, Send: self._send, RecvInto: self._recv_into, Close: self._close,
-                        Copy: self._copy, Sleep: self._sleep}
+                        Copy: self._copy, Sleep: self._sleep, CallsDone: self._calls_done}
 
     async def _rpc(self, e: Rpc):
         try:
@@ -111,11 +113,14 @@ class _Awaiting:
     async def _sleep(e: Sleep) -> None:
         await asyncio.sleep(e.seconds)
 
+    async def _calls_done(self, e: CallsDone) -> None:
+        await asyncio.to_thread(self.core.wait_calls_done)
+
 
 def _awaitable(op):
     @functools.wraps(op)
     async def method(self, *args, **kwargs):
-        return await self._drive(op(self._core, *args, **kwargs))
+        return await self._drive(self._core.call(op(self._core, *args, **kwargs)))
 
     return method
 
@@ -170,6 +175,8 @@ class AsyncClient:
         """Nothing is buffered client-side: every acknowledged put is in the daemon."""
 
     async def close(self) -> None:
+        """Refuse new calls (DaemonError CANCELLED), wait for the calls other tasks have in
+        flight, then give the lease and the bulk sessions back and close the channel."""
         try:
             await self._drive(self._core.close())
         finally:

@@ -25,6 +25,8 @@ a second, and a client that moves only blobs never loads it.
 
 State shared by threads (the lease, idle sessions) changes only under ``_lock``, never held
 across an effect, so the same core serves a thread-safe ``Client`` and an ``AsyncClient``.
+The fronts run every operation through ``call``, so that ``close`` can refuse new calls and
+wait for those in flight before it gives the lease and the sessions back.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from grpc_health.v1 import health_pb2
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.bulk import BulkSession
-from kvstore.client.effects import CancelGet, Copy, NextReply, OpenGet, Rpc, Sleep
+from kvstore.client.effects import CallsDone, CancelGet, Copy, NextReply, OpenGet, Rpc, Sleep
 from kvstore.client.errors import RAISE, RENEW, DaemonError, decide, slots_reusable
 from kvstore.client.options import ClientOptions
 from kvstore.client.placing import StreamSink, check_size, copy_out, copy_parts
@@ -78,6 +80,30 @@ class ClientCore:
         self._idle: list[BulkSession] = []
         self._bulk_ok = not options.tls_ca  # the bulk channel is not encrypted
         self._namespaces: dict[bytes, Namespace] = {}
+        self._calls = 0  # operations running now (``call``)
+        self._closing = False  # ``close`` began: new operations are refused
+        self._calls_done = threading.Condition(self._lock)
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def call(self, op):
+        """Run the operation ``op`` (a generator of this core) as one call of the client:
+        refused once ``close`` began, counted until it ends so that ``close`` waits for it."""
+        with self._lock:
+            if self._closing:
+                raise DaemonError(grpc.StatusCode.CANCELLED, "the client is closed")
+            self._calls += 1
+        try:
+            return (yield from op)
+        finally:
+            with self._lock:
+                self._calls -= 1
+                self._calls_done.notify_all()
+
+    def wait_calls_done(self) -> None:
+        """Block until no operation runs (``close`` refuses new ones first)."""
+        with self._lock:
+            self._calls_done.wait_for(lambda: self._calls == 0)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -555,7 +581,12 @@ class ClientCore:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), time.perf_counter() - start
 
     def close(self):
-        """Release the lease (and any retired one) and close the bulk sessions."""
+        """Refuse new calls, wait for those in flight (they may still copy into or out of
+        slots, and into their callers' memory), then release the lease (and any retired
+        one) and close the bulk sessions."""
+        with self._lock:
+            self._closing = True
+        yield CallsDone()
         with self._lock:
             lease, self._lease = self._lease, None
         if lease is not None:

@@ -80,3 +80,9 @@ class Copy:
 @dataclass(frozen=True)
 class Sleep:
     seconds: float
+
+
+@dataclass(frozen=True)
+class CallsDone:
+    """Wait until no call of the client runs any more (``close``; the core's
+    ``wait_calls_done``). The async front waits in a thread: those calls run on its loop."""

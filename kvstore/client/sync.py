@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.core import ClientCore, channel_for
-from kvstore.client.effects import CancelGet, Close, Connect, Copy, NextReply, OpenGet, RecvInto, Rpc, Send, Sleep
+from kvstore.client.effects import (CallsDone, CancelGet, Close, Connect, Copy, NextReply, OpenGet, RecvInto, Rpc,
+                                    Send, Sleep)
 from kvstore.client.errors import DaemonError
 from kvstore.client.options import ClientOptions
 
@@ -22,6 +23,7 @@ class _Blocking:
     their timeout."""
 
     def __init__(self, core: ClientCore) -> None:
+        self.core = core
         self.timeout_s, self.metadata = core.options.timeout_s, core.metadata
         self.buffer_bytes = core.options.socket_buffer_bytes
         self.channel = channel_for(core, grpc)
@@ -29,7 +31,7 @@ class _Blocking:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.perform = {Rpc: self._rpc, OpenGet: self._open, NextReply: self._next, CancelGet: self._cancel,
                         Connect: self._connect, Send: self._send, RecvInto: self._recv_into, Close: self._close,
-                        Copy: self._copy, Sleep: self._sleep}
+                        Copy: self._copy, Sleep: self._sleep, CallsDone: self._calls_done}
 
     def _rpc(self, e: Rpc):
         try:
@@ -85,11 +87,14 @@ class _Blocking:
     def _sleep(e: Sleep) -> None:
         time.sleep(e.seconds)
 
+    def _calls_done(self, e: CallsDone) -> None:
+        self.core.wait_calls_done()
+
 
 def _blocking(op):
     @functools.wraps(op)
     def method(self, *args, **kwargs):
-        return self._drive(op(self._core, *args, **kwargs))
+        return self._drive(self._core.call(op(self._core, *args, **kwargs)))
 
     return method
 
@@ -142,12 +147,14 @@ class Client:
     @property
     def path(self) -> str:
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
-        return self._drive(self._core.path())
+        return self._drive(self._core.call(self._core.path()))
 
     def flush(self) -> None:
         """Nothing is buffered client-side: every acknowledged put is in the daemon."""
 
     def close(self) -> None:
+        """Refuse new calls (DaemonError CANCELLED), wait for the calls other threads have in
+        flight, then give the lease and the bulk sessions back and close the channel."""
         try:
             self._drive(self._core.close())
         finally:
