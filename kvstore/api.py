@@ -22,8 +22,9 @@ Rules every implementation keeps:
 - Errors a caller can cause are ``ValueError``/``TypeError``; an unreachable store raises
   the implementation's own error (``DaemonError``, ``StoreClosed``, ``OSError``).
 
-``put_blob`` is left out: the Store takes a key id, the Client a ``ChunkKey`` (or the id of
-a namespace it has already used), so no caller can use it through this contract alone.
+``put_blob`` is left out: the Store takes a ``ChunkKey`` or a key id of any namespace, the
+Client a ``ChunkKey`` or the id of a namespace it has already used, so no caller can use it
+through this contract alone.
 """
 
 from __future__ import annotations

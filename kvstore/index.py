@@ -68,6 +68,8 @@ class Entry:
     header: BlobHeader | None  # the latest put's header, once known
     replicas: dict[str, Replica] = field(default_factory=dict)
     parent: bytes | None = None  # the previous chunk's key id, for policies that use prefix structure
+    # the namespace's model, once a put named it: the codec verdicts that hold for the chunk (None: lossless only)
+    model_id: str | None = None
     pinned_until: float = 0.0
     heap_until: float = 0.0  # expiry of this key's one entry in the pin heap; 0 when it has none
     copying: int = 0  # copies of the latest version queued or in flight (they read the first tier)

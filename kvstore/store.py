@@ -177,34 +177,41 @@ class Store:
             fresh = self.index.get(key.id) is None
         if not fresh:  # a re-put is recognised by its header, checksum included: pack it first
             header = encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload)
-            self.put_blob(key.id, [header, payload], parent=parent.id if parent else None, durable=durable)
+            self.put_blob(key, [header, payload], parent=parent.id if parent else None, durable=durable)
             return
         # a new chunk: the first tier checksums the payload as it copies it in (one pass)
         self._put(key.id, UnsealedBlob(key, chosen.codec_id, kv.dtype, kv.shape, payload), None,
-                  parent.id if parent else None, durable)
+                  parent.id if parent else None, durable, key.namespace.model_id)
 
-    def put_blob(self, key_id: bytes, parts: Sequence, *, parent: bytes | None = None, durable: bool = False) -> None:
+    def put_blob(self, key: ChunkKey | bytes, parts: Sequence, *, parent: bytes | None = None,
+                 durable: bool = False) -> None:
         """Store an already encoded, already verified blob (header + payload, possibly in pieces).
 
         Putting the blob a chunk already holds is an access and writes nothing (retries are
         idempotent); another blob of the same chunk (another codec) replaces it: reads then
-        return the new one, and older copies on lower tiers are replaced behind."""
-        self._put(key_id, parts, _leading_header(parts), parent, durable)
+        return the new one, and older copies on lower tiers are replaced behind. ``key`` is the
+        chunk's key, or its id alone: then, until a put names its namespace, its model is
+        unknown and placement keeps it lossless (codec verdicts hold per model)."""
+        key_id, model_id = (key.id, key.namespace.model_id) if isinstance(key, ChunkKey) else (key, None)
+        self._put(key_id, parts, _leading_header(parts), parent, durable, model_id)
 
-    def _put(self, key_id: bytes, parts, header, parent: bytes | None, durable: bool) -> None:
+    def _put(self, key_id: bytes, parts, header, parent: bytes | None, durable: bool, model_id: str | None) -> None:
         """``parts`` is a blob in pieces and ``header`` its header, or an ``UnsealedBlob``
         (``header`` None: it is known once the first tier has the blob)."""
         size = parts.size if header is None else sum(memoryview(p).nbytes for p in parts)
         ticket = Ticket() if durable else None
-        while not self._put_once(key_id, parts, size, header, parent, ticket):
+        while not self._put_once(key_id, parts, size, header, parent, ticket, model_id):
             pass  # the chunk changed while its copies' room was reserved: look again
         if ticket is not None:
             ticket.wait(self.config.write_behind.durable_timeout_s)
 
-    def _put_once(self, key_id: bytes, parts, size: int, header, parent: bytes | None, ticket: Ticket | None) -> bool:
+    def _put_once(self, key_id: bytes, parts, size: int, header, parent: bytes | None, ticket: Ticket | None,
+                  model_id: str | None) -> bool:
         with self.index.lock:
             self.index.check_open()
             entry = self.index.get(key_id)
+            if entry is not None and model_id is not None:  # a chunk put by id alone learns its model
+                entry.model_id = model_id
             # an unsealed blob (header None) is a new one: put meanwhile by another caller, the
             # chunk gets a new version of the same bytes
             same = entry is not None and header is not None and entry.header == header
@@ -228,26 +235,27 @@ class Store:
                 self._write_behind.queue(key_id, entry, reservation, ticket)
             return True
         try:
-            self._write_first(key_id, parts, size, True, None,
-                              lambda: self._commit_put(key_id, header or parts.header, size, parent, reservation, ticket))
+            self._write_first(key_id, parts, size, True, None, lambda: self._commit_put(
+                key_id, header or parts.header, size, parent, reservation, ticket, model_id))
         except BaseException:
             self._write_behind.release(reservation)
             raise
         return True
 
     def _commit_put(self, key_id: bytes, header, size: int, parent: bytes | None, reservation: Reservation,
-                    ticket: Ticket | None) -> bool:
+                    ticket: Ticket | None, model_id: str | None) -> bool:
         """The index learns of a put's first-tier copy and queues its copies (index lock held)."""
         index = self.index
         index.puts += 1
         entry = index.get(key_id)
         if entry is None:
-            entry = index.entries[key_id] = Entry(index.next_version(), size, header, parent=parent)
+            entry = index.entries[key_id] = Entry(index.next_version(), size, header, parent=parent, model_id=model_id)
         else:
             index.hit(key_id, entry)
             if entry.header != header:  # another blob of the chunk: a new version
                 entry.version, entry.size, entry.header = index.next_version(), size, header
             entry.parent = parent if parent is not None else entry.parent
+            entry.model_id = model_id if model_id is not None else entry.model_id
         index.set_replica(key_id, entry, self.first.name, Replica(size, header.codec_id, entry.version))
         index.stats[self.first.name].bytes_written += size
         # a durable put is a promise about every replica tier; a plain one gets the planned copies

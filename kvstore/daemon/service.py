@@ -148,7 +148,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"{ns.dtype}{list(ns.chunk_shape)}")
         parts = [bound.header_for(header, payload, claimed=False), payload] if bound.rekeyed else [blob]
         self.quotas.make_room(bound.owner, key, len(memoryview(blob).cast("B")))
-        self.store.put_blob(key.id, parts, parent=parent, durable=durable)
+        self.store.put_blob(key, parts, parent=parent, durable=durable)
 
     async def _store(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
         """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame),
