@@ -5,7 +5,9 @@ chunk goes through a codec's encode and decode, and the next ``--continuation`` 
 scored on the decoded KV. Perplexity change, top-1 agreement and KL divergence are
 measured against the same KV stored raw in the same dtype, so ``raw`` is exactly 0% by
 construction. The verdict file (schema in docs/codecs.md) tells placement which lossy
-codecs this model tolerates.
+codecs this model tolerates; it names the model by the id its chunks' namespaces carry (the
+engine's fingerprint of the weights, unless ``--model-id`` says otherwise), and placement
+applies it to that model's chunks only.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from bench.cli import UsageError
 from bench.probe_baselines import baselines
 from kvstore.codecs import codec_names, get_codec
 from kvstore.codecs.base import Codec
+from kvstore.placement import VERDICT_SCHEMA as SCHEMA
 
-SCHEMA = "kvstore.codec-verdicts/1"
 DEFAULT_TEXT = Path(__file__).parent / "data" / "probe_prose.txt"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -37,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="UTF-8 text the model reads")
     p.add_argument("--max-ppl-change", type=float, default=2.0, help="allowed perplexity change either way, %%")
     p.add_argument("--min-top1", type=float, default=95.0, help="required top-1 agreement, %%")
+    p.add_argument("--model-id", help="namespace model id the verdicts hold for (default: the engine's fingerprint "
+                                      "of the weights; set it to a deployment's connector.model_id)")
     p.add_argument("--out", type=Path, help="write the verdict JSON here")
     p.set_defaults(func=run)
 
@@ -46,6 +50,7 @@ def run(args) -> int:
     if args.tokens < 1 or args.continuation < 2 or args.chunk_tokens < 1:
         raise UsageError("--tokens and --chunk-tokens must be >= 1 and --continuation >= 2")
     from bench import probe_model
+    from engine.models.loader import model_fingerprint
 
     path = args.model
     if path is None:
@@ -55,6 +60,7 @@ def run(args) -> int:
     if not path.exists():
         raise UsageError(f"model {path} does not exist")
     loaded = probe_model.load_model(path)
+    model_id = args.model_id or model_fingerprint(path)
     ids = probe_model.token_ids(loaded, args.text.read_text(encoding="utf-8"))
     if len(ids) < args.tokens + args.continuation:
         raise UsageError(f"{args.text} has {len(ids)} tokens; --tokens + --continuation need more")
@@ -87,6 +93,7 @@ def run(args) -> int:
     result = {
         "schema": SCHEMA,
         "model": loaded.model_id,
+        "model_id": model_id,
         "model_path": str(path),
         "dtype": args.dtype,
         "text": str(args.text),

@@ -25,7 +25,8 @@ codec the ``--verdicts`` file allows, valued with the same prefill cost model, a
 written behind to the disk may be encoded there. ``NAME+CODEC`` (e.g. ``lru+int8``) puts every
 chunk in that codec: fixed-ratio compression. Payloads are random fp16 (lossy codecs shrink
 them as they would real KV; lossless lz4 does not, as on real fp16 KV), or with ``--payloads
-real`` the KV SmolLM2 computes on real prose; the quality cost comes from the verdict file.
+real`` the KV SmolLM2 computes on real prose; the quality cost comes from the verdict file,
+and the replayed chunks are stored under the model id it names (verdicts hold per model).
 
 With ``--read-gbps``, time is modelled rather than measured, for tiers this machine does not
 have (a disk throttled to 1 GB/s behind no page cache) and for a model larger than the chunks
@@ -258,7 +259,7 @@ def replay_one(requests, variant: Variant, args, ns: Namespace, root: Path, prog
         "bytes_read": {n: s.bytes_read for n, s in stats.items()},
         "bytes_written": {n: s.bytes_written for n, s in stats.items()},
         "lossy_hit_pct": 100 * lossy / accesses,
-        "ppl_change_bound_pct": _ppl_bound(args.verdicts, variant, lossy, accesses),
+        "ppl_change_bound_pct": _ppl_bound(args.verdicts, ns.model_id, variant, lossy, accesses),
         "recodes": {n: s.recodes for n, s in stats.items()},
         "ttft": _percentiles(ttft),
         "by_class": {c: {"requests": len(v["ttft"]), "prefix_hit_pct": 100 * v["blocks"][0] / v["blocks"][1],
@@ -275,16 +276,22 @@ def _slot(block_id, n: int) -> int:
     return int.from_bytes(hashlib.blake2b(str(block_id).encode(), digest_size=8).digest(), "little") % n
 
 
-def _ppl_bound(verdicts: str, variant: Variant, lossy: int, accesses: int) -> float:
+def _ppl_bound(verdicts: str, model_id: str, variant: Variant, lossy: int, accesses: int) -> float:
     """Perplexity change to expect, at most: the share of accessed blocks served lossy times the
     worst perplexity change of the codecs the variant may have served them in (the probe's
     figure for a prefix whose every chunk is in that codec)."""
     if not lossy:
         return 0.0
-    allowed = load_verdicts([verdicts]).get("float16", {})
+    allowed = load_verdicts([verdicts]).get((model_id, "float16"), {})
     names = [variant.codec] if variant.codec else [c for c in PlacementConfig().codecs if c in allowed]
     worst = max((allowed.get(c, math.nan) for c in names), default=math.nan)
     return lossy / accesses * worst
+
+
+def _verdicts_model(verdicts: str) -> str:
+    """The model the verdict file was measured on: the replayed chunks stand for its KV, so
+    they are stored under its id and placement applies the verdicts to them."""
+    return next(iter(load_verdicts([verdicts])))[0]
 
 
 def floor(requests, recompute_s: float) -> dict:
@@ -307,12 +314,13 @@ def run(args) -> int:
     variants = [parse_variant(p.strip()) for p in args.policies.split(",") if p.strip()]
     trace = load_trace(args.trace)
     requests = trace.requests[: args.requests]
+    model_id = _verdicts_model(args.verdicts)
     if args.payloads == "real":
         payloads = real_chunks(args.tokens)
         layers, _, _, heads, dim = payloads[0].shape
-        ns = Namespace("kvbench-replay", layers, heads, dim, "float16", args.tokens)
+        ns = Namespace(model_id, layers, heads, dim, "float16", args.tokens)
     else:
-        ns = Namespace("kvbench-replay", args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
+        ns = Namespace(model_id, args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
         payloads = [torch.randn(ns.chunk_shape).half()]
     model = time_model(args, payloads[0])
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvbench-replay-"))

@@ -133,7 +133,7 @@ class Evictor:
                 or source.version != entry.version or not self.placement.profiled(header.dtype, header.shape)):
             return None
         room = tier.capacity_bytes - tier.used_bytes >= tier.footprint(source.size)
-        choice = self.placement.choose_on_write(header.dtype, header.shape, source.size,
+        choice = self.placement.choose_on_write(entry.model_id, header.dtype, header.shape, source.size,
                                                 self._read_bytes_per_s(tier.name), tier.footprint, room)
         return None if choice is None else choice.codec
 
@@ -155,7 +155,7 @@ class Evictor:
             if name != tier.name and other.version == entry.version and other.codec_id is not None:
                 fallback_s = min(fallback_s, self.placement.load_s(
                     header.dtype, header.shape, other.size, other.codec_id, self._read_bytes_per_s(name)))
-        choice = self.placement.choose(header.dtype, header.shape, replica.size, reuse, fallback_s,
+        choice = self.placement.choose(entry.model_id, header.dtype, header.shape, replica.size, reuse, fallback_s,
                                        self._read_bytes_per_s(tier.name), tier.footprint)
         return None if choice is None else _Recode(tier, key_id, entry, replica, choice.codec)
 

@@ -30,8 +30,10 @@ import torch
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES
 from kvstore.codecs import Codec, get_codec
 from kvstore.config import PlacementConfig
+from kvstore.keys import DTYPES
 
-VERDICT_SCHEMA = "kvstore.codec-verdicts/1"
+VERDICT_SCHEMA = "kvstore.codec-verdicts/2"
+UNMATCHED_VERDICT_SCHEMA = "kvstore.codec-verdicts/1"  # named no model id: refused, never applied to every model
 PROFILE_DECODES = 3  # decode timing: best of this many, so one slow first call does not decide
 
 
@@ -50,20 +52,30 @@ class Choice:
     utility_per_byte: float  # reuse x gain / footprint, seconds per byte
 
 
-def load_verdicts(paths: list[str]) -> dict[str, dict[str, float]]:
-    """``{dtype: {codec name: |perplexity change %|}}`` for the codecs each file allows."""
-    allowed: dict[str, dict[str, float]] = {}
+def load_verdicts(paths: list[str]) -> dict[tuple[str, str], dict[str, float]]:
+    """``{(model id, dtype): {codec name: |perplexity change %|}}`` for the codecs each file
+    allows. A verdict holds only for the model it was measured on, so it is keyed by the
+    namespace model id the file names, never applied to another model's chunks."""
+    allowed: dict[tuple[str, str], dict[str, float]] = {}
     for path in paths:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"placement.verdicts: cannot read {path}: {exc}") from None
-        if not isinstance(data, dict) or data.get("schema") != VERDICT_SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if schema == UNMATCHED_VERDICT_SCHEMA:
+            raise ValueError(f"placement.verdicts: {path} is a {schema} file, which does not name the model id its "
+                             f"verdicts hold for; re-run `kvbench probe-codec` on that model to write a {VERDICT_SCHEMA} one")
+        if schema != VERDICT_SCHEMA:
             raise ValueError(f"placement.verdicts: {path} is not a {VERDICT_SCHEMA} file")
-        dtype = data.get("dtype")
-        if dtype in allowed:
-            raise ValueError(f"placement.verdicts: two files give verdicts for {dtype}")
-        allowed[dtype] = {
+        model_id, dtype = data.get("model_id"), data.get("dtype")
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"placement.verdicts: {path} names no model_id")
+        if dtype not in DTYPES:
+            raise ValueError(f"placement.verdicts: {path} has dtype {dtype!r}, not one of {DTYPES}")
+        if (model_id, dtype) in allowed:
+            raise ValueError(f"placement.verdicts: two files give verdicts for {model_id} in {dtype}")
+        allowed[(model_id, dtype)] = {
             name: abs(float(v["ppl_change_pct"]))
             for name, v in data.get("codecs", {}).items()
             if v.get("allowed") is True and "ppl_change_pct" in v
@@ -95,18 +107,24 @@ class Placement:
 
     @property
     def inert(self) -> bool:
-        """No chunk of any dtype can have a candidate: nothing for placement to decide."""
+        """No chunk of any model or dtype can have a candidate: nothing for placement to decide."""
         return not any(c.lossless or any(c.name in allowed for allowed in self._quality.values())
                        for c in self._codecs)
 
-    def candidates(self, dtype: torch.dtype) -> list[Codec]:
-        """Lossless codecs always; a lossy one only where a verdict allows it for ``dtype``."""
-        allowed = self._quality.get(DTYPE_NAMES[dtype], {})
+    def candidates(self, model_id: str | None, dtype: torch.dtype) -> list[Codec]:
+        """Lossless codecs always; a lossy one only where a verdict measured on ``model_id``
+        allows it for ``dtype``. A chunk of no known model (None) gets lossless ones only."""
+        allowed = self._quality.get((model_id, DTYPE_NAMES[dtype]), {})
         return [c for c in self._codecs if c.lossless or c.name in allowed]
 
-    def quality_loss(self, codec: Codec, dtype: torch.dtype) -> float:
-        """The codec's |perplexity change| in percent (0 for lossless codecs)."""
-        return 0.0 if codec.lossless else self._quality[DTYPE_NAMES[dtype]][codec.name]
+    def quality_loss(self, codec: Codec, model_id: str | None, dtype: torch.dtype) -> float:
+        """The codec's |perplexity change| in percent on that model (0 for lossless codecs)."""
+        return 0.0 if codec.lossless else self._quality[(model_id, DTYPE_NAMES[dtype])][codec.name]
+
+    def _measured(self, dtype: torch.dtype) -> list[Codec]:
+        """The codecs some model's chunks of ``dtype`` may take: what profiling measures."""
+        allowed = {name for (_, d), codecs in self._quality.items() if d == DTYPE_NAMES[dtype] for name in codecs}
+        return [c for c in self._codecs if c.lossless or c.name in allowed]
 
     def recompute_s(self, shape: tuple[int, ...]) -> float:
         """Prefill cost model: a chunk ``[layers, 2, tokens, heads, head_dim]`` costs its tokens."""
@@ -119,12 +137,12 @@ class Placement:
         return (dtype, shape) in self._profiles
 
     def profile(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        """Measure every candidate's size ratio and decode time on a random chunk of this
-        shape and dtype (once; lossy sizes do not depend on the values, and lz4 barely
-        shrinks real fp16 KV either). A codec that cannot encode the shape (a mixed budget
-        below what its scales take) is no candidate for it."""
+        """Measure the size ratio and decode time of every codec a chunk of this shape and
+        dtype may take, whatever its model, on a random chunk (once; lossy sizes do not depend
+        on the values, and lz4 barely shrinks real fp16 KV either). A codec that cannot encode
+        the shape (a mixed budget below what its scales take) is no candidate for it."""
         profiles: dict[int, CodecProfile] = {}
-        candidates = self.candidates(dtype)
+        candidates = self._measured(dtype)
         if not candidates:  # nothing to measure (no verdict for this dtype): no sample either
             self._profiles[(dtype, shape)] = profiles
             return
@@ -156,6 +174,7 @@ class Placement:
 
     def choose(
         self,
+        model_id: str | None,
         dtype: torch.dtype,
         shape: tuple[int, ...],
         blob_bytes: int,
@@ -165,6 +184,7 @@ class Placement:
         footprint: Callable[[int], int],
     ) -> Choice | None:
         """The encoding a victim of ``blob_bytes`` should be re-encoded into, or None to drop it.
+        ``model_id`` is the chunk's namespace model (None: unknown), whose verdicts apply.
 
         Needs ``profile(dtype, shape)`` first. ``fallback_s`` is the cost of serving the chunk
         without this copy; ``read_bytes_per_s`` the tier's read bandwidth; ``footprint`` the
@@ -174,11 +194,11 @@ class Placement:
         raw_blob = HEADER_BYTES + math.prod(shape) * dtype.itemsize
         raw_gain = fallback_s - self.load_s(dtype, shape, raw_blob, 0, read_bytes_per_s)
         price = max(0.0, raw_gain / footprint(raw_blob))
-        return self._densest(dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price)
+        return self._densest(model_id, dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price)
 
     def choose_on_write(
-        self, dtype: torch.dtype, shape: tuple[int, ...], blob_bytes: int, read_bytes_per_s: float,
-        footprint: Callable[[int], int], room: bool,
+        self, model_id: str | None, dtype: torch.dtype, shape: tuple[int, ...], blob_bytes: int,
+        read_bytes_per_s: float, footprint: Callable[[int], int], room: bool,
     ) -> Choice | None:
         """The encoding a raw chunk's new copy in a tier should have, or None to write it raw.
 
@@ -198,29 +218,33 @@ class Placement:
 
         raw_gain = recompute_s - self.load_s(dtype, shape, blob_bytes, 0, read_bytes_per_s)
         best, best_merit = None, merit(raw_gain, blob_bytes)
-        for codec, size, gain in self._shrinking(dtype, shape, blob_bytes, recompute_s, read_bytes_per_s, footprint):
+        for codec, size, gain in self._shrinking(model_id, dtype, shape, blob_bytes, recompute_s, read_bytes_per_s,
+                                                 footprint):
             if merit(gain, size) > best_merit:
                 best, best_merit = Choice(codec, footprint(size), gain / footprint(size)), merit(gain, size)
         return best
 
-    def _shrinking(self, dtype, shape, blob_bytes, fallback_s, read_bytes_per_s, footprint):
+    def _shrinking(self, model_id, dtype, shape, blob_bytes, fallback_s, read_bytes_per_s, footprint):
         """(codec, encoded blob size, seconds saved per use against ``fallback_s``) of every
-        candidate whose blob takes less of the tier than one of ``blob_bytes``."""
+        candidate for the model whose blob takes less of the tier than one of ``blob_bytes``."""
         profiles = self._profiles[(dtype, shape)]
         raw_bytes = math.prod(shape) * dtype.itemsize
-        for codec in self.candidates(dtype):
+        for codec in self.candidates(model_id, dtype):
             if codec.codec_id not in profiles:
                 continue  # cannot encode this shape
             size = HEADER_BYTES + math.ceil(profiles[codec.codec_id].payload_ratio * raw_bytes)
             if footprint(size) < footprint(blob_bytes):
                 load_s = self.load_s(dtype, shape, size, codec.codec_id, read_bytes_per_s)
-                yield codec, size, fallback_s - load_s - self.config.quality_weight_s * self.quality_loss(codec, dtype)
+                quality_s = self.config.quality_weight_s * self.quality_loss(codec, model_id, dtype)
+                yield codec, size, fallback_s - load_s - quality_s
 
-    def _densest(self, dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint, price) -> Choice | None:
+    def _densest(self, model_id, dtype, shape, blob_bytes, reuse, fallback_s, read_bytes_per_s, footprint,
+                 price) -> Choice | None:
         """The candidate that shrinks a blob of ``blob_bytes`` with the highest ``reuse x gain /
         footprint``, if its gain is positive and that beats ``price``."""
         best: Choice | None = None
-        for codec, size, gain in self._shrinking(dtype, shape, blob_bytes, fallback_s, read_bytes_per_s, footprint):
+        for codec, size, gain in self._shrinking(model_id, dtype, shape, blob_bytes, fallback_s, read_bytes_per_s,
+                                                 footprint):
             density = reuse * gain / footprint(size)
             if gain > 0 and density > price and (best is None or density > best.utility_per_byte):
                 best = Choice(codec, footprint(size), density)

@@ -80,7 +80,7 @@ def place(cfg, root: Path) -> None:
     are written small and its victims kept smaller, replicas planned by utility."""
     verdicts = root / "verdicts.json"
     verdicts.write_text(json.dumps({
-        "schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": "float16",
+        "schema": "kvstore.codec-verdicts/2", "model": "test", "model_id": NS_PLACED.model_id, "dtype": "float16",
         "codecs": {name: {"ppl_change_pct": 0.1 * (n + 1), "allowed": True} for n, name in enumerate(PLACEMENT_CODECS)}}))
     cfg.placement = PlacementConfig(codecs=list(PLACEMENT_CODECS), verdicts=[str(verdicts)],
                                     prefill_tokens_per_s=2000.0, quality_weight_s=0.0001, host_read_bytes_per_s=10**10,

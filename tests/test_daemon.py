@@ -305,3 +305,31 @@ def test_one_client_shared_by_threads_stays_bit_exact(daemon, transport):
         for t in threads:
             t.join()
     assert not errors, errors
+
+
+def test_a_codec_verdict_holds_for_its_models_chunks_only(tmp_path):
+    """The daemon stores a chunk under the namespace its request names, so placement knows its
+    model: model A's verdict keeps A's victims int8 and never makes model B's chunks lossy.
+    (It used to put by key id alone: no model, so no verdict held for any chunk it stored.)"""
+    a = Namespace("model-a", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16
+    b = Namespace("model-b", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)
+    (tmp_path / "verdicts.json").write_text(json.dumps({
+        "schema": "kvstore.codec-verdicts/2", "model": "a", "model_id": a.model_id, "dtype": "float16",
+        "codecs": {"int8": {"ppl_change_pct": 0.02, "allowed": True}}}))
+    (tmp_path / "daemon.toml").write_text(  # RAM for 8 raw chunks, no disk: dropping a chunk means recomputing it
+        f'[shm]\nenabled = false\n[store.host]\ncapacity_bytes = {8 * 5 * 4096}\npage_bytes = 4096\nprefault = false\n'
+        f'[store.disk]\nenabled = false\n[store.placement]\ncodecs = ["int8"]\nverdicts = ["{tmp_path / "verdicts.json"}"]\n'
+        f'quality_weight_s = 0.0005\nprefill_tokens_per_s = 2000.0\n')
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    keys_a, values_a = chunks(12, a, seed=1)
+    keys_b, values_b = chunks(12, b, seed=2)
+    with DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(tmp_path / "data"), "--auth-token-file", str(tmp_path / "token")]) as proc:
+        with Client(proc.addr, token=TOKEN) as client:
+            for ka, va, kb, vb in zip(keys_a, values_a, keys_b, values_b):
+                client.put(ka, va)
+                client.put(kb, vb)
+            assert client.stats().tiers["host"].recodes > 0  # victims of model A's, the only one with a verdict
+            for key, value in zip(keys_b, values_b):
+                got = client.get([key])
+                assert not got or same(got[0], value), "model B's chunk came back lossy"

@@ -1,12 +1,14 @@
 import json
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from faults import Gate
+from kvstore.blob import encode_header
 from kvstore.codecs import get_codec
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
@@ -16,15 +18,17 @@ from kvstore.store import Store
 PAGE = 4096
 NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16 chunks
 SHAPE = NS.chunk_shape
+M = NS.model_id
+NS_B = Namespace("other-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # no verdict
 RAW_BLOB = 128 + 16384
 CHUNK_PAGES = 5  # a raw blob's footprint; an int8 one takes 3
 
 
-def verdict_file(tmp_path, dtype="float16", **codecs) -> str:
-    """A verdict file allowing the named codecs (name=ppl change %) for ``dtype``."""
-    path = tmp_path / f"verdicts-{dtype}.json"
+def verdict_file(tmp_path, dtype="float16", model_id=NS.model_id, **codecs) -> str:
+    """A verdict file allowing the named codecs (name=ppl change %) for ``model_id`` in ``dtype``."""
+    path = tmp_path / f"verdicts-{model_id}-{dtype}.json"
     path.write_text(json.dumps({
-        "schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": dtype,
+        "schema": "kvstore.codec-verdicts/2", "model": "test", "model_id": model_id, "dtype": dtype,
         "codecs": {name: {"ppl_change_pct": ppl, "allowed": True} for name, ppl in codecs.items()}
         | {"int4": {"ppl_change_pct": 9.0, "allowed": False}},
     }))
@@ -51,9 +55,9 @@ def within_int8(got: torch.Tensor, original: torch.Tensor) -> bool:
     return bool(((got.float() - original.float()).abs() <= int8_bound(original)).all())
 
 
-def chunks(n, seed=0):
+def chunks(n, seed=0, ns=NS):
     gen = torch.Generator().manual_seed(seed)
-    keys = chunk_keys(torch.randint(0, 50_000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
+    keys = chunk_keys(torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=gen).tolist(), ns)
     return keys, [torch.randn(SHAPE, generator=gen).half() for _ in keys]
 
 
@@ -76,29 +80,29 @@ def store_config(tmp_path, host_chunks, disk_chunks=None, policy="lru") -> Store
 
 def test_only_codecs_a_verdict_allows_for_the_dtype_are_candidates(tmp_path):
     p = placement(tmp_path, codecs=["lz4", "int8", "int4"])
-    assert [c.name for c in p.candidates(torch.float16)] == ["lz4", "int8"]  # int4 is not allowed
-    assert [c.name for c in p.candidates(torch.bfloat16)] == ["lz4"]  # no verdict for bf16: lossless only
+    assert [c.name for c in p.candidates(M, torch.float16)] == ["lz4", "int8"]  # int4 is not allowed
+    assert [c.name for c in p.candidates(M, torch.bfloat16)] == ["lz4"]  # no verdict for bf16: lossless only
 
 
 def test_compresses_a_victim_that_would_otherwise_be_recomputed(tmp_path):
     p = placement(tmp_path)
-    choice = p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n)
+    choice = p.choose(M, torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n)
     assert choice is not None and choice.codec.name == "int8" and choice.footprint < RAW_BLOB
 
 
 def test_drops_a_victim_a_faster_replica_serves_anyway(tmp_path):
     p = placement(tmp_path)
-    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, 1e-9, 1e9, lambda n: n) is None
+    assert p.choose(M, torch.float16, SHAPE, RAW_BLOB, 1.0, 1e-9, 1e9, lambda n: n) is None
 
 
 def test_quality_weight_can_price_a_lossy_codec_out(tmp_path):
     p = placement(tmp_path, quality_weight_s=1.0)  # 0.02% x 1 s = 20 ms per use > 8 ms to recompute
-    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+    assert p.choose(M, torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
 
 
 def test_low_reuse_is_not_worth_the_bytes(tmp_path):
     p = placement(tmp_path)
-    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 0.03, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+    assert p.choose(M, torch.float16, SHAPE, RAW_BLOB, 0.03, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
 
 
 def test_an_encoding_must_shrink_the_tiers_footprint(tmp_path):
@@ -106,23 +110,23 @@ def test_an_encoding_must_shrink_the_tiers_footprint(tmp_path):
     def whole_units(n: int) -> int:  # raw and int8 blobs both take one 64 KiB unit
         return -(-n // 65536) * 65536
 
-    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, whole_units) is None
+    assert p.choose(M, torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, whole_units) is None
 
 
 def test_a_new_copy_on_a_tier_with_room_takes_the_encoding_that_saves_most_time(tmp_path):
     p = placement(tmp_path, decode_bytes_per_s=10**9)  # int8 decodes 16 KiB in 16 us
     fast, slow = 10**10, 2 * 10**6  # a raw copy loads in 1.6 us, or in 8 ms: what recomputing costs
-    assert p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, fast, lambda n: n, room=True) is None
-    choice = p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, slow, lambda n: n, room=True)
+    assert p.choose_on_write(M, torch.float16, SHAPE, RAW_BLOB, fast, lambda n: n, room=True) is None
+    choice = p.choose_on_write(M, torch.float16, SHAPE, RAW_BLOB, slow, lambda n: n, room=True)
     assert choice is not None and choice.codec.name == "int8"
 
 
 def test_a_new_copy_on_a_full_tier_takes_the_encoding_that_saves_most_per_byte(tmp_path):
     p = placement(tmp_path, decode_bytes_per_s=10**9)
-    choice = p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False)
+    choice = p.choose_on_write(M, torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False)
     assert choice is not None and choice.codec.name == "int8"
     priced_out = placement(tmp_path, decode_bytes_per_s=10**9, quality_weight_s=1.0)
-    assert priced_out.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False) is None
+    assert priced_out.choose_on_write(M, torch.float16, SHAPE, RAW_BLOB, 10**10, lambda n: n, room=False) is None
 
 
 def test_where_no_copy_beats_recomputing_the_least_costly_one_is_written(tmp_path):
@@ -130,13 +134,13 @@ def test_where_no_copy_beats_recomputing_the_least_costly_one_is_written(tmp_pat
     copy still costs more than recomputing, but half as much as raw's, and a hit is loaded."""
     p = placement(tmp_path, decode_bytes_per_s=10**9)
     for room in (True, False):
-        choice = p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 10**6, lambda n: n, room=room)
+        choice = p.choose_on_write(M, torch.float16, SHAPE, RAW_BLOB, 10**6, lambda n: n, room=room)
         assert choice is not None and choice.codec.name == "int8" and choice.utility_per_byte < 0
 
 
 def test_a_configured_decode_speed_replaces_the_measured_one(tmp_path):
     p = placement(tmp_path, decode_bytes_per_s=16384 * 1000)  # 16 KiB chunks: 1 ms each
-    int8 = next(c for c in p.candidates(torch.float16) if c.name == "int8")
+    int8 = next(c for c in p.candidates(M, torch.float16) if c.name == "int8")
     assert p.load_s(torch.float16, SHAPE, 0, int8.codec_id, 1e9) == pytest.approx(1e-3)
     assert p.read_bytes_per_s("disk", 0.0) == p.config.assumed_read_bytes_per_s
     assert p.read_bytes_per_s("disk", 2.5) == 2.5e9
@@ -148,9 +152,9 @@ def test_by_default_placement_is_on_and_does_nothing_without_a_verdict(tmp_path)
     assert config.enabled and all(not get_codec(c).lossless for c in config.codecs)
     p = Placement(config)
     p.profile(torch.float16, SHAPE)
-    assert p.candidates(torch.float16) == []
-    assert p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
-    assert p.choose_on_write(torch.float16, SHAPE, RAW_BLOB, 1e6, lambda n: n, room=True) is None
+    assert p.candidates(M, torch.float16) == []
+    assert p.choose(M, torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+    assert p.choose_on_write(M, torch.float16, SHAPE, RAW_BLOB, 1e6, lambda n: n, room=True) is None
     assert p.inert and not placement(tmp_path).inert
     assert not Placement(PlacementConfig(codecs=["lz4"])).inert  # a lossless candidate needs no verdict
     with Store(StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, prefault=False),
@@ -162,7 +166,7 @@ def test_a_codec_that_cannot_encode_the_shape_is_no_candidate_and_puts_still_suc
     """mixed25's budget at head_dim 64 is below what its scales take: it raises on encode.
     Profiling it used to raise out of every put of that shape."""
     p = placement(tmp_path, codecs=["mixed25", "int8"], verdicts=[verdict_file(tmp_path, mixed25=0.1, int8=0.02)])
-    choice = p.choose(torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n)
+    choice = p.choose(M, torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n)
     assert choice is not None and choice.codec.name == "int8"
     cfg = store_config(tmp_path, host_chunks=2)
     cfg.placement.codecs, cfg.placement.verdicts = ["mixed25"], [verdict_file(tmp_path, mixed25=0.1)]
@@ -177,12 +181,41 @@ def test_a_codec_that_cannot_encode_the_shape_is_no_candidate_and_puts_still_suc
 def test_verdict_files_are_checked(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    with pytest.raises(ValueError, match="not a kvstore.codec-verdicts/1 file"):
+    with pytest.raises(ValueError, match="not a kvstore.codec-verdicts/2 file"):
         load_verdicts([str(bad)])
     one = verdict_file(tmp_path, int8=0.1)
-    with pytest.raises(ValueError, match="two files give verdicts for float16"):
+    with pytest.raises(ValueError, match="two files give verdicts for test-model in float16"):
         load_verdicts([one, one])
-    assert load_verdicts([verdict_file(tmp_path, int8=-0.5)]) == {"float16": {"int8": 0.5}}
+    assert load_verdicts([verdict_file(tmp_path, int8=-0.5)]) == {("test-model", "float16"): {"int8": 0.5}}
+    for field, value, message in [("model_id", "", "names no model_id"), ("dtype", "fp16", "dtype 'fp16'")]:
+        bad.write_text(json.dumps(json.loads(Path(one).read_text()) | {field: value}))
+        with pytest.raises(ValueError, match=message):
+            load_verdicts([str(bad)])
+
+
+def test_a_verdict_file_that_names_no_model_id_is_refused_with_a_clear_error(tmp_path):
+    """Schema /1 files name the model only by its file stem, which no namespace carries:
+    applied, they allowed their codecs for every model of their dtype; now they are refused."""
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema": "kvstore.codec-verdicts/1", "model": "SmolLM2", "dtype": "float16",
+                               "codecs": {"int4": {"ppl_change_pct": 0.5, "allowed": True}}}))
+    with pytest.raises(ValueError) as raised:
+        Placement(PlacementConfig(verdicts=[str(old)]))
+    message = str(raised.value)
+    assert "\n" not in message and str(old) in message and "re-run `kvbench probe-codec`" in message
+
+
+def test_a_verdict_holds_only_for_the_model_it_was_measured_on(tmp_path):
+    p = placement(tmp_path, codecs=["lz4", "int8"])
+    assert [c.name for c in p.candidates(M, torch.float16)] == ["lz4", "int8"]
+    for other in ("another-model", None):  # a model without a verdict, or a chunk of no known model
+        assert [c.name for c in p.candidates(other, torch.float16)] == ["lz4"]
+        assert p.choose(other, torch.float16, SHAPE, RAW_BLOB, 1.0, p.recompute_s(SHAPE), 1e9, lambda n: n) is None
+        assert p.choose_on_write(other, torch.float16, SHAPE, RAW_BLOB, 10**6, lambda n: n, room=True) is None
+    two = placement(tmp_path, codecs=["int8", "mixed75"], verdicts=[verdict_file(tmp_path, int8=0.02),
+                                                                   verdict_file(tmp_path, model_id="b", mixed75=0.3)])
+    assert [c.name for c in two.candidates(M, torch.float16)] == ["int8"]
+    assert [c.name for c in two.candidates("b", torch.float16)] == ["mixed75"]
     with pytest.raises(ValueError, match="placement.codecs"):
         Placement(PlacementConfig(codecs=["zstd"]))
 
@@ -204,6 +237,58 @@ def test_host_victims_are_compressed_in_place_and_read_back_within_the_bound(tmp
             assert within_int8(out, values[i])
         assert store.stats().tiers["host"].lossy_hits > 0
         assert store.stats().tiers["host"].used_bytes <= store.stats().tiers["host"].capacity_bytes
+
+
+def test_a_verdict_for_one_model_never_makes_another_models_chunks_lossy(tmp_path):
+    """Two models share a store, chunks of one shape and dtype; the verdict is model A's. A's
+    victims are kept int8, B's are dropped whole: before the fix, verdicts were keyed by
+    dtype alone and B's chunks were re-encoded with A's quality figures."""
+    keys_a, values_a = chunks(12, seed=1)
+    keys_b, values_b = chunks(12, seed=2, ns=NS_B)
+    with Store(store_config(tmp_path, host_chunks=8)) as store:  # RAM only: dropping means recomputing
+        for ka, va, kb, vb in zip(keys_a, values_a, keys_b, values_b):
+            store.put(ka, va)
+            store.put(kb, vb)
+        assert store.stats().tiers["host"].recodes > 0
+        out = torch.empty(SHAPE, dtype=torch.float16)
+        for key, value in zip(keys_b, values_b):
+            if store.contains(key):
+                assert store.get_into(key, out) and torch.equal(out, value), "model B's chunk came back lossy"
+        assert any(store.contains(k) and store.get_into(k, out) and not torch.equal(out, v)
+                   for k, v in zip(keys_a, values_a))  # model A's verdict still applies to A
+
+
+def test_copies_written_behind_are_encoded_only_for_the_model_with_a_verdict(tmp_path):
+    keys_a, values_a = chunks(4, seed=1)
+    keys_b, values_b = chunks(4, seed=2, ns=NS_B)
+    cfg = store_config(tmp_path, host_chunks=2, disk_chunks=64)
+    cfg.placement.disk_read_bytes_per_s, cfg.placement.decode_bytes_per_s = 2_000_000, 10**9  # int8 saves time
+    with Store(cfg) as store:
+        for ka, va, kb, vb in zip(keys_a, values_a, keys_b, values_b):
+            store.put(ka, va)
+            store.put(kb, vb)
+            store.flush()
+        assert store.stats().tiers["disk"].recodes == 4  # model A's copies only
+        for key, value in zip(keys_b, values_b):
+            got = store.get([key])
+            assert len(got) == 1 and torch.equal(got[0], value), "model B's chunk came back lossy"
+
+
+def test_a_chunk_put_by_id_alone_stays_lossless_until_a_put_names_its_model(tmp_path):
+    """``put_blob`` by key id does not say which model the chunk is of, so no verdict holds;
+    by ``ChunkKey`` (as the daemon puts) it does."""
+    keys, values = chunks(12)
+    raw = get_codec("raw")
+
+    def blob(key, value):
+        payload = raw.encode(value)
+        return [encode_header(key, raw.codec_id, value.dtype, value.shape, payload), payload]
+
+    for by_key in (False, True):
+        with Store(store_config(tmp_path, host_chunks=8)) as store:  # RAM only
+            for k, v in zip(keys, values):
+                store.put_blob(k if by_key else k.id, blob(k, v))
+            assert (store.stats().tiers["host"].recodes > 0) == by_key
 
 
 def test_disabled_placement_drops_victims(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from bench import probe_codec
 from bench.cli import main
+from engine.models.loader import model_fingerprint
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -46,6 +47,7 @@ def test_probe_writes_verdicts_and_raw_is_exact(tiny_llama, tmp_path, capsys):
     verdicts = json.loads(out.read_text())
     assert verdicts["schema"] == probe_codec.SCHEMA
     assert verdicts["model"] == tiny_llama.name
+    assert verdicts["model_id"] == model_fingerprint(tiny_llama)  # the id the engine's namespaces carry
     assert verdicts["prefix_tokens"] == 96 and verdicts["continuation_tokens"] == 32
     assert set(verdicts["thresholds"]) == {"max_ppl_change_pct", "min_top1_agreement_pct"}
     assert verdicts["reference_ppl"] > 1

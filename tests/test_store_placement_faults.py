@@ -33,8 +33,8 @@ def config(tmp_path, placement: bool = False) -> StoreConfig:
                       eviction_policy="lru")
     if placement:
         verdicts = tmp_path / "verdicts.json"
-        verdicts.write_text(json.dumps({"schema": "kvstore.codec-verdicts/1", "model": "test", "dtype": "float16",
-                                        "codecs": {"int8": {"ppl_change_pct": 0.02, "allowed": True}}}))
+        verdicts.write_text(json.dumps({"schema": "kvstore.codec-verdicts/2", "model": "test", "model_id": NS.model_id,
+                                        "dtype": "float16", "codecs": {"int8": {"ppl_change_pct": 0.02, "allowed": True}}}))
         # recomputing a chunk costs 8 ms, loading it from disk 16 us: a disk victim is worth keeping as int8
         cfg.placement = PlacementConfig(codecs=["int8"], verdicts=[str(verdicts)], quality_weight_s=0.0005,
                                         prefill_tokens_per_s=2000.0, disk_read_bytes_per_s=10**9,
