@@ -146,3 +146,22 @@ def test_host_pool_is_shared_only_where_the_shm_directory_has_room(tmp_path):
     config.shm.share_host_pool = False
     config.shm.dir = str(tmp_path)
     assert Daemon(config)._store_config().host.shm_path is None
+
+
+def test_a_lease_is_released_by_the_request_that_asked_for_it(arena):
+    """A client whose Lease reply was lost names the request it sent; another tenant cannot."""
+    lease = arena.lease(4, "alice", request_id=77)
+    arena.release_request(77, "bob")
+    assert arena.free_slots == 4
+    arena.release_request(77, "alice")
+    assert arena.free_slots == 8 and lease.lease_id not in arena._leases
+
+
+def test_a_lease_request_released_before_it_came_is_refused_then_forgotten(arena):
+    arena.release_request(5, "alice")
+    with pytest.raises(SlotError) as info:
+        arena.lease(2, "alice", request_id=5)
+    assert info.value.kind == "abandoned" and arena.free_slots == 8
+    arena.lease(2, "bob", request_id=5).lease_id  # another tenant's request of the same number
+    time.sleep(2 * arena.lease_ttl_s)  # the arena's own clock: a released request is kept two lifetimes
+    assert arena.lease(2, "alice", request_id=5).slots

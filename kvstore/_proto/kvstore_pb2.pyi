@@ -249,16 +249,20 @@ class StatsReply(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., puts: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., write_behind_pending_bytes: _Optional[int] = ..., write_behind_queue: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., address: _Optional[str] = ..., shm_slots_free: _Optional[int] = ..., bulk_sessions: _Optional[int] = ..., recode_failures: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "request_id")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     slots: int
-    def __init__(self, slots: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, slots: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class LeaseRef(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "request_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, lease_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("lease_id", "path", "nonce", "slot_bytes", "slots", "offsets", "ttl_s", "pool_path")

@@ -31,6 +31,7 @@ wait for those in flight before it gives the lease and the sessions back.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 
 PIN_MARGIN = 0.9  # of BulkAttachReply.pin_ttl_s: a Get read later than this is discarded
 LEASE_AGAIN_S = 1.0  # after the daemon had no free slots for a lease
+UNANSWERED_KEPT = 16  # Lease requests without an answer to release by id: the latest so many
 
 
 class ClientCore:
@@ -77,6 +79,7 @@ class ClientCore:
         self._shm_tried = False  # and found shared memory out of reach (another host, shm off)
         self._lease_again_at = 0.0  # after "no free slots": when to ask again
         self._retired: list[ShmLease] = []  # leases to release once every slot of theirs came back
+        self._unanswered: list[int] = []  # Lease requests that got no answer: released by their id
         self._idle: list[BulkSession] = []
         self._bulk_ok = not options.tls_ca  # the bulk channel is not encrypted
         self._namespaces: dict[bytes, Namespace] = {}
@@ -189,12 +192,18 @@ class ClientCore:
             return lease
         if self.options.transport == "auto" and (self._shm_tried or time.monotonic() < self._lease_again_at):
             return None
+        request_id = secrets.randbits(63) or 1
         try:
-            reply = yield Rpc("Lease", pb.LeaseRequest(slots=self.options.shm_slots))
-        except DaemonError as exc:
+            reply = yield Rpc("Lease", pb.LeaseRequest(slots=self.options.shm_slots, request_id=request_id))
+        except BaseException as exc:
+            if not slots_reusable(exc):  # no answer (a deadline, a cancellation): it may be granted all the same
+                with self._lock:
+                    self._unanswered = (self._unanswered + [request_id])[-UNANSWERED_KEPT:]
+            if not isinstance(exc, DaemonError):
+                raise
             if self.options.transport == "shm" or exc.code == grpc.StatusCode.UNAVAILABLE:
                 raise  # unreachable now (restarting, say), not "no shared memory": the call is retried
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # all slots leased now: try again later
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or not slots_reusable(exc):  # all slots leased
                 self._lease_again_at = time.monotonic() + LEASE_AGAIN_S
             else:
                 self._shm_tried = True
@@ -226,10 +235,17 @@ class ClientCore:
 
     def _release_retired(self):
         """Release the retired leases none of whose slots a request of this client still
-        uses; the others wait for a later call (or expire at the daemon)."""
+        uses (the others wait for a later call, or expire at the daemon), and whatever the
+        Lease requests that got no answer were granted."""
         with self._lock:
             ready = [lease for lease in self._retired if lease.releasable()]
             self._retired = [lease for lease in self._retired if lease not in ready]
+            unanswered, self._unanswered = self._unanswered, []
+        for request_id in unanswered:
+            try:
+                yield Rpc("ReleaseLease", pb.LeaseRef(request_id=request_id))
+            except DaemonError:
+                pass  # a lease it was granted expires at the daemon
         for lease in ready:
             try:
                 yield Rpc("ReleaseLease", pb.LeaseRef(lease_id=lease.lease_id))

@@ -38,6 +38,7 @@ SLOT_STATUS = {
     "range": grpc.StatusCode.OUT_OF_RANGE,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "busy": grpc.StatusCode.ABORTED,
+    "abandoned": grpc.StatusCode.CANCELLED,
 }
 
 

@@ -489,13 +489,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         )
 
     async def Lease(self, request, caller: Tenant):
-        return self._lease_reply(self._need_arena().lease(request.slots, caller.name))
+        return self._lease_reply(self._need_arena().lease(request.slots, caller.name, request.request_id))
 
     async def RenewLease(self, request, caller: Tenant):
         return self._lease_reply(self._need_arena().renew(request.lease_id, caller.name))
 
     async def ReleaseLease(self, request, caller: Tenant):
-        self._need_arena().release(request.lease_id, caller.name)
+        if request.request_id:
+            self._need_arena().release_request(request.request_id, caller.name)
+        else:
+            self._need_arena().release(request.lease_id, caller.name)
         return pb.Empty()
 
     async def BulkAttach(self, request, caller: Tenant):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import mmap
 import secrets
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ from kvstore.daemon.shmfiles import ARENA, SharedFile
 from kvstore.wire.frames import NONCE_BYTES
 
 ARENA_HEADER_BYTES = 4096
+ABANDONED_KEPT = 4096  # Lease requests released before they came, remembered (the oldest go first)
 
 
 class SlotError(Exception):
@@ -42,7 +43,7 @@ class SlotError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "stale" | "forged" | "range" | "exhausted" | "busy"
+        self.kind = kind  # "stale" | "forged" | "range" | "exhausted" | "busy" | "abandoned"
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Lease:
     slots: list[int]
     expires: float
     owner: str  # the tenant that took it
+    request_id: int = 0  # the client's name for the Lease request (0: none)
     busy: int = 0
     ended: bool = False  # released or expired; reclaimed once ``busy`` is 0
 
@@ -82,6 +84,9 @@ class SlotArena:
         self._owner = [0] * self.slots
         self._in_use = [False] * self.slots
         self._leases: dict[int, Lease] = {}
+        self._requested: dict[tuple[str, int], Lease] = {}  # (owner, request id) of the live leases
+        # (owner, request id) of Lease requests their client gave up on before they came: expiry
+        self._abandoned: OrderedDict[tuple[str, int], float] = OrderedDict()
 
     def offset(self, index: int) -> int:
         return ARENA_HEADER_BYTES + index * self.slot_bytes
@@ -90,8 +95,10 @@ class SlotArena:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def lease(self, count: int, owner: str) -> Lease:
+    def lease(self, count: int, owner: str, request_id: int = 0) -> Lease:
         self.expire()
+        if (owner, request_id) in self._abandoned:
+            raise SlotError("abandoned", f"lease request {request_id} was released by its client before it came")
         count = min(max(1, count), self.max_slots_per_lease)
         if len(self._free) < count:
             raise SlotError("exhausted", f"{len(self._free)} shared-memory slots free, {count} asked")
@@ -100,7 +107,9 @@ class SlotArena:
         for i in slots:
             self._generation[i] += 1
             self._owner[i] = lease_id
-        lease = self._leases[lease_id] = Lease(lease_id, slots, time.monotonic() + self.lease_ttl_s, owner)
+        lease = self._leases[lease_id] = Lease(lease_id, slots, time.monotonic() + self.lease_ttl_s, owner, request_id)
+        if request_id:
+            self._requested[(owner, request_id)] = lease
         return lease
 
     def generation(self, index: int) -> int:
@@ -123,8 +132,22 @@ class SlotArena:
         if lease is not None and lease.owner == owner:
             self._end(lease)
 
+    def release_request(self, request_id: int, owner: str) -> None:
+        """End the lease granted to ``owner``'s Lease request ``request_id``: the client never
+        had the reply. Not granted yet (the request still on its way, or refused), it never
+        will be: the request is remembered for two lease lifetimes, as long as any request
+        that outlived its client's deadline may still come."""
+        lease = self._requested.get((owner, request_id))
+        if lease is not None:
+            self._end(lease)
+            return
+        self._abandoned[(owner, request_id)] = time.monotonic() + 2 * self.lease_ttl_s
+        if len(self._abandoned) > ABANDONED_KEPT:
+            self._abandoned.popitem(last=False)
+
     def _end(self, lease: Lease) -> None:
         lease.ended = True
+        self._requested.pop((lease.owner, lease.request_id), None)
         if lease.busy == 0:
             del self._leases[lease.lease_id]
             for i in lease.slots:
@@ -134,6 +157,8 @@ class SlotArena:
 
     def expire(self) -> int:
         now = time.monotonic()
+        while self._abandoned and next(iter(self._abandoned.values())) <= now:
+            self._abandoned.popitem(last=False)
         dead = [lease for lease in self._leases.values() if lease.expires <= now and not (lease.ended or lease.busy)]
         for lease in dead:
             self._end(lease)
