@@ -17,8 +17,8 @@ import pytest
 
 from connector import ConnectorConfig, DaemonBackendConfig
 from engine import LLM, EngineConfig, SamplingParams
-from engine.assets import smollm2_gguf_path
 from engine.testing import make_tiny_checkpoint
+import real_models
 from kv_daemon import start_daemon
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return LLM(smollm2_gguf_path(), EngineConfig(num_blocks=64, block_size=16, dtype="float32"))
+    return real_models.smollm2(num_blocks=64)  # the weights this process already loaded, if any
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ match transformers token for token, run alone and batched, and the logits must a
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import SamplingParams
 from engine.assets import smollm2_gguf_path
 from engine.testing import transformers_reference
+from real_models import smollm2
 
 MAX_TOKENS = 6
 QUESTIONS = [
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(smollm2_gguf_path(), EngineConfig(num_blocks=256, block_size=16, dtype="float32"))
+    return smollm2(num_blocks=256)
 
 
 @pytest.fixture(scope="module")
