@@ -16,11 +16,11 @@ from connector import ConnectorConfig
 from connector.sessions import SESSION_SALT
 from engine import LLM, EngineConfig, SamplingParams
 from engine.agent_config import AgentConfig
-from engine.assets import smollm2_gguf_path
 from engine.sessions import Residency
 from engine.testing import make_tiny_checkpoint
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.store import Store
+from real_models import smollm2
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
@@ -45,8 +45,7 @@ def model(request, tmp_path_factory):
     if request.param == "tiny":
         path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
         return Model(LLM(path, EngineConfig(num_blocks=96, block_size=4)), block=4, chunk=16, num_blocks=40)
-    llm = LLM(smollm2_gguf_path(), EngineConfig(num_blocks=64, block_size=16, dtype="float32"))
-    return Model(llm, block=16, chunk=32, num_blocks=24)
+    return Model(smollm2(num_blocks=64), block=16, chunk=32, num_blocks=24)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +111,13 @@ def assert_idle(llm, store):
         assert store.stats().pinned == 0
 
 
-@pytest.mark.parametrize("policy,load_mode", [("offload", "sync"), ("offload", "async"), ("offload", "layerwise"),
-                                              ("auto", "sync"), ("keep", "sync"), ("drop", "sync")])
+# Every policy and load mode on the tiny checkpoint (the code paths); on SmolLM2 (about 11 s a
+# case) offload with the default load mode: the one whose resumed turns load every block of the
+# history back, chunks and tail, so real weights' numerics pass through the store.
+@pytest.mark.parametrize("model,policy,load_mode", [
+    *(("tiny", p, m) for p, m in [("offload", "sync"), ("offload", "async"), ("offload", "layerwise"),
+                                  ("auto", "sync"), ("keep", "sync"), ("drop", "sync")]),
+    ("smollm2", "offload", "sync")], indirect=["model"])
 def test_resumed_turns_equal_a_cold_run(model, store, policy, load_mode):
     llm = engine(model, store, policy, load_mode)
     prompt = model.piece(0, 2 * model.chunk + model.block + 1)  # with 4 of 5 outputs: two chunks and a tail
