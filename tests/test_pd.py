@@ -23,6 +23,7 @@ from kv_daemon import start_daemon
 from kvstore.client import Client
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
+from real_models import smollm2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -93,7 +94,7 @@ def test_disaggregated_greedy_output_equals_colocated_on_smollm2(tmp_path):
     """Real SmolLM2 in two engine processes over one daemon: the decode loads every promised
     chunk (the partial last one it computes itself) and its tokens equal a colocated run's."""
     model = smollm2_gguf_path()
-    ref = LLM(model, EngineConfig(num_blocks=128, block_size=16, dtype="float32"))
+    ref = smollm2(num_blocks=128)  # the weights this process already loaded, if any
     tokens = ref.tokenizer.encode(PROSE)
     prompts = [tokens[:150], tokens[200:450]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
