@@ -24,6 +24,7 @@ from engine.testing import make_tiny_checkpoint
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import chunk_keys
 from kvstore.store import Store
+from real_models import smollm2
 
 MODES = ["sync", "async", "layerwise"]
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -60,8 +61,15 @@ def model(request, tmp_path_factory):
     if request.param == "tiny":
         path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
         return Model(LLM(path, EngineConfig(num_blocks=96, block_size=4)), path, block=4, chunk=16)
-    path = smollm2_gguf_path()
-    return Model(LLM(path, EngineConfig(num_blocks=64, block_size=16, dtype="float32")), path, block=16, chunk=32)
+    return Model(smollm2(num_blocks=64), smollm2_gguf_path(), block=16, chunk=32)
+
+
+def on_both_models(name, values, real):
+    """Parametrise ``model`` and ``name``: every value on the tiny checkpoint (the code paths,
+    in milliseconds), and ``real`` on SmolLM2 too. The values run the same numerics; what real
+    weights add (about 10 s a case) one case per test shows, the paths the tiny runs cover."""
+    cases = [("tiny", v) for v in values] + [("smollm2", real)]
+    return pytest.mark.parametrize(("model", name), cases, indirect=["model"])
 
 
 def store_config(path, **disk):
@@ -102,7 +110,7 @@ def settle(llm, store):
     llm.close()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@on_both_models("mode", MODES, real="layerwise")  # real: KV loaded layer by layer under the forward
 def test_outputs_equal_without_a_store_cold_and_warm(model, store, mode):
     c = model.chunk
     want = baseline(model, model.prompts)
@@ -152,7 +160,7 @@ def test_an_asynchronous_load_waits_while_other_requests_run(model, tmp_path):
         settle(llm, slow)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@on_both_models("mode", MODES, real="async")  # real: the skipped block's KV stays the holder's
 def test_a_hit_that_overlaps_blocks_another_request_holds_writes_only_its_own(model, store, mode):
     """The store holds three chunks of a prompt; another running request holds its first
     chunk and one block more. The load skips that block of chunk 1 and writes only blocks
@@ -304,7 +312,7 @@ def test_saves_are_dropped_and_counted_when_the_saver_is_behind(model, store):
     settle(warm, store)
 
 
-@pytest.mark.parametrize("dropped", [1, 2])
+@on_both_models("dropped", [1, 2], real=1)  # real: lent, read and lent again, in one load
 def test_a_load_borrows_what_host_ram_holds_and_reads_the_rest(model, store, dropped, monkeypatch):
     """Lent chunks are scattered in order on one thread; from the first group the store
     does not lend whole, the rest is read from disk through staging buffers, and the
@@ -332,7 +340,7 @@ def test_a_load_borrows_what_host_ram_holds_and_reads_the_rest(model, store, dro
     settle(warm, store)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@on_both_models("mode", ["sync", "async"], real="sync")  # real: the default load mode
 def test_host_chunks_are_scattered_from_the_stores_pages(model, store, mode, monkeypatch):
     """Direct loads of raw chunks in host RAM borrow them (one copy into the blocks, no
     staging buffer, no get call), and the outputs are those of a cold run."""
