@@ -5,6 +5,7 @@ triton is imported anywhere. Hypothesis settings profiles are chosen here.
 """
 
 import os
+import socket
 
 import pytest
 from hypothesis import settings
@@ -19,6 +20,25 @@ settings.register_profile("ci", deadline=None, derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 pytest_plugins = ["redis_servers"]
+
+DEFAULT_ADDRESS = ("127.0.0.1", 50051)  # the daemon's, the client's and the README's default
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_daemon_address_taken():
+    """The suite must pass while the README's daemon runs on its default address (a
+    newcomer's tour in another shell): every test runs with 127.0.0.1:50051 held, so none can
+    come to rely on that well-known port being free. Already taken: the condition holds."""
+    holder = socket.socket()
+    try:
+        holder.bind(DEFAULT_ADDRESS)
+        holder.listen(1)
+    except OSError:
+        holder.close()
+        yield
+        return
+    with holder:
+        yield
 
 
 @pytest.fixture(autouse=True)
