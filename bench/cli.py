@@ -22,26 +22,31 @@ class UsageError(Exception):
     tier that cannot be used, e.g. a data directory another process holds)."""
 
 
-def _subcommand_modules():
+def _subcommand_modules(only: str | None = None):
     for info in sorted(pkgutil.iter_modules(bench.__path__), key=lambda i: i.name):
-        if info.name in ("cli", "__main__") or info.name.startswith("_"):
+        if info.name in ("cli", "__main__") or info.name.startswith("_") or only not in (None, info.name):
             continue
         module = importlib.import_module(f"bench.{info.name}")
         if hasattr(module, "add_parser"):
             yield module
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """All subcommands; with ``command``, only that one when it names one (its module alone is
+    imported: most import torch, seconds of start-up before a mistyped argument could fail)."""
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmarks for the KV-cache store.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in _subcommand_modules():
+    for module in _subcommand_modules(command and command.replace("-", "_")):
         module.add_parser(sub)
+    if command is not None and command not in sub.choices:  # a typo: its error lists every command
+        return build_parser()
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(build_parser(next((a for a in argv if not a.startswith("-")), None)), argv)
     try:
         return args.func(args) or 0
     except (UsageError, FileNotFoundError, PermissionError, ValueError, TierUnavailable, DaemonError) as exc:
