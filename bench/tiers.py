@@ -94,8 +94,9 @@ def run(args) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="kvbench-tiers-")
     results: dict[str, dict] = {}
     try:
+        disk = _disk_tier(keys, payload, args, os.path.join(root, "disk"))  # an unusable --dir fails now
         results["host"] = _bench_host(keys, headers, payload, args)
-        results["disk"] = _bench_disk(keys, headers, payload, args, os.path.join(root, "disk"))
+        results["disk"] = _bench_disk(disk, keys, headers, payload, args)
         store = _bench_store(ns, keys, chunk, args, os.path.join(root, "store"))
     finally:
         if owned_dir:
@@ -191,10 +192,13 @@ def _pairs(flat: np.ndarray, pages: list[np.ndarray], reverse: bool = False) -> 
     return pairs
 
 
-def _bench_disk(keys, headers, payload, args, path) -> dict:
+def _disk_tier(keys, payload, args, path) -> DiskTier:
+    """The disk tier to measure, opened before the host's seconds of measuring."""
+    return DiskTier(path, 2 * len(keys) * (len(payload) + 8192), read_threads=args.read_threads)
+
+
+def _bench_disk(tier: DiskTier, keys, headers, payload, args) -> dict:
     payload_bytes = len(payload)
-    capacity = 2 * len(keys) * (payload_bytes + 8192)
-    tier = DiskTier(path, capacity, read_threads=args.read_threads)
     if args.read_form != "buffered":  # auto: as a Store decides, with the probe's figures for this device
         tier.o_direct = args.read_form == "direct" or read_form(str(tier.root), None, TMP_SUFFIX, HASH_SLICE_BYTES)[0]
     files = [str(tier.path_of(k.id)) for k in keys]
