@@ -332,12 +332,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _unreachable_errors() -> tuple[type[BaseException], ...]:
     """Errors talking to, or starting, a daemon that are the user's to fix (wrong address or
-    token; a data directory another daemon holds)."""
+    token; a data directory another daemon holds). A daemon's ``StartupError`` only once
+    ``serve`` has loaded the daemon: a client command's error must not import it (and torch
+    with it, seconds before the one line is printed)."""
     from kvstore.client import DaemonError
-    from kvstore.daemon.server import StartupError
     from tiers.base import TierError
 
-    return (DaemonError, StartupError, TierError)
+    server = sys.modules.get("kvstore.daemon.server")
+    return (DaemonError, TierError) + ((server.StartupError,) if server else ())
 
 
 if __name__ == "__main__":
