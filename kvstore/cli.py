@@ -110,7 +110,17 @@ def cmd_serve(args) -> int:
         if "bind" in str(exc).lower():  # grpc: the address is taken or not ours
             raise UsageError(f"cannot listen on {cfg.listen}: {exc}") from None
         raise
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown, once the daemon has stopped cleanly (Store
+    flushed and closed, its files removed, "stopped" logged): with torch loaded that teardown
+    takes a second, which every stop and restart would wait for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _check_bindable(host: str, port: int) -> None:
