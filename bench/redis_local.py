@@ -57,7 +57,10 @@ class RedisServer:
         cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.args]
         if self.cluster:
-            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms)]
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+                    # a primary has one replica at most here: sync it at once, not after the
+                    # 5 s Redis waits by default for more replicas to share the transfer
+                    "--repl-diskless-sync-delay", "0"]
         log = open(self.workdir / "server.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
