@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -233,6 +234,19 @@ class ReplicationConfig:
     mode: str = "all"
 
 
+# The built-in codecs' names (kvstore.codecs registers these and checks this list): a config
+# names one without importing the codecs, which load torch (seconds for `kvstore config` or
+# `kvstore cluster`).
+BUILTIN_CODECS = ("int4", "int8", "lz4", "mixed25", "mixed50", "mixed75", "raw")
+
+
+def known_codecs() -> list[str]:
+    """The codec registry's names once it is loaded (a program may have registered codecs of
+    its own); before that, only the built-in ones can exist."""
+    codecs = sys.modules.get("kvstore.codecs")
+    return codecs.codec_names() if codecs is not None else sorted(BUILTIN_CODECS)
+
+
 @dataclass
 class StoreConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
@@ -261,11 +275,10 @@ class StoreConfig:
     def validate(self) -> None:
         """Check what the types cannot: registry names and cross-field rules (ConfigError
         naming the key)."""
-        from kvstore.codecs import codec_names
         from kvstore.policies import POLICIES
 
-        if self.codec not in codec_names():
-            raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {codec_names()}")
+        if self.codec not in known_codecs():
+            raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {known_codecs()}")
         if self.eviction_policy != "default" and self.eviction_policy not in POLICIES:
             raise ConfigError(f"eviction_policy: unknown policy {self.eviction_policy!r}; "
                               f"known: {['default', *sorted(POLICIES)]}")
@@ -276,9 +289,9 @@ class StoreConfig:
         unknown = set(self.placement.tiers) - tiers
         if unknown:
             raise ConfigError(f"placement.tiers: unknown tiers {sorted(unknown)}; known: {sorted(tiers)}")
-        bad = [c for c in self.placement.codecs if c not in codec_names()]
+        bad = [c for c in self.placement.codecs if c not in known_codecs()]
         if bad:
-            raise ConfigError(f"placement.codecs: unknown codecs {bad}; known: {codec_names()}")
+            raise ConfigError(f"placement.codecs: unknown codecs {bad}; known: {known_codecs()}")
         if self.replication.mode not in ("all", "utility"):
             raise ConfigError(f"replication.mode: expected \"all\" or \"utility\", got {self.replication.mode!r}")
         for name in ("host_read_bytes_per_s", "disk_read_bytes_per_s", "pfs_read_bytes_per_s",

@@ -8,6 +8,7 @@ from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.lz4_planes import Lz4PlanesCodec
 from kvstore.codecs.mixed import MixedPrecisionCodec
 from kvstore.codecs.raw import RawCodec
+from kvstore.config import BUILTIN_CODECS
 
 _BY_NAME: dict[str, Codec] = {}
 _BY_ID: dict[int, Codec] = {}
@@ -57,5 +58,7 @@ register(Int4Codec())
 register(MixedPrecisionCodec(0.50, "mixed50", 4))
 register(MixedPrecisionCodec(0.75, "mixed75", 5))
 register(MixedPrecisionCodec(0.25, "mixed25", 6))  # fp32 KV (int4/int8 rows); below int4 for 16-bit KV
+if set(_BY_NAME) != set(BUILTIN_CODECS):  # kvstore.config checks names against that list
+    raise ImportError(f"kvstore.config.BUILTIN_CODECS {BUILTIN_CODECS} differs from the codecs registered here")
 
 __all__ = ["Codec", "register", "get_codec", "codec_by_id", "codec_names", "resolve_codec"]
