@@ -92,8 +92,8 @@ def _daemon_config(args):
 
 
 def cmd_serve(args) -> int:
-    """Run the daemon in the foreground until SIGTERM/SIGINT."""
-    from kvstore.daemon.server import serve
+    """Run the daemon in the foreground until SIGTERM/SIGINT. The configuration and the
+    addresses are checked before the daemon (and torch) is imported: a typo fails at once."""
     from kvstore.malloc import keep_large_blocks_in_heap, limit_arenas
     from kvstore.wire.convert import split_host_port
 
@@ -101,6 +101,7 @@ def cmd_serve(args) -> int:
     addresses = [split_host_port(a) for a in (cfg.metrics, cfg.listen) if a]  # every typo before any bind
     for address in addresses:
         _check_bindable(*address)
+    from kvstore.daemon.server import serve
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     keep_large_blocks_in_heap()
     limit_arenas(max(2, os.cpu_count() or 2))
