@@ -6,6 +6,10 @@ place; every delete gives them back after the value is gone. So the values on th
 never take more than the budget, whichever daemons wrote them. Making room is the ledger's
 choice too (``make_room``): the victims may be any member's chunks, never a chunk a live
 member pins, and this daemon deletes them before their bytes count as free.
+
+Every delete on the medium is fenced by the member's lease (kvstore/lease.py): one the
+ledger granted before a break in the lease, or with the lease run out, fails as the medium
+being unavailable, and the heartbeat settles it with the ledger again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from typing import Callable, Sequence
 
 from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header
+from kvstore.lease import Lease
 from kvstore.ledger import Ledger
 from tiers.base import Buffer, Tier, TierError, TierFull
 from tiers.wrapped import WrappedTier
@@ -26,14 +31,16 @@ log = logging.getLogger(__name__)
 
 class BudgetedTier(WrappedTier):
     def __init__(self, inner: Tier, ledger: Ledger, member: str, budget_bytes: int, member_ttl_s: float,
-                 busy_wait_s: float, forget: Callable[[str, Sequence[bytes]], None]) -> None:
-        """``forget(tier name, key ids)`` tells the lookup index that values are gone."""
+                 busy_wait_s: float, forget: Callable[[str, Sequence[bytes]], None], lease: Lease) -> None:
+        """``forget(tier name, key ids)`` tells the lookup index that values are gone; ``lease``
+        fences every delete on the medium."""
         super().__init__(inner)
         self.budgeted = True
         self.capacity_bytes = budget_bytes
         self.ledger, self.member = ledger, member
         self._ttl_s, self._busy_wait_s = member_ttl_s, busy_wait_s
         self._forget = forget
+        self._lease = lease
         self._used = 0  # the cluster's use of the budget, as the ledger last said
         # Work a failure left half-done, finished by ``settle`` (the heartbeat), under one lock:
         self._owed: set[bytes] = set()  # reservations of failed writes still to release
@@ -60,7 +67,8 @@ class BudgetedTier(WrappedTier):
         if self._used + need <= self.capacity_bytes:
             return
         while True:
-            token = secrets.token_hex(12)
+            token, term = secrets.token_hex(12), self._lease.term
+            self._lease.check(term, f"{self.name}: make room")  # victims it could not delete: ask no more
             try:
                 answer, self._used, victims = self.ledger.make_room(self.member, self.name, need, self._ttl_s, token)
             except TierError:  # it may have run: its victims are this member's to delete (``settle``)
@@ -72,17 +80,19 @@ class BudgetedTier(WrappedTier):
             if answer == "full":
                 raise TierFull(f"{self.name}: cannot make room for {need} bytes of the cluster's budget "
                                f"({self._used}/{self.capacity_bytes} used; the rest is pinned or being written)")
-            self.remove(victims)
+            self.remove(victims, term)
 
-    def remove(self, key_ids: Sequence[bytes]) -> None:
+    def remove(self, key_ids: Sequence[bytes], term: int) -> None:
         """Delete values the ledger marked as this member's to delete, then free their bytes.
         A value that cannot be deleted (the medium is down) stays counted, and marked, until
         ``settle`` deletes it; so do the values deleted when the ledger, or the lookup index,
         cannot be told (their entries stay evicting: nobody could write those chunks again;
-        forgotten by this member, they stayed so for as long as it lived)."""
+        forgotten by this member, they stayed so for as long as it lived). ``term`` is the
+        lease's term read before the ledger named them (``Lease.check``)."""
         gone = []
         for key_id in key_ids:
             try:
+                self._lease.check(term, f"{self.name}: delete {key_id.hex()}")
                 self.inner.delete(key_id)
                 gone.append(key_id)
             except TierError as exc:
@@ -177,7 +187,7 @@ class BudgetedTier(WrappedTier):
         when the ledger cannot be asked, the undo waits for the next heartbeat. An older value
         still there (the write did not land: another encoding, maybe a durable put's) stays
         and is counted again."""
-        token = token or secrets.token_hex(12)
+        token, term = token or secrets.token_hex(12), self._lease.term
         older = self._older_value(key, ours)
         if older is not None:
             try:
@@ -186,7 +196,7 @@ class BudgetedTier(WrappedTier):
                 with self._pending_lock:
                     self._owed.add(key)
                 return
-            self._recount(key, older)
+            self._recount(key, older, term)
             return
         try:
             answer = self.ledger.undoing(self.member, self.name, key, token)
@@ -200,6 +210,7 @@ class BudgetedTier(WrappedTier):
         if answer != "mine":
             return
         try:  # the entry is this member's, evicting: no other member writes the key meanwhile
+            self._lease.check(term, f"{self.name}: undo {key.hex()}")
             self.inner.delete(key)
         except TierError as exc:
             log.warning("%s: cannot remove uncommitted %s: %s", self.name, key.hex(), exc)
@@ -222,15 +233,16 @@ class BudgetedTier(WrappedTier):
         except (TierError, CorruptBlob):
             return None
 
-    def _recount(self, key: bytes, size: int) -> None:
+    def _recount(self, key: bytes, size: int, term: int) -> None:
         """Count an older value that stayed in place of a failed write; one the budget has no
-        room for any more goes, as an eviction would take it."""
+        room for any more goes, as an eviction would take it (while the lease holds)."""
         try:
             answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
                                                      self._ttl_s)
             if answer == "ok":
                 self.ledger.commit(self.member, self.name, key)
             elif answer == "full":
+                self._lease.check(term, f"{self.name}: delete {key.hex()}")
                 self.inner.delete(key)
                 self._forget(self.name, [key])
         except TierError as exc:
@@ -303,13 +315,14 @@ class BudgetedTier(WrappedTier):
             undeleted = list(self._undeleted)
             self._undeleted.difference_update(undeleted)
         if undeleted:
+            term = self._lease.term
             try:  # only those still marked evicting by this member: an entry it never marked is not its to delete
                 mine = self.ledger.mine_to_delete(self.member, self.name, undeleted)
             except TierError:
                 with self._pending_lock:
                     self._undeleted.update(undeleted)
                 raise
-            self.remove(mine)  # failures are noted again
+            self.remove(mine, term)  # failures are noted again
 
     def delete(self, key: bytes) -> bool:
         """The key's entry is taken first (``Ledger.deleting``), as evictions take theirs, so that
@@ -317,8 +330,10 @@ class BudgetedTier(WrappedTier):
         ``evicted`` then drops that entry and nothing else. (A release after it dropped whatever
         entry the key had by then: a reservation another member was granted in between, even
         committed, its durable put acknowledged with its value uncounted.)"""
+        term = self._lease.term
         self._used = self.ledger.deleting(self.member, self.name, [key])
         try:
+            self._lease.check(term, f"{self.name}: delete {key.hex()}")
             removed = self.inner.delete(key)
         except TierError:
             with self._pending_lock:  # the entry stays taken (evicting): ``settle`` tries again

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 from kvstore.budgeted_tier import BudgetedTier
 from kvstore.config import ConfigError, StoreConfig
+from kvstore.lease import Lease
 from kvstore.ledger import BudgetMismatch, Ledger
 from tiers.base import TierError
 
@@ -69,6 +70,7 @@ class ClusterMember:
         self.name = c.member or default_member_name(config)
         self._forget = forget
         self.ledger = Ledger(si.url, si.key_prefix, si.cluster, si.socket_timeout_s)
+        self.lease = Lease(c.member_ttl_s)  # renewed by join and every heartbeat; fences deletes
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                      "disk": config.disk.path if config.disk.enabled else None}
         self.tiers: dict[str, BudgetedTier] = {}
@@ -79,7 +81,7 @@ class ClusterMember:
     def wrap(self, tier, budget_bytes: int) -> BudgetedTier:
         """The shared tier ``tier``, keeping the cluster's budget for it."""
         budgeted = BudgetedTier(tier, self.ledger, self.name, budget_bytes, self.config.member_ttl_s,
-                                self.config.busy_wait_s, self._forget)
+                                self.config.busy_wait_s, self._forget, self.lease)
         self.tiers[tier.name] = budgeted
         return budgeted
 
@@ -92,7 +94,7 @@ class ClusterMember:
         this member's previous run left half-written, and start beating."""
         budgets = {name: t.capacity_bytes for name, t in self.tiers.items()}
         try:
-            leftovers = self.ledger.join(self.name, budgets, self.info)
+            leftovers = self.lease.renew(lambda: self.ledger.join(self.name, budgets, self.info))
         except BudgetMismatch as exc:
             raise ConfigError(str(exc)) from None
         self._remove(leftovers)
@@ -109,8 +111,8 @@ class ClusterMember:
         while not self._stop.wait(c.heartbeat_s):
             try:
                 token = token or secrets.token_hex(12)
-                handed = self.ledger.beat(self.name, self.info, c.member_ttl_s, c.forget_after_s, token,
-                                          list(self.tiers))
+                handed = self.lease.renew(lambda: self.ledger.beat(self.name, self.info, c.member_ttl_s,
+                                                                   c.forget_after_s, token, list(self.tiers)))
                 token = None
                 self._remove(handed)
                 for tier in self.tiers.values():
@@ -122,7 +124,10 @@ class ClusterMember:
     def _remove(self, pairs: list[tuple[str, bytes]]) -> None:
         """Every tier's share is removed even where another tier's failed: the keys are
         evicting in this member's sets already, and a failure ending the loop left the rest
-        of them so for good (a failed removal is remembered by its tier, for ``settle``)."""
+        of them so for good (a failed removal is remembered by its tier, for ``settle``). Called
+        right after the join or beat that handed them over, in the one thread that renews the
+        lease: its term now is the one under which they were handed."""
+        term = self.lease.term
         by_tier = defaultdict(list)
         for tier, key_id in pairs:
             by_tier[tier].append(key_id)
@@ -130,7 +135,7 @@ class ClusterMember:
         for tier, key_ids in by_tier.items():
             if tier in self.tiers:
                 try:
-                    self.tiers[tier].remove(key_ids)
+                    self.tiers[tier].remove(key_ids, term)
                 except TierError as exc:
                     failure = failure or exc
             else:  # a tier this member does not mount: it cannot delete those values
