@@ -68,7 +68,7 @@ class BudgetedTier(WrappedTier):
             return
         while True:
             token, term = secrets.token_hex(12), self._lease.term
-            self._lease.check(term, f"{self.name}: make room")  # victims it could not delete: ask no more
+            self._lease.check(term, f"{self.name}: make room")  # else its victims would only pile up undeleted
             try:
                 answer, self._used, victims = self.ledger.make_room(self.member, self.name, need, self._ttl_s, token)
             except TierError:  # it may have run: its victims are this member's to delete (``settle``)
