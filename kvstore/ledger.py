@@ -271,12 +271,19 @@ return used(T)
 # ``evicted``), 'kept' (a resident or pending entry another member holds, or this member's
 # committed one: the value is that one's, never deleted by the undo) or 'busy' (a member
 # deletes or evicts it now: ask again later). A 'mine' is kept under the token for an hour, so
-# a retry of a call whose reply was lost answers 'mine' again instead of 'busy'.
+# a retry of a call whose reply was lost answers 'mine' again instead of 'busy', while the
+# entry is still this member's to delete: taken from it since (it was reaped as dead), the
+# undo is its reaper's, and the key may hold another member's value by now ('kept').
 _UNDOING = _COMMON + r"""
 local m, T, key = ARGV[2], ARGV[3], ARGV[4]
 local memo = P .. 'undo:' .. ARGV[5]
-if redis.call('EXISTS', memo) == 1 then return 'mine' end
 local v = redis.call('HGET', P .. 't:' .. T, key)
+if redis.call('EXISTS', memo) == 1 then
+  if v and string.sub(v, 1, 1) == 'e' and redis.call('SISMEMBER', P .. 'f:' .. T .. ':' .. m, key) == 1 then
+    return 'mine'
+  end
+  return 'kept'
+end
 if v then
   local s, fp, size, owner = parse(v)
   if s == 'e' then return 'busy' end

@@ -18,7 +18,10 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+import redis  # noqa: E402
+
 from faults import Call, Gate, wait_until  # noqa: E402
+from kvstore.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_reaped_writer import quick  # noqa: E402
 from test_store_shared_durable import one_chunk_cluster  # noqa: E402
@@ -84,3 +87,30 @@ def test_a_member_reaped_mid_delete_leaves_the_value_another_member_put_since(tm
     assert on_redis == 1, "b's acknowledged durable value was deleted by a's delete, resumed after a was reaped"
     assert isinstance(removing.error, TierUnavailable), f"a's fenced delete answered {removing.error!r}"
     assert (holder, counted) == (("r", "b"), held), "the ledger does not count what Redis holds"
+
+
+def test_an_undo_retried_after_its_member_was_reaped_leaves_the_value_another_member_put_since(redis_server):
+    """``undoing`` keeps a 'mine' under its token, so that the retry of a call whose reply was
+    lost answers it again. w's undo runs, its reply is lost, w pauses and is reaped: r deletes
+    the value and drops the entry, x puts the key and commits it. w wakes, beats (its lease
+    holds again), and its heartbeat retries the undo: before the fix the token alone answered
+    'mine', and w deleted x's value. The ledger's scripts driven one call at a time."""
+    prefix, tier, blob, key = "paused-undo:", "redis", 4224, b"\x61" * 32
+    raw = redis.Redis.from_url(redis_server.url)
+    ledger = Ledger(redis_server.url, prefix, False)
+    try:
+        for m in "wrx":
+            ledger.join(m, {tier: 16 * blob}, {})
+        assert ledger.reserve("w", tier, key, blob, blob, 10.0)[0] == "ok"
+        assert ledger.undoing("w", tier, key, "undo-1") == "mine"  # its reply is lost: w retries later
+        raw.zadd(ledger.prefix + "beats", {"w": 0})  # w paused past member_ttl_s: it is dead
+        assert (tier, key) in ledger.beat("r", {}, 10.0, 3600.0)  # r reaps it, deletes the value...
+        ledger.evicted("r", tier, [key])  # ...and drops the entry
+        assert ledger.reserve("x", tier, key, blob, blob, 10.0)[0] == "ok" and ledger.commit("x", tier, key)
+        ledger.beat("w", {}, 10.0, 3600.0)  # w wakes
+        retried = ledger.undoing("w", tier, key, "undo-1")
+        holder = ledger.holder(tier, key)
+    finally:
+        ledger.close()
+    assert retried == "kept", "w's retried undo was told to delete the value x put after w was reaped"
+    assert holder == ("r", "x")
