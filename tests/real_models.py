@@ -1,6 +1,6 @@
 """The real SmolLM2-135M engine, loaded once per test process and shared by the modules that
-run it (a load parses the GGUF's metadata and dequantises every tensor in Python: about 10 s
-on two cores, paid once instead of once per module).
+run it (a load reads the GGUF's float32 weight cache, or builds it: about 10 s on two cores
+the first time, paid once instead of once per module).
 
 Each caller gets ``with_config``'s engine: the same weights and tokenizer (never written),
 its own KV cache, block manager, scheduler and connector. Close it when done; the shared

@@ -2,14 +2,18 @@
 
 GGUF tensors are dequantised to float32 with the ``gguf`` package and renamed to HF names.
 llama.cpp's converter permutes the rows of Llama's Q and K projections (interleaved rotary
-pairs); we undo that so one model with HF's rotate-half RoPE serves both formats.
+pairs); we undo that so one model with HF's rotate-half RoPE serves both formats. The result
+is kept beside the GGUF (``<file>.engine-fp32.safetensors``) so later loads skip the parse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -73,14 +77,7 @@ def load_model(path: str | Path, dtype: str | None = None, device: str = "cpu") 
         cfg = ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
         weights = read_safetensors(p)
     else:
-        meta, weights = read_gguf(p)
-        cfg = ModelConfig.from_gguf(meta, has_output_weight="lm_head.weight" in weights)
-        if cfg.architecture == "LlamaForCausalLM":
-            for name in list(weights):
-                if name.endswith("q_proj.weight"):
-                    weights[name] = unpermute_rows(weights[name], cfg.num_heads)
-                elif name.endswith("k_proj.weight"):
-                    weights[name] = unpermute_rows(weights[name], cfg.num_kv_heads)
+        cfg, weights = gguf_weights(p)
     if dtype is not None:
         cfg.dtype = dtype
     with torch.device("meta"):
@@ -117,6 +114,89 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     for f in files:
         weights.update(load_file(str(f)))
     return weights
+
+
+WEIGHT_CACHE_FORMAT = "1"
+
+
+def gguf_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The GGUF's config and float32 weights under HF names, in HF's row order.
+
+    Parsing a GGUF takes seconds (its vocabulary is ~100k metadata fields, read one by one)
+    and so does dequantising, so the result is kept in ``<file>.engine-fp32.safetensors``
+    beside it and served from there while it names this GGUF's content fingerprint and its
+    own digest matches. fp32 because that is what Q4_1/Q8_0 dequantise to (fp16 would round
+    ``scale * q + min``). ``KVSTORE_WEIGHT_CACHE=0`` neither reads nor writes it."""
+    use_cache = os.environ.get("KVSTORE_WEIGHT_CACHE", "1") != "0"
+    cache = path.with_name(path.name + ".engine-fp32.safetensors")
+    fingerprint = model_fingerprint(path)
+    if use_cache and (cached := read_weight_cache(cache, fingerprint)):
+        return cached
+    meta, weights = read_gguf(path)
+    cfg = ModelConfig.from_gguf(meta, has_output_weight="lm_head.weight" in weights)
+    if cfg.architecture == "LlamaForCausalLM":
+        for name in list(weights):
+            if name.endswith("q_proj.weight"):
+                weights[name] = unpermute_rows(weights[name], cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                weights[name] = unpermute_rows(weights[name], cfg.num_kv_heads)
+    if use_cache:
+        write_weight_cache(cache, fingerprint, cfg, weights, mode=path.stat().st_mode & 0o666)
+    return cfg, weights
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """XXH3-128 over every tensor's name, dtype, shape and bytes: a cache that was damaged
+    after it was written is refused, never served."""
+    digest = xxhash.xxh3_128()
+    for name in sorted(weights):
+        t = weights[name].contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(memoryview(t.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def read_weight_cache(cache: Path, fingerprint: str) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    """The cached config and weights, or None when absent, unreadable, of another GGUF or damaged."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(cache), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != WEIGHT_CACHE_FORMAT or meta.get("gguf") != fingerprint:
+            return None
+        weights = load_file(str(cache))
+        if weights_digest(weights) != meta.get("digest"):
+            return None
+        return ModelConfig(**json.loads(meta["config"])), weights
+    except Exception:  # missing, truncated or not safetensors at all: rebuild it
+        return None
+
+
+def write_weight_cache(cache: Path, fingerprint: str, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                       mode: int) -> None:
+    """Write the cache to a temporary file and rename it into place, so that a reader (or a
+    second process building it at the same time) sees a whole file or none; ``mode``: readable
+    by whoever may read the GGUF. A folder we may not write to only costs later loads their speed."""
+    from safetensors.torch import save_file
+
+    meta = {"format": WEIGHT_CACHE_FORMAT, "gguf": fingerprint, "digest": weights_digest(weights),
+            "config": json.dumps(dataclasses.asdict(cfg))}
+    try:
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
+    except OSError:
+        return
+    try:
+        os.close(fd)
+        save_file(weights, tmp, metadata=meta)
+        os.chmod(tmp, mode)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

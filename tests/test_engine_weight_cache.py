@@ -1,0 +1,148 @@
+"""The GGUF weight cache beside the file: served the second time, bit-equal to a fresh
+dequantisation, refused and rebuilt when stale or damaged, never half-written."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.assets import smollm2_gguf_path
+from engine.models import loader
+
+
+def write_tiny_gguf(path, seed: int = 0):
+    """A 2-layer random Llama GGUF (Q8_0 projections, f32 norms) of a few hundred KB."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
+
+    rng = np.random.default_rng(seed)
+    hidden, ffn, vocab = 64, 128, 96
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_context_length(256)
+    writer.add_vocab_size(vocab)
+    q8 = GGMLQuantizationType.Q8_0
+
+    def add(name, *shape, quantized=True):
+        data = rng.standard_normal(shape).astype(np.float32)
+        if quantized:
+            writer.add_tensor(name, quantize(data, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, data)
+
+    add("token_embd.weight", vocab, hidden)
+    add("output_norm.weight", hidden, quantized=False)
+    for i in range(2):
+        add(f"blk.{i}.attn_norm.weight", hidden, quantized=False)
+        add(f"blk.{i}.ffn_norm.weight", hidden, quantized=False)
+        for name, rows, cols in [("attn_q", hidden, hidden), ("attn_k", 32, hidden), ("attn_v", 32, hidden),
+                                 ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
+                                 ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)]:
+            add(f"blk.{i}.{name}.weight", rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def cache_of(path):
+    return path.with_name(path.name + ".engine-fp32.safetensors")
+
+
+def uncached(path, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv("KVSTORE_WEIGHT_CACHE", "0")
+        return loader.gguf_weights(path)
+
+
+def assert_bit_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype == torch.float32, name
+        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+def test_the_second_load_is_served_from_the_cache_bit_equal(tiny_gguf, monkeypatch):
+    fresh_cfg, fresh = uncached(tiny_gguf, monkeypatch)
+    assert not cache_of(tiny_gguf).exists()  # KVSTORE_WEIGHT_CACHE=0 writes nothing
+    loader.gguf_weights(tiny_gguf)
+    assert cache_of(tiny_gguf).exists()
+
+    def no_parse(path):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(loader, "read_gguf", no_parse)
+    cfg, weights = loader.gguf_weights(tiny_gguf)
+    assert cfg == fresh_cfg
+    assert_bit_equal(weights, fresh)
+
+
+def test_a_cache_of_other_weights_is_rebuilt(tiny_gguf, monkeypatch):
+    loader.gguf_weights(tiny_gguf)
+    write_tiny_gguf(tiny_gguf, seed=1)  # same path and size, other content
+    _, fresh = uncached(tiny_gguf, monkeypatch)
+    _, weights = loader.gguf_weights(tiny_gguf)
+    assert_bit_equal(weights, fresh)
+    assert loader.read_weight_cache(cache_of(tiny_gguf), loader.model_fingerprint(tiny_gguf)) is not None
+
+
+@pytest.mark.parametrize("damage", ["flip a weight byte", "truncate", "not safetensors"])
+def test_a_damaged_cache_is_refused_and_rebuilt(tiny_gguf, monkeypatch, damage):
+    _, fresh = loader.gguf_weights(tiny_gguf)
+    cache = cache_of(tiny_gguf)
+    data = bytearray(cache.read_bytes())
+    if damage == "flip a weight byte":
+        data[-5] ^= 0x40
+    elif damage == "truncate":
+        del data[-100:]
+    else:
+        data = bytearray(b"junk" * 100)
+    cache.write_bytes(bytes(data))
+    fingerprint = loader.model_fingerprint(tiny_gguf)
+    assert loader.read_weight_cache(cache, fingerprint) is None
+    _, weights = loader.gguf_weights(tiny_gguf)
+    assert_bit_equal(weights, fresh)
+    assert loader.read_weight_cache(cache, fingerprint) is not None
+
+
+def test_builders_racing_leave_one_whole_cache_readable_like_the_gguf(tiny_gguf):
+    tiny_gguf.chmod(0o640)
+    threads = [threading.Thread(target=loader.gguf_weights, args=(tiny_gguf,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.name for p in tiny_gguf.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.engine-fp32.safetensors"]
+    assert loader.read_weight_cache(cache_of(tiny_gguf), loader.model_fingerprint(tiny_gguf)) is not None
+    assert cache_of(tiny_gguf).stat().st_mode & 0o777 == 0o640
+
+
+def test_smollm2_from_the_cache_is_the_uncached_model(monkeypatch):
+    """The real Q4_1/Q8_0 model: every tensor bit-equal, and the same greedy tokens."""
+    path = smollm2_gguf_path()
+    config = EngineConfig(num_blocks=8, block_size=16, dtype="float32")
+    loader.gguf_weights(path)  # builds the cache if this is the first load
+    assert loader.read_weight_cache(cache_of(path), loader.model_fingerprint(path)) is not None
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(path, config) as cached:
+        with monkeypatch.context() as m:
+            m.setenv("KVSTORE_WEIGHT_CACHE", "0")
+            with LLM(path, config) as fresh:
+                assert_bit_equal(cached.model.state_dict(), fresh.model.state_dict())
+                prompt = "The capital of France is"
+                assert cached.generate(prompt, greedy)[0].output_token_ids == \
+                    fresh.generate(prompt, greedy)[0].output_token_ids
