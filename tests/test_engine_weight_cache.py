@@ -146,3 +146,13 @@ def test_smollm2_from_the_cache_is_the_uncached_model(monkeypatch):
                 prompt = "The capital of France is"
                 assert cached.generate(prompt, greedy)[0].output_token_ids == \
                     fresh.generate(prompt, greedy)[0].output_token_ids
+
+
+def test_loading_a_model_leaves_torch_dynamo_unimported(tiny_gguf):
+    """Importing torch._dynamo costs 1.4 s, more than the whole cached load."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from engine.models.loader import load_model; load_model(sys.argv[1]); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    subprocess.run([sys.executable, "-c", code, str(tiny_gguf)], check=True)
