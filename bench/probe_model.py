@@ -1,7 +1,7 @@
 """Running a Llama-family model with transformers for the codec quality probe.
 
-Loads a GGUF file (dequantised to fp32) or a Hugging Face model directory, computes a
-prefix's KV as a chunk-layout tensor ``[layers, 2, tokens, kv_heads, head_dim]``, and
+Loads a GGUF file (dequantised to fp32, converted once) or a Hugging Face model directory,
+computes a prefix's KV as a chunk-layout tensor ``[layers, 2, tokens, kv_heads, head_dim]``, and
 scores a continuation against any KV put back in its place. transformers is imported
 only when a model is loaded, so ``kvbench`` starts fast for every other command.
 """
@@ -24,20 +24,24 @@ class LoadedModel:
 
 
 def load_model(path: Path) -> LoadedModel:
-    """A GGUF file, a directory with one GGUF file, or a directory with config.json."""
+    """A GGUF file, a directory with one GGUF file, or a directory with config.json. A GGUF
+    is read through transformers' own converter, once: ``engine.testing.transformers_copy``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.testing import transformers_copy
+
     if path.is_file() and path.suffix == ".gguf":
-        directory, kwargs, model_id = path.parent, {"gguf_file": path.name}, path.stem
+        gguf, model_id = path, path.stem
     elif path.is_dir() and (path / "config.json").exists():
-        directory, kwargs, model_id = path, {}, path.name
+        gguf, model_id = None, path.name
     elif path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        directory, kwargs, model_id = path, {"gguf_file": ggufs[0].name}, ggufs[0].stem
+        gguf, model_id = ggufs[0], ggufs[0].stem
     else:
         raise UsageError(f"{path} is not a GGUF file or a model directory (config.json or one .gguf)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+        directory = path if gguf is None else transformers_copy(gguf)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     except OSError as exc:  # missing tokenizer or weight files
         raise UsageError(f"cannot load a model from {path}: {exc}") from None
     return LoadedModel(model_id, model, tokenizer)

@@ -1,4 +1,5 @@
-"""Tiny random Llama-family checkpoints (HF folder layout) for tests and ``kvbench engine --quick``.
+"""Tiny random Llama-family checkpoints (HF folder layout) for tests and ``kvbench engine --quick``,
+and transformers' float32 reference of a real checkpoint.
 
 Made with transformers at run time, so nothing is downloaded; the tokenizer is byte-level
 BPE without merges (every byte is a token) plus ``<s>``/``</s>``.
@@ -65,24 +66,50 @@ def make_tiny_checkpoint(folder: str | Path, architecture: str = "llama", seed: 
 
 
 def transformers_reference(model_path: str | Path):
-    """The same checkpoint loaded by transformers in float32, as the reference to compare against.
-
-    A GGUF goes through transformers' own GGUF loader once (slow: it parses the whole file in
-    Python); the float32 result is saved beside the model cache so later loads take seconds.
-    """
+    """The same checkpoint loaded by transformers in float32, as the reference to compare against
+    (a GGUF through ``transformers_copy``)."""
     import torch
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     path = Path(model_path)
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    saved = path.with_name(path.name + ".transformers-fp32")
-    if not (saved / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        saved.mkdir(parents=True, exist_ok=True)
-        save_model(model, str(saved / "model.safetensors"))  # save_pretrained refuses "gguf-quantized" models
+    folder = path if path.is_dir() else transformers_copy(path)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def transformers_copy(gguf: Path) -> Path:
+    """An HF folder (config, float32 safetensors, tokenizer) of what transformers' own GGUF
+    loader makes of ``gguf``, which then loads in seconds instead of ~25 (that loader parses
+    the whole file in Python). Kept beside it as ``<file>.transformers-<fingerprint>`` (in the
+    model cache if that folder is read-only), named by the weights' content so another GGUF
+    at that path never finds it, and built in a temporary folder renamed into place, so a
+    folder there is whole."""
+    import os
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.assets import model_cache_dir
+    from engine.models.loader import model_fingerprint
+
+    digest = model_fingerprint(gguf).rsplit("-", 1)[1]
+    parent = gguf.parent if os.access(gguf.parent, os.W_OK) else model_cache_dir()
+    folder = parent / f"{gguf.name}.transformers-{digest}"
+    if folder.is_dir():
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{folder.name}.") as tmp:
+        save_model(model, f"{tmp}/model.safetensors")  # save_pretrained refuses "gguf-quantized" models
         model.config.quantization_config = None
-        model.config.to_json_file(str(saved / "config.json"))
-        return model.eval()
-    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+        model.config.to_json_file(f"{tmp}/config.json")
+        tokenizer.save_pretrained(tmp)
+        Path(tmp).chmod(0o755)
+        try:
+            Path(tmp).rename(folder)
+        except OSError:  # another process renamed its copy there first
+            if not folder.is_dir():
+                raise
+    return folder

@@ -156,3 +156,35 @@ def test_loading_a_model_leaves_torch_dynamo_unimported(tiny_gguf):
     code = ("import sys; from engine.models.loader import load_model; load_model(sys.argv[1]); "
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
     subprocess.run([sys.executable, "-c", code, str(tiny_gguf)], check=True)
+
+
+def test_transformers_copy_converts_once_per_content(tiny_gguf, tmp_path, monkeypatch):
+    """The probe's reference is transformers' conversion, made once and found by content.
+    (The conversion is faked with a tiny HF model: transformers reads no tiny GGUF tokenizer.)"""
+    import transformers
+
+    from bench import probe_model
+    from engine.testing import make_tiny_checkpoint, transformers_copy
+
+    hf = make_tiny_checkpoint(tmp_path / "hf")
+    converted = []
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        original = cls.from_pretrained
+
+        def from_pretrained(path, *args, gguf_file=None, _original=original, **kwargs):
+            if gguf_file is None:
+                return _original(path, *args, **kwargs)
+            converted.append(gguf_file)
+            return _original(hf, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", from_pretrained)
+    folder = transformers_copy(tiny_gguf)
+    assert converted == ["tiny.gguf"] * 2
+    assert transformers_copy(tiny_gguf) == folder and len(converted) == 2
+    loaded = probe_model.load_model(tiny_gguf)
+    assert len(converted) == 2 and loaded.model_id == "tiny"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    ours, theirs = loaded.model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    write_tiny_gguf(tiny_gguf, seed=1)
+    assert transformers_copy(tiny_gguf) != folder and len(converted) == 4
