@@ -75,7 +75,7 @@ class LLM:
         self.config = config or EngineConfig(**overrides)
         path = resolve_model_path(model_path)
         self.model_id = model_fingerprint(path)
-        self.model = load_model(path, dtype=self.config.dtype, device=self.config.device)
+        self.model = load_model(path, dtype=self.config.dtype, device=self.config.device, fingerprint=self.model_id)
         self.model_config = self.model.config
         self.kv_store, self._owns_store = kv_store, False
         self.tokenizer = Tokenizer.from_path(path)

@@ -70,14 +70,16 @@ def model_fingerprint(path: str | Path) -> str:
     return f"{p.name}-{digest.hexdigest()}"
 
 
-def load_model(path: str | Path, dtype: str | None = None, device: str = "cpu") -> LlamaForCausalLM:
-    """Build the model for ``path`` and load its weights; ``dtype`` None keeps the checkpoint's."""
+def load_model(path: str | Path, dtype: str | None = None, device: str = "cpu",
+               fingerprint: str | None = None) -> LlamaForCausalLM:
+    """Build the model for ``path`` and load its weights; ``dtype`` None keeps the checkpoint's.
+    ``fingerprint`` is ``model_fingerprint(path)`` where the caller has it (it reads every byte)."""
     p = resolve_model_path(path)
     if p.is_dir():
         cfg = ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
         weights = read_safetensors(p)
     else:
-        cfg, weights = gguf_weights(p)
+        cfg, weights = gguf_weights(p, fingerprint)
     if dtype is not None:
         cfg.dtype = dtype
     with torch.device("meta"):
@@ -119,7 +121,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 WEIGHT_CACHE_FORMAT = "1"
 
 
-def gguf_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def gguf_weights(path: Path, fingerprint: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The GGUF's config and float32 weights under HF names, in HF's row order.
 
     Parsing a GGUF takes seconds (its vocabulary is ~100k metadata fields, read one by one)
@@ -129,7 +131,7 @@ def gguf_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     ``scale * q + min``). ``KVSTORE_WEIGHT_CACHE=0`` neither reads nor writes it."""
     use_cache = os.environ.get("KVSTORE_WEIGHT_CACHE", "1") != "0"
     cache = path.with_name(path.name + ".engine-fp32.safetensors")
-    fingerprint = model_fingerprint(path)
+    fingerprint = fingerprint or model_fingerprint(path)
     if use_cache and (cached := read_weight_cache(cache, fingerprint)):
         return cached
     meta, weights = read_gguf(path)
