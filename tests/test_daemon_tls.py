@@ -3,6 +3,7 @@ plaintext client cannot talk to it."""
 
 import shutil
 import subprocess
+import tomllib
 
 import pytest
 import torch
@@ -40,6 +41,9 @@ def test_tls_round_trip_without_the_bulk_channel(tls_daemon):
                 client.put(k, v)
             got = client.get(keys)
             assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, values))
+    with Client(tls_daemon.addr, tls_ca=tls_daemon.cert) as client:
+        bulk = tomllib.loads(client.config())["bulk"]
+        assert bulk["enabled"] is False  # what runs, not the default the file left on
     with Client(tls_daemon.addr, retries=0, timeout_s=3) as plain:
         with pytest.raises(DaemonError):
             plain.lookup(keys)

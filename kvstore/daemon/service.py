@@ -476,7 +476,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               bulk_sessions=self.bulk.sessions if self.bulk else 0)
 
     async def Config(self, request, caller: Tenant):
-        return pb.ConfigReply(toml=to_toml(redacted(self.config)))
+        """The configuration the daemon runs with: under TLS the bulk channel is off whatever
+        the file says (it is not encrypted), and the answer says so."""
+        config = redacted(self.config)
+        config.bulk.enabled = self.bulk is not None
+        return pb.ConfigReply(toml=to_toml(config))
 
     # -- shared memory and bulk sessions ----------------------------------------------------
 
