@@ -3,6 +3,7 @@ dequantisation, refused and rebuilt when stale or damaged, never half-written.""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -129,6 +130,68 @@ def test_builders_racing_leave_one_whole_cache_readable_like_the_gguf(tiny_gguf)
     assert sorted(p.name for p in tiny_gguf.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.engine-fp32.safetensors"]
     assert loader.read_weight_cache(cache_of(tiny_gguf), loader.model_fingerprint(tiny_gguf)) is not None
     assert cache_of(tiny_gguf).stat().st_mode & 0o777 == 0o640
+
+
+KILLED_WRITER = """
+import os, sys
+from pathlib import Path
+import safetensors.torch
+from engine.models import loader
+
+def killed_writing(weights, filename, metadata=None):
+    Path(filename).with_name(".tmpKiLLeD").write_bytes(b"half a cache")  # safetensors' own temporary
+    os._exit(9)
+
+def killed_renaming(src, dst):
+    os._exit(9)
+
+if sys.argv[2] == "in safetensors' write":
+    safetensors.torch.save_file = killed_writing
+else:
+    loader.os.replace = killed_renaming
+loader.gguf_weights(Path(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("moment", ["in safetensors' write", "before the rename"])
+def test_the_next_write_removes_what_a_killed_writer_left(tiny_gguf, moment):
+    """A cache write is ~500 MB on a real model: a writer killed midway must not leave that
+    beside the GGUF for ever."""
+    import subprocess
+    import sys
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tiny_gguf), moment])
+    assert killed.returncode == 9
+    assert len(list(tiny_gguf.parent.iterdir())) > 1  # the writer left something beside the GGUF
+    loader.gguf_weights(tiny_gguf)
+    assert sorted(p.name for p in tiny_gguf.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.engine-fp32.safetensors"]
+
+
+def test_only_temporaries_of_dead_writers_here_are_removed(tmp_path):
+    """A live writer's temporary (this process's, or a process we may not signal), another
+    host's (its pids are not ours to check) and names not of our pattern stay."""
+    import socket
+    import subprocess
+    import sys
+
+    from engine.cachefiles import remove_dead_temps
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    final = tmp_path / "tiny.gguf.engine-fp32.safetensors"
+    stale = [f".{final.name}.{host}.{dead.stdout.strip()}.0123abcd.tmp"]
+    kept = [f".{final.name}.{host}.{os.getpid()}.0123abcd.tmp", f".{final.name}.{host}.1.0123abcd.tmp",
+            f".{final.name}.elsewhere.{dead.stdout.strip()}.0123abcd.tmp",
+            f".other.gguf.engine-fp32.safetensors.{host}.{dead.stdout.strip()}.0123abcd.tmp",
+            ".tmpAbC123", "tiny.gguf"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "stale-folder").mkdir()
+    (tmp_path / "stale-folder" / ".tmpAbC123").write_bytes(b"x")
+    (tmp_path / "stale-folder").rename(tmp_path / f".{final.name}.{host}.{dead.stdout.strip()}.4567cdef.tmp")
+    remove_dead_temps(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
 def test_smollm2_from_the_cache_is_the_uncached_model(monkeypatch):

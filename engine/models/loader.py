@@ -13,13 +13,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
+from engine.cachefiles import remove, remove_dead_temps, temp_path
 from engine.config import DTYPES, ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
@@ -178,27 +178,28 @@ def read_weight_cache(cache: Path, fingerprint: str) -> tuple[ModelConfig, dict[
 
 def write_weight_cache(cache: Path, fingerprint: str, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                        mode: int) -> None:
-    """Write the cache to a temporary file and rename it into place, so that a reader (or a
+    """Write the cache in a temporary folder and rename it into place, so that a reader (or a
     second process building it at the same time) sees a whole file or none; ``mode``: readable
-    by whoever may read the GGUF. A folder we may not write to only costs later loads their speed."""
+    by whoever may read the GGUF. A folder, because safetensors writes through a ``.tmpXXXXXX``
+    file of its own beside its target: a writer killed midway leaves only our folder, which the
+    next write removes (``engine.cachefiles``). A folder we may not write to only costs later
+    loads their speed."""
     from safetensors.torch import save_file
 
     meta = {"format": WEIGHT_CACHE_FORMAT, "gguf": fingerprint, "digest": weights_digest(weights),
             "config": json.dumps(dataclasses.asdict(cfg))}
+    remove_dead_temps(cache)
+    tmp = temp_path(cache)
     try:
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
-    except OSError:
-        return
-    try:
-        os.close(fd)
-        save_file(weights, tmp, metadata=meta)
-        os.chmod(tmp, mode)
-        os.replace(tmp, cache)
+        tmp.mkdir()
+        written = tmp / cache.name
+        save_file(weights, written, metadata=meta)
+        os.chmod(written, mode)
+        os.replace(written, cache)
     except OSError:
         pass
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        remove(tmp)
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
