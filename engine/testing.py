@@ -82,34 +82,60 @@ def transformers_copy(gguf: Path) -> Path:
     the whole file in Python). Kept beside it as ``<file>.transformers-<fingerprint>`` (in the
     model cache if that folder is read-only), named by the weights' content so another GGUF
     at that path never finds it, and built in a temporary folder renamed into place, so a
-    folder there is whole."""
+    folder there is whole. Its manifest of file sizes, written last, says it still is: one
+    cut short or damaged since (or made before manifests) is rebuilt, never loaded as is."""
+    import contextlib
     import os
-    import tempfile
 
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.assets import model_cache_dir
+    from engine.cachefiles import remove, temp_path
     from engine.models.loader import model_fingerprint
 
     digest = model_fingerprint(gguf).rsplit("-", 1)[1]
     parent = gguf.parent if os.access(gguf.parent, os.W_OK) else model_cache_dir()
     folder = parent / f"{gguf.name}.transformers-{digest}"
-    if folder.is_dir():
+    if copy_is_whole(folder):
         return folder
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{folder.name}.") as tmp:
+    tmp = temp_path(folder)
+    try:
+        tmp.mkdir()
         save_model(model, f"{tmp}/model.safetensors")  # save_pretrained refuses "gguf-quantized" models
         model.config.quantization_config = None
         model.config.to_json_file(f"{tmp}/config.json")
         tokenizer.save_pretrained(tmp)
-        Path(tmp).chmod(0o755)
+        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        (tmp / COPY_MANIFEST).write_text(json.dumps(sizes))
+        tmp.chmod(0o755)
+        if folder.exists() and not copy_is_whole(folder):
+            aside = temp_path(folder)
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                folder.rename(aside)
+            remove(aside)
         try:
-            Path(tmp).rename(folder)
+            tmp.rename(folder)
         except OSError:  # another process renamed its copy there first
-            if not folder.is_dir():
+            if not copy_is_whole(folder):
                 raise
+    finally:
+        remove(tmp)
     return folder
+
+
+COPY_MANIFEST = "manifest.json"
+
+
+def copy_is_whole(folder: Path) -> bool:
+    """Whether ``folder`` holds every file its manifest lists, at the size listed: a check
+    that costs no read of the weights and catches a copy cut short."""
+    try:
+        sizes = json.loads((folder / COPY_MANIFEST).read_text())
+        return all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError):  # no manifest, a file gone, or a manifest damaged
+        return False

@@ -221,13 +221,13 @@ def test_loading_a_model_leaves_torch_dynamo_unimported(tiny_gguf):
     subprocess.run([sys.executable, "-c", code, str(tiny_gguf)], check=True)
 
 
-def test_transformers_copy_converts_once_per_content(tiny_gguf, tmp_path, monkeypatch):
-    """The probe's reference is transformers' conversion, made once and found by content.
-    (The conversion is faked with a tiny HF model: transformers reads no tiny GGUF tokenizer.)"""
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """transformers' GGUF conversion, faked with a tiny HF model (transformers reads no tiny
+    GGUF tokenizer): the list of GGUF files converted, and the HF folder they become."""
     import transformers
 
-    from bench import probe_model
-    from engine.testing import make_tiny_checkpoint, transformers_copy
+    from engine.testing import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf")
     converted = []
@@ -241,6 +241,17 @@ def test_transformers_copy_converts_once_per_content(tiny_gguf, tmp_path, monkey
             return _original(hf, *args, **kwargs)
 
         monkeypatch.setattr(cls, "from_pretrained", from_pretrained)
+    return converted, hf
+
+
+def test_transformers_copy_converts_once_per_content(tiny_gguf, fake_conversion):
+    """The probe's reference is transformers' conversion, made once and found by content."""
+    import transformers
+
+    from bench import probe_model
+    from engine.testing import transformers_copy
+
+    converted, hf = fake_conversion
     folder = transformers_copy(tiny_gguf)
     assert converted == ["tiny.gguf"] * 2
     assert transformers_copy(tiny_gguf) == folder and len(converted) == 2
@@ -251,3 +262,27 @@ def test_transformers_copy_converts_once_per_content(tiny_gguf, tmp_path, monkey
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     write_tiny_gguf(tiny_gguf, seed=1)
     assert transformers_copy(tiny_gguf) != folder and len(converted) == 4
+
+
+@pytest.mark.parametrize("damage", ["truncate the weights", "truncate the tokenizer", "no manifest"])
+def test_a_transformers_copy_cut_short_is_rebuilt(tiny_gguf, fake_conversion, damage):
+    """A copy whose files are not the size its manifest says (cut short on a disk, or made
+    before manifests, so unchecked) is converted again, never loaded as is."""
+    import transformers
+
+    from engine.testing import transformers_copy
+
+    converted, hf = fake_conversion
+    folder = transformers_copy(tiny_gguf)
+    whole = {p.name: p.read_bytes() for p in folder.iterdir()}
+    if damage == "no manifest":
+        (folder / "manifest.json").unlink()
+    else:
+        victim = folder / ("model.safetensors" if damage == "truncate the weights" else "tokenizer.json")
+        victim.write_bytes(victim.read_bytes()[:-100])
+    assert transformers_copy(tiny_gguf) == folder and len(converted) == 4
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == whole
+    assert sorted(p.name for p in tiny_gguf.parent.iterdir()) == sorted(["hf", "tiny.gguf", folder.name])
+    ours = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
