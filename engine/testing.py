@@ -92,7 +92,7 @@ def transformers_copy(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.assets import model_cache_dir
-    from engine.cachefiles import remove, temp_path
+    from engine.cachefiles import remove, remove_dead_temps, temp_path
     from engine.models.loader import model_fingerprint
 
     digest = model_fingerprint(gguf).rsplit("-", 1)[1]
@@ -103,6 +103,7 @@ def transformers_copy(gguf: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temps(folder)
     tmp = temp_path(folder)
     try:
         tmp.mkdir()
@@ -125,6 +126,8 @@ def transformers_copy(gguf: Path) -> Path:
                 raise
     finally:
         remove(tmp)
+    if parent == gguf.parent:
+        remove_superseded_copies(folder, gguf)
     return folder
 
 
@@ -139,3 +142,18 @@ def copy_is_whole(folder: Path) -> bool:
         return all((folder / name).stat().st_size == size for name, size in sizes.items())
     except (OSError, ValueError, AttributeError):  # no manifest, a file gone, or a manifest damaged
         return False
+
+
+def remove_superseded_copies(folder: Path, gguf: Path) -> None:
+    """Remove the copies beside ``gguf`` that no load reads again (~500 MB each): of content
+    the GGUF at this path had before, and the unverified ``<file>.transformers-fp32`` of an
+    earlier version. Only beside the GGUF: in the shared model cache a name like ours may be
+    the copy of a GGUF of the same file name in another folder."""
+    import re
+
+    from engine.cachefiles import remove
+
+    pattern = re.compile(rf"{re.escape(gguf.name)}\.transformers-(fp32|[0-9a-f]{{16}})")
+    for entry in folder.parent.iterdir():
+        if entry != folder and pattern.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            remove(entry)

@@ -262,6 +262,7 @@ def test_transformers_copy_converts_once_per_content(tiny_gguf, fake_conversion)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     write_tiny_gguf(tiny_gguf, seed=1)
     assert transformers_copy(tiny_gguf) != folder and len(converted) == 4
+    assert not folder.exists()  # no load reads the old content's copy again
 
 
 @pytest.mark.parametrize("damage", ["truncate the weights", "truncate the tokenizer", "no manifest"])
@@ -286,3 +287,32 @@ def test_a_transformers_copy_cut_short_is_rebuilt(tiny_gguf, fake_conversion, da
     ours = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_writing_a_transformers_copy_removes_what_no_load_reads(tiny_gguf, fake_conversion):
+    """Each is ~500 MB beside the GGUF: copies of content it had before, the unchecked
+    ``.transformers-fp32`` of an earlier version, a converter's temporary whose process is
+    gone. Nothing of another name goes, nor a symlink."""
+    import socket
+    import subprocess
+    import sys
+
+    from engine.models.loader import model_fingerprint
+    from engine.testing import transformers_copy
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    name = f"tiny.gguf.transformers-{model_fingerprint(tiny_gguf).rsplit('-', 1)[1]}"
+    superseded = ["tiny.gguf.transformers-fp32", "tiny.gguf.transformers-0123456789abcdef",
+                  f".{name}.{socket.gethostname()}.{dead}.0123abcd.tmp"]
+    others = ["other.gguf.transformers-0123456789abcdef", "tiny.gguf.transformers-mine",
+              "tiny.gguf.transformers-0123456789abcdef.bak",
+              f".{name}.{socket.gethostname()}.{os.getpid()}.0123abcd.tmp"]
+    for folder in superseded + others:
+        (tiny_gguf.parent / folder).mkdir()
+        (tiny_gguf.parent / folder / "model.safetensors").write_bytes(b"x")
+    (tiny_gguf.parent / "tiny.gguf.transformers-fedcba9876543210").symlink_to("tiny.gguf.transformers-mine")
+    others.append("tiny.gguf.transformers-fedcba9876543210")
+    folder = transformers_copy(tiny_gguf)
+    assert sorted(p.name for p in tiny_gguf.parent.iterdir()) == sorted(["hf", "tiny.gguf", folder.name, *others])
+    assert (tiny_gguf.parent / "tiny.gguf.transformers-mine" / "model.safetensors").exists()
