@@ -38,7 +38,6 @@ import time
 import argparse
 
 import numpy as np
-import torch
 
 from bench.cli import UsageError
 from bench.limits import STREAMS, Limit, memcpy_limit, over_limit, socket_limit
@@ -149,6 +148,8 @@ def _measure(clients: list[Client], work, seconds: float, daemon_pid: int | None
 
 
 def _path(addr: str, transport: str, args, ns: Namespace, daemon_pid: int | None, creds: list[Credential]) -> dict:
+    import torch  # here, not at the top: a mistyped argument or an absent daemon fails without its ~1 s
+
     clients = [Client(addr, transport=transport, token=c.token, token_file=c.token_file, timeout_s=60)
                for c in creds[: args.clients]]
     tenant_ns = [dataclasses.replace(ns, tenant=c.tenant) for c in creds[: args.clients]]
@@ -220,6 +221,8 @@ def _memcpy_pairs(chunk_bytes: int, sources: int, destinations: int) -> list[tup
 
 def _worker(args, ns: Namespace) -> int:
     """One of ``--processes``: put its chunks, say ready, get in a loop once told to go."""
+    import torch
+
     ns = dataclasses.replace(ns, tenant=args.tenant)
     with Client(args.addr, transport=args.transport, token=args.token, token_file=args.auth_token_file,
                 timeout_s=60) as client:

@@ -47,20 +47,22 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from bench.cli import UsageError
 from bench.progress import Progress
 from bench.traces import load_trace
-from kvstore.codecs import codec_names, get_codec
 from kvstore.config import (DiskTierConfig, HostTierConfig, PfsTierConfig, PlacementConfig, ReplicationConfig,
-                            StoreConfig)
+                            StoreConfig, known_codecs)
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.placement import load_verdicts
 from kvstore.policies import POLICIES
-from kvstore.store import Store
+
+# torch (with the codecs, placement and the Store) is imported where it runs: `kvbench replay`
+# with a mistyped argument or a bad trace fails without its ~1 s of start-up.
+if TYPE_CHECKING:
+    import torch
 
 
 def add_parser(subparsers) -> None:
@@ -135,8 +137,8 @@ def parse_variant(name: str) -> Variant:
     codecs = [m for m in mods if m not in ("compress", "replicate")]
     if policy != "default" and policy not in POLICIES:
         raise UsageError(f"unknown policies [{name!r}]; known: default, {', '.join(sorted(POLICIES))}")
-    if len(codecs) > 1 or any(c not in codec_names() for c in codecs):
-        raise UsageError(f"{name}: after '+', 'compress', 'replicate' or one codec of {codec_names()}")
+    if len(codecs) > 1 or any(c not in known_codecs() for c in codecs):
+        raise UsageError(f"{name}: after '+', 'compress', 'replicate' or one codec of {known_codecs()}")
     return Variant(name, policy, "compress" in mods, "replicate" in mods, codecs[0] if codecs else None)
 
 
@@ -156,6 +158,10 @@ def real_chunks(tokens: int, max_tokens: int = 1024) -> list[torch.Tensor]:
 def int8_decode_bytes_per_s(chunk: torch.Tensor) -> float:
     """int8's decode speed on this machine for one chunk: raw bytes out per second, best of 5
     after a warm-up (noisy where other work shares the cores: give ``--decode-gbps`` then)."""
+    import torch
+
+    from kvstore.codecs import get_codec
+
     codec = get_codec("int8")
     payload, out = codec.encode(chunk), torch.empty_like(chunk)
     codec.decode_into(payload, out)
@@ -197,6 +203,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 def replay_one(requests, variant: Variant, args, ns: Namespace, root: Path, progress: Progress,
                payloads: list[torch.Tensor], model: TimeModel | None, classes: list[str] | None = None) -> dict:
     """One policy's replay; ``classes`` labels each request for the per-class figures."""
+    import torch
+
+    from kvstore.store import Store
+
     chunk = payloads[0]
     raw_bytes = chunk.numel() * chunk.element_size()
     blob = raw_bytes + 4096
@@ -280,6 +290,8 @@ def _ppl_bound(verdicts: str, model_id: str, variant: Variant, lossy: int, acces
     """Perplexity change to expect, at most: the share of accessed blocks served lossy times the
     worst perplexity change of the codecs the variant may have served them in (the probe's
     figure for a prefix whose every chunk is in that codec)."""
+    from kvstore.placement import load_verdicts
+
     if not lossy:
         return 0.0
     allowed = load_verdicts([verdicts]).get((model_id, "float16"), {})
@@ -291,6 +303,8 @@ def _ppl_bound(verdicts: str, model_id: str, variant: Variant, lossy: int, acces
 def _verdicts_model(verdicts: str) -> str:
     """The model the verdict file was measured on: the replayed chunks stand for its KV, so
     they are stored under its id and placement applies the verdicts to them."""
+    from kvstore.placement import load_verdicts
+
     return next(iter(load_verdicts([verdicts])))[0]
 
 
@@ -320,6 +334,8 @@ def run(args) -> int:
         layers, _, _, heads, dim = payloads[0].shape
         ns = Namespace(model_id, layers, heads, dim, "float16", args.tokens)
     else:
+        import torch
+
         ns = Namespace(model_id, args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
         payloads = [torch.randn(ns.chunk_shape).half()]
     model = time_model(args, payloads[0])

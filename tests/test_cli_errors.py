@@ -115,6 +115,19 @@ def test_kvbench_daemon_without_a_daemon_fails_at_once(tmp_path):
     assert "UNAVAILABLE" in run_cli("kvbench", "daemon", "--addr", f"127.0.0.1:{_free_port()}", cwd=tmp_path)
 
 
+@pytest.mark.parametrize("command", [["replay", "--bogus"], ["replay", "--trace", "README.md"],
+                                     ["daemon", "--bogus"], ["daemon", "--addr", "127.0.0.1:{port}"]],
+                         ids=["replay typo", "replay not a trace", "daemon typo", "daemon absent"])
+def test_kvbench_replay_and_daemon_refuse_without_importing_torch(tmp_path, command):
+    """A mistyped argument, a bad trace or an absent daemon is told at once: torch alone takes ~1 s."""
+    argv = [a.format(port=_free_port()) for a in command]
+    code = ("import sys\nfrom bench.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+            "except SystemExit as exc:\n    code = exc.code\nprint(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.split() == ["2", "False"], proc.stderr[-2000:]
+
+
 def _azure_like(path: Path) -> Path:
     with gzip.open(path, "wt") as f:
         f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,374,44\n")
