@@ -568,17 +568,40 @@ def test_shadow_vote_among_equal_support_evicts_the_oldest_prompts_deepest_chunk
     assert [policy.evict(), policy.evict()] == ["b", "d"]
 
 
+def test_shadow_vote_never_keeps_a_chunk_over_the_one_before_it():
+    """Regression: LRFU sees a prompt's first chunk one access before its second, so its count
+    of the first is the older one and it evicts the first chunk while keeping the second. The
+    vote followed it and kept a chunk no prefix could reach; the cap on a child's support by
+    its parent's keeps the chain's head, which the next request for the prompt hits."""
+    from kvstore.policies.lrfu import LRFUPolicy
+    from kvstore.policies.shadow_vote import ShadowVotePolicy
+
+    expert = LRFUPolicy(2, half_life=8)
+    for key, parent in (("a1", None), ("a2", "a1"), ("b1", None)):
+        expert.on_miss(key)
+        expert.on_insert(key, 1, parent)
+    assert expert.evict() == "a1"  # the expert alone strands a2
+    policy = ShadowVotePolicy(2, experts=(lambda capacity: LRFUPolicy(capacity, half_life=8),), drop_tails=False)
+    for key, parent in (("a1", None), ("a2", "a1"), ("b1", None)):
+        policy.on_miss(key)
+        policy.on_insert(key, 1, parent)
+    assert policy.evict() == "a2"
+    assert "a1" in policy and "b1" in policy
+
+
 def test_shadow_vote_support_is_the_weight_of_the_experts_holding_the_key():
     """The experts holding a key are kept as a bit mask and the vote is looked up per mask:
     after every access, each resident key's support is still the sum, in expert order, of the
-    weights of the experts whose resident set holds it (exactly, so equal holders tie)."""
+    weights of the experts whose resident set holds it (exactly, so equal holders tie), at
+    most its resident parent's support (a chunk is no use without the one before it)."""
     from kvstore.policies.shadow_vote import TAIL, ShadowVotePolicy
 
     rng = random.Random(5)
     capacity = 12
     policy = ShadowVotePolicy(capacity)
     resident: set = set()
-    reweighed = 0
+    parents: dict = {}
+    reweighed = capped = 0
     for i in range(1500):
         doc = min(int(rng.paretovariate(0.8)), 40)
         parent = None
@@ -589,14 +612,25 @@ def test_shadow_vote_support_is_the_weight_of_the_experts_holding_the_key():
             else:
                 policy.on_miss(key)
                 policy.on_insert(key, 1, parent)
+                parents[key] = parent
                 resident.add(key)
                 while len(resident) > capacity:
                     resident.remove(policy.evict())
             parent = key
         weights = policy._weights
         reweighed += weights[0] != 1.0
-        for k in resident:
+        expected = {}
+        for k in sorted(resident, key=lambda k: k[1]):  # parents first
             holders = [w for shadow, w in zip(policy._shadows, weights) if k in shadow.sizes]
             assert policy._held.get(k, 0) == sum(1 << i for i, s in enumerate(policy._shadows) if k in s.sizes)
-            assert policy._support[k][0] in (TAIL, sum(holders))
+            parent = parents[k]
+            bound = expected.get(parent, TAIL) if parent in resident else TAIL
+            expected[k] = sum(holders) if bound == TAIL else min(sum(holders), bound)
+            if policy._support[k][0] != TAIL:
+                assert policy._support[k][0] == expected[k]
+            else:
+                expected[k] = TAIL
+        capped += any(expected[k] < sum(w for s, w in zip(policy._shadows, weights) if k in s.sizes)
+                      for k in resident)
     assert reweighed  # the weights did move, so supports were re-looked-up
+    assert capped  # some child was held by more experts than its parent

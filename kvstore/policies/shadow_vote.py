@@ -17,13 +17,17 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   Experts that differ only in a parameter (the LRFUs) are rarely far apart, so the vote
   must be this sharp to follow the best of them. A resident key's *support* is
   the weight of the experts holding it; the real cache evicts the key with the least
-  support from a heap. Among equals it evicts the one whose prompt came longest ago, and
-  within a prompt the deeper chunk first: a chunk is worth nothing once the chunk before it
-  is gone (a prefix loads up to its first miss), so oldest-first, which would take a
-  prompt's first chunk before its last, strands the rest. A key keeps its place among its
-  equals when only its support changes (an expert evicted it, or the votes were re-weighed). So it holds what the leader holds,
-  and where near-equal experts disagree, what more of them agree on. With one expert
-  (and without tail dropping) this is exactly that expert.
+  support from a heap. A chunk is worth nothing once the chunk before it is gone (a prefix
+  loads up to its first miss), so a chunk's support is at most its resident parent's: the
+  experts see a prompt's chunks one access apart and often drop a parent just before its
+  child (LRFU's count of the parent is one access older), and a vote that followed them
+  kept children whose hits no prefix could use. Among equals it evicts the one whose
+  prompt came longest ago, and within a prompt the deeper chunk first: oldest-first, which
+  would take a prompt's first chunk before its last, strands the rest. A key keeps its
+  place among its equals when only its support changes (an expert evicted it, or the
+  votes were re-weighed). So it holds what the leader holds, and where near-equal experts
+  disagree, what more of them agree on. With one expert (without tail dropping, on
+  accesses without parents) this is exactly that expert.
 - Prefix tails are dropped: when a new prompt starts (a chunk without parent is
   accessed), the chunk inserted just before it never got a child, so it was the previous
   prompt's partly filled last chunk, whose hash no later prompt can share; it leaves
@@ -39,7 +43,8 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
   back with one more hit to its reuse class.
 
 Cost: one step of every expert per access (O(1), O(log n) for the LRFUs), plus O(log n)
-heap work for the keys the access touched. Which experts hold a key is a bit mask, and the
+heap work for the keys the access touched and for the resident descendants whose capped
+support moved with theirs. Which experts hold a key is a bit mask, and the
 vote is looked up per mask (summed once per weighting), so re-rating a key asks no
 expert's set; re-weighing (rare: only when a weight moves by more than ``REWEIGH``)
 rebuilds the heap in O(resident keys).
@@ -48,6 +53,7 @@ rebuilds the heap in O(resident keys).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -145,6 +151,7 @@ class ShadowVotePolicy(EvictionPolicy):
         self._stamp = 0
         self._prompt = 0  # prompts started so far
         self._depth: dict[Hashable, int] = {}  # resident key -> chunks before it in its prompt
+        self._children: dict[Hashable, set[Hashable]] = {}  # key -> its resident children
         self._accesses = 0
         self._next_reweigh = FIRST_WINDOW
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
@@ -169,18 +176,37 @@ class ShadowVotePolicy(EvictionPolicy):
             support = self._supports[mask] = sum(w for i, w in enumerate(self._weights) if mask >> i & 1)
         return support
 
+    def _capped(self, key: Hashable) -> float:
+        """The key's vote, at most its resident parent's support (a dropped tail's parent
+        bounds nothing)."""
+        support = self._vote(key)
+        parent = self._resident[key][1]
+        if parent is not None and parent in self._support:
+            bound = self._support[parent][0]
+            if bound != TAIL and bound < support:
+                return bound
+        return support
+
     def _rate(self, key: Hashable, support: float | None = None, touch: bool = True) -> None:
         """(Re-)rate a resident key. ``touch``: it was just accessed (or inserted), so it is
-        the most recent of its support; otherwise it keeps its place among its equals."""
-        if support is None:
-            support = self._vote(key)
-        if touch or key not in self._support:
-            self._stamp += 1
-            order = (self._prompt, -self._depth.get(key, 0), self._stamp)
-        else:
-            order = self._support[key][1]
-        self._support[key] = (support, order)
-        heapq.heappush(self._heap, (support, order, key))
+        the most recent of its support; otherwise it keeps its place among its equals. Where
+        its support moves, its resident children's cap moves with it, and so on down."""
+        todo = [(key, support, touch)]
+        while todo:
+            key, support, touch = todo.pop()
+            if support is None:
+                support = self._capped(key)
+            old = self._support.get(key)
+            if touch or old is None:
+                self._stamp += 1
+                order = (self._prompt, -self._depth.get(key, 0), self._stamp)
+            else:
+                order = old[1]
+            self._support[key] = (support, order)
+            heapq.heappush(self._heap, (support, order, key))
+            if old is None or old[0] != support:
+                todo.extend((child, None, False) for child in self._children.get(key, ())
+                            if self._support.get(child, (None,))[0] != TAIL)
         if len(self._heap) > 4 * len(self._support) + 64:  # mostly stale entries: compact
             self._compact()
 
@@ -266,9 +292,26 @@ class ShadowVotePolicy(EvictionPolicy):
             return
         self._weights = weights
         self._supports = {}
-        for key, (support, order) in self._support.items():
-            self._support[key] = (TAIL if support == TAIL else self._vote(key), order)
+        fresh = self._capped_supports()
+        for key, (_, order) in self._support.items():
+            self._support[key] = (fresh[key], order)
         self._compact()
+
+    def _capped_supports(self) -> dict[Hashable, float]:
+        """Every resident key's support for the current weights, parents before children (a
+        dropped tail stays one)."""
+        fresh: dict[Hashable, float] = {}
+        for key in self._support:
+            chain = []
+            while key is not None and key in self._support and key not in fresh:
+                chain.append(key)
+                key = self._resident[key][1]
+            bound = fresh.get(key, math.inf) if key is not None else math.inf
+            for key in reversed(chain):
+                if bound == TAIL:
+                    bound = math.inf
+                fresh[key] = bound = TAIL if self._support[key][0] == TAIL else min(self._vote(key), bound)
+        return fresh
 
     def on_hit(self, key: Hashable) -> None:
         held = self._removed.get(key)
@@ -288,8 +331,13 @@ class ShadowVotePolicy(EvictionPolicy):
     def on_miss(self, key: Hashable) -> None:
         self._removed.pop(key)  # not held after all: a later insertion is a new one
 
-    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+    def _link(self, key: Hashable, size: int, parent: Hashable | None) -> None:
         self._resident[key] = (size, parent)
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(key)
+
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self._link(key, size, parent)
         self._depth[key] = 0 if parent is None else self._depth.get(parent, -1) + 1
         self._parents_seen = self._parents_seen or parent is not None
         handed_back = self._removed.pop(key)
@@ -304,7 +352,13 @@ class ShadowVotePolicy(EvictionPolicy):
     def _forget(self, key: Hashable) -> Hashable:
         tail = self._support[key][0] == TAIL
         self._last_victim = (key, self._reuse.on_leave(key, tail), tail)
-        del self._resident[key], self._support[key]
+        parent = self._resident.pop(key)[1]
+        del self._support[key]
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
         self._depth.pop(key, None)
         return key
 
@@ -319,7 +373,7 @@ class ShadowVotePolicy(EvictionPolicy):
     def reinstate(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         """Resident again with the experts' current support; the shadows, which only model
         which keys are worth keeping, do not see it (it is not an access)."""
-        self._resident[key] = (size, parent)
+        self._link(key, size, parent)
         self._depth[key] = 0 if parent is None else self._depth.get(parent, -1) + 1
         if self._last_victim is not None and self._last_victim[0] == key:
             self._reuse.on_return(key, self._last_victim[1], self._last_victim[2])
