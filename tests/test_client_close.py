@@ -207,3 +207,40 @@ def test_async_close_waits_for_a_get_in_flight_and_refuses_new_calls(daemon, mon
     asyncio.run(scenario())
     assert same(out, value(1))
     assert_nothing_left(daemon.address)
+
+
+def test_a_cancelled_async_close_still_gives_everything_back(daemon, monkeypatch):
+    """A close cancelled while a call is in flight (``asyncio.wait_for``, a cancelled task)
+    used to close the channel and stop there: the client stayed closing, its lease and bulk
+    session held until their TTL at the daemon, and a second close() could not release them.
+    The release now outlives the cancellation, and the call in flight still ends well."""
+    held, go = hold_copies(monkeypatch)
+    out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
+
+    async def scenario():
+        client = AsyncClient(daemon.address, shm_slots=SLOTS)
+        assert await client.path() == "shm"
+        reader = asyncio.create_task(client.get_into(KEYS[1], out))
+        assert await asyncio.to_thread(held.wait, 10)
+        closer = asyncio.create_task(client.close())
+
+        async def new_call_refused():
+            try:
+                await client.lookup(KEYS)
+            except DaemonError as exc:
+                return refused(exc)
+            return False
+
+        while not await new_call_refused():
+            pass
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        go.set()
+        assert await reader is True
+        await asyncio.to_thread(assert_nothing_left, daemon.address)  # no second close() needed
+        await client.close()
+
+    asyncio.run(scenario())
+    assert same(out, value(1))
+

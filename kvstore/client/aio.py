@@ -133,6 +133,7 @@ class AsyncClient:
         self.addr = addr
         self._core = ClientCore(addr, ClientOptions.merged(options, overrides))
         self._io = _Awaiting(self._core)
+        self._closed: asyncio.Task | None = None  # the first close()'s work, which every close awaits
 
     @property
     def options(self) -> ClientOptions:
@@ -176,7 +177,14 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Refuse new calls (DaemonError CANCELLED), wait for the calls other tasks have in
-        flight, then give the lease and the bulk sessions back and close the channel."""
+        flight, then give the lease and the bulk sessions back and close the channel. That
+        runs in a task of its own: a close that is cancelled (``wait_for``, a cancelled task)
+        still gives everything back, and a later close returns once it has."""
+        if self._closed is None:
+            self._closed = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         try:
             await self._drive(self._core.close())
         finally:
