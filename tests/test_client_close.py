@@ -7,6 +7,7 @@ A daemon in this process; ``core.copy_out`` is held where a test needs a call in
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -243,4 +244,43 @@ def test_a_cancelled_async_close_still_gives_everything_back(daemon, monkeypatch
 
     asyncio.run(scenario())
     assert same(out, value(1))
+
+
+def test_an_interrupted_close_is_finished_by_the_next(daemon, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while close() waits for a call in flight used to close the
+    channel all the same, so the next close() failed on it and the lease stayed held until
+    its TTL at the daemon. The channel now stays open until the release is done."""
+    held, go = hold_copies(monkeypatch)
+    client = Client(daemon.address, shm_slots=SLOTS)
+    assert client.path == "shm"
+    out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
+    reader = threading.Thread(target=lambda: client.get_into(KEYS[1], out))
+    reader.start()
+    assert held.wait(10)
+
+    def new_call_refused():
+        try:
+            client.lookup(KEYS)
+        except DaemonError as exc:
+            return refused(exc)
+        return False
+
+    def interrupt():
+        wait_until(new_call_refused, "close() never refused new calls")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            client.close()
+        interrupter.join(10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    go.set()
+    reader.join(10)
+    assert same(out, value(1))
+    client.close()
+    assert_nothing_left(daemon.address)
 
