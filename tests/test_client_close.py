@@ -18,6 +18,7 @@ import torch
 import kvstore.client.core as core
 from helpers import in_process_daemon
 from kvstore.client import AsyncClient, Client, DaemonError
+from kvstore.client.effects import Rpc
 from kvstore.daemon.config import DaemonConfig
 from kvstore.keys import Namespace, chunk_keys
 
@@ -284,3 +285,23 @@ def test_an_interrupted_close_is_finished_by_the_next(daemon, monkeypatch):
     client.close()
     assert_nothing_left(daemon.address)
 
+
+def test_a_release_interrupted_in_close_is_done_by_the_next(daemon):
+    """Ctrl-C while close() released the lease used to drop it from the client's books all
+    the same: the next close() released nothing and the slots stayed leased until the
+    lease's TTL at the daemon."""
+    client = Client(daemon.address, shm_slots=SLOTS)
+    assert client.path == "shm"
+    rpc, interrupted = client._io.perform[Rpc], []
+
+    def interrupt_the_first_release(e: Rpc):
+        if e.method == "ReleaseLease" and not interrupted:
+            interrupted.append(e)
+            raise KeyboardInterrupt
+        return rpc(e)
+
+    client._io.perform[Rpc] = interrupt_the_first_release
+    with pytest.raises(KeyboardInterrupt):
+        client.close()
+    client.close()
+    assert_nothing_left(daemon.address)

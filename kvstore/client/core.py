@@ -236,21 +236,25 @@ class ClientCore:
     def _release_retired(self):
         """Release the retired leases none of whose slots a request of this client still
         uses (the others wait for a later call, or expire at the daemon), and whatever the
-        Lease requests that got no answer were granted."""
+        Lease requests that got no answer were granted. Interrupted (KeyboardInterrupt, a
+        cancellation), it keeps what it has not released yet for the next call or ``close``
+        (releasing one twice is harmless: the daemon ignores a lease it no longer has)."""
         with self._lock:
             ready = [lease for lease in self._retired if lease.releasable()]
             self._retired = [lease for lease in self._retired if lease not in ready]
             unanswered, self._unanswered = self._unanswered, []
-        for request_id in unanswered:
+        refs = [pb.LeaseRef(request_id=r) for r in unanswered]
+        refs += [pb.LeaseRef(lease_id=lease.lease_id) for lease in ready]
+        for n, ref in enumerate(refs):
             try:
-                yield Rpc("ReleaseLease", pb.LeaseRef(request_id=request_id))
+                yield Rpc("ReleaseLease", ref)
             except DaemonError:
-                pass  # a lease it was granted expires at the daemon
-        for lease in ready:
-            try:
-                yield Rpc("ReleaseLease", pb.LeaseRef(lease_id=lease.lease_id))
-            except DaemonError:
-                pass  # the daemon reclaims it when the lease expires
+                pass  # a lease not released expires at the daemon
+            except BaseException:
+                with self._lock:
+                    self._unanswered = (unanswered[n:] + self._unanswered)[-UNANSWERED_KEPT:]
+                    self._retired += ready[max(0, n - len(unanswered)):]
+                raise
 
     def _session(self):
         """An attached bulk session (idle or new), or None where there is none to have."""
