@@ -257,3 +257,32 @@ def test_a_reput_in_a_larger_encoding_counts_against_the_host_quota(tmp_path):
         assert host <= quota and bob_left == 40, (
             f"alice holds {host} B in host RAM (quota {quota} B, {held} raw chunks); "
             f"bob kept {bob_left} of his 40 chunks")
+
+
+def test_a_tenant_attaching_in_a_loop_leaves_other_tenants_their_bulk_sessions(tmp_path):
+    """A BulkAttach token counts as a session until it is presented or void (2 x
+    hello_timeout_s). It counts against its tenant's ``max_sessions_per_tenant`` too, so a
+    tenant asking in a loop without connecting runs out of its own share, never another's."""
+    (tmp_path / "daemon.toml").write_text('[shm]\nenabled = false\n[bulk]\nmax_sessions = 4\n'
+                                          'max_sessions_per_tenant = 2\nhello_timeout_s = 60.0\n'
+                                          '[store.host]\ncapacity_bytes = "8MiB"\npage_bytes = 4096\n'
+                                          'prefault = false\n[store.disk]\ncapacity_bytes = "64MiB"\n')
+    with DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
+                        "--data-dir", str(tmp_path / "data"),
+                        "--tenants-file", tenants_file(tmp_path / "tenants.toml")]) as daemon:
+        channel = grpc.insecure_channel(daemon.addr)
+        alice = pb_grpc.KVStoreStub(channel)
+        metadata = (("authorization", f"Bearer {TOKENS['alice']}"),)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in range(5):  # tokens she never presents
+                    alice.BulkAttach(pb.BulkAttachRequest(), metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "of this tenant" in info.value.details()
+            with Client(daemon.addr, token=TOKENS["bob"]) as bob, Client(daemon.addr, token=TOKENS["carol"]) as carol:
+                assert bob.path == "bulk" and carol.path == "bulk"
+                key = chunk_keys(PROMPT, ns())[0]
+                bob.put(key, values(9.0, 1)[0])
+                assert same(bob.get([key])[0], values(9.0, 1)[0])
+        finally:
+            channel.close()

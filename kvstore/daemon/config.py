@@ -58,6 +58,8 @@ class BulkConfig:
 
     enabled: bool = True
     port: int = 0  # 0 = any free port, advertised through BulkAttach
+    # Sessions, attached or with a token not presented yet: daemon-wide and per tenant (so
+    # a tenant attaching in a loop runs out of its own share, not of other tenants').
     max_sessions: int = 256
     max_sessions_per_tenant: int = 64
     # How long a Put waits for its bulk frame, and a reply frame for its reader.
