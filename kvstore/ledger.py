@@ -53,7 +53,9 @@ local function is_live(m, alive_after)
   local beat = redis.call('ZSCORE', P .. 'beats', m)
   return beat ~= false and tonumber(beat) >= alive_after
 end
+-- A zero delta is skipped: Lua writes the -0 of a 0-byte entry dropped as "-0", which HINCRBY refuses
 local function add_used(T, m, delta)
+  if delta == 0 then return end
   redis.call('HINCRBY', P .. 'used', T, delta)
   if redis.call('HINCRBY', P .. 'u:' .. T, m, delta) == 0 then
     redis.call('HDEL', P .. 'u:' .. T, m)
