@@ -235,18 +235,31 @@ class BudgetedTier(WrappedTier):
 
     def _recount(self, key: bytes, size: int, term: int) -> None:
         """Count an older value that stayed in place of a failed write; one the budget has no
-        room for any more goes, as an eviction would take it (while the lease holds)."""
+        room for any more goes, as an eviction would take it (while the lease holds). Its
+        reservation released, this member holds no entry of the key: the value is deleted
+        only once ``Ledger.undoing`` gave it one, since a delete without it removed the value
+        another member reserved, wrote and committed meanwhile (a durable put, acknowledged,
+        still counted). Under another member's entry ('kept') or one being deleted ('busy':
+        its holder removes the value) it stays."""
         try:
             answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
                                                      self._ttl_s)
             if answer == "ok":
                 self.ledger.commit(self.member, self.name, key)
             elif answer == "full":
-                self._lease.check(term, f"{self.name}: delete {key.hex()}")
-                self.inner.delete(key)
-                self._forget(self.name, [key])
+                self._drop_older(key, term)
         except TierError as exc:
             log.warning("%s: cannot count the older value of %s again: %s", self.name, key.hex(), exc)
+
+    def _drop_older(self, key: bytes, term: int) -> None:
+        try:
+            taken = self.ledger.undoing(self.member, self.name, key, secrets.token_hex(12))
+        except TierError:
+            with self._pending_lock:  # it may have run: ``settle`` deletes the value if the entry is this member's
+                self._undeleted.add(key)
+            raise
+        if taken == "mine":
+            self.remove([key], term)  # a failure is left to ``settle``
 
     def settle(self) -> None:
         """Finish what a failure left half-done (the heartbeat calls this; a TierError leaves
