@@ -222,30 +222,34 @@ class BudgetedTier(WrappedTier):
         except TierError:
             pass  # ``settle`` tells the ledger again
 
-    def _older_value(self, key: bytes, ours: bytes) -> int | None:
-        """The size of a whole value under ``key`` whose header is not ``ours`` (the one this
-        write wrote); None if there is none, or it is ours, or the medium cannot tell."""
+    def _older_value(self, key: bytes, ours: bytes) -> bytes | None:
+        """The header of a whole value under ``key`` that is not ``ours`` (the one this write
+        wrote); None if there is none, or it is ours, or the medium cannot tell."""
         try:
             head = self.inner.peek(key, HEADER_BYTES)
             if head is None or head == ours:
                 return None
-            return decode_header(head).blob_len
+            decode_header(head)
+            return head
         except (TierError, CorruptBlob):
             return None
 
-    def _recount(self, key: bytes, size: int, term: int) -> None:
-        """Count an older value that stayed in place of a failed write; one the budget has no
-        room for any more goes, as an eviction would take it (while the lease holds). Its
-        reservation released, this member holds no entry of the key: the value is deleted
-        only once ``Ledger.undoing`` gave it one, since a delete without it removed the value
-        another member reserved, wrote and committed meanwhile (a durable put, acknowledged,
-        still counted). Under another member's entry ('kept') or one being deleted ('busy':
-        its holder removes the value) it stays."""
+    def _recount(self, key: bytes, older: bytes, term: int) -> None:
+        """Count an older value (its header ``older``) that stayed in place of a failed write;
+        one the budget has no room for any more goes, as an eviction would take it (while the
+        lease holds). Its reservation released, this member holds no entry of the key: the
+        value is deleted only once ``Ledger.undoing`` gave it one, since a delete without it
+        removed the value another member reserved, wrote and committed meanwhile (a durable
+        put, acknowledged, still counted). Under another member's entry ('kept') or one being
+        deleted ('busy': its holder removes the value) it stays. A failed commit is committed
+        again by ``settle``, as a write's is (``_commit``): left pending, the key was busy to
+        every other member and its bytes never evictable for as long as this member lived."""
+        size = decode_header(older).blob_len
         try:
             answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
                                                      self._ttl_s)
             if answer == "ok":
-                self.ledger.commit(self.member, self.name, key)
+                self._commit(key, older)
             elif answer == "full":
                 self._drop_older(key, term)
         except TierError as exc:

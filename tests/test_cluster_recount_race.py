@@ -6,7 +6,9 @@ value again (``_recount``). When the budget had no room for it any more, the rec
 the value under the key while a held no entry of it: b had reserved, written and committed
 the chunk since (a durable put, acknowledged), and a's delete removed b's value while the
 ledger kept counting it. The recount now deletes only once ``Ledger.undoing`` gave a the
-key's entry. Real Redis."""
+key's entry. Also: a recount's commit that failed left a's reservation pending for as long
+as a lived (the chunk busy to every other member, its bytes never evictable); ``settle``
+commits it again now. Real Redis."""
 
 import pytest
 
@@ -17,6 +19,7 @@ from kvstore.store import Store  # noqa: E402
 from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
 from test_store_shared import chunks  # noqa: E402
 from test_store_shared_durable import BLOB, one_chunk_cluster  # noqa: E402
+from tiers.base import TierUnavailable  # noqa: E402
 
 
 class HeldAfterRelease:
@@ -35,6 +38,22 @@ class HeldAfterRelease:
             for key_id in key_ids:
                 self.gate.pass_through(key_id)
         return used
+
+
+class CommitFailsOnce:
+    """A member's ledger whose next commit fails without reaching Redis."""
+
+    def __init__(self, ledger):
+        self._ledger, self.failed = ledger, False
+
+    def __getattr__(self, name):
+        return getattr(self._ledger, name)
+
+    def commit(self, member, tier, key_id):
+        if not self.failed:
+            self.failed = True
+            raise TierUnavailable("cluster ledger: commit: Redis unreachable (injected)")
+        return self._ledger.commit(member, tier, key_id)
 
 
 def failing_re_put(store):
@@ -92,4 +111,20 @@ def test_a_recount_whose_undoing_reply_was_lost_deletes_the_older_value_at_the_n
             "the older value's entry stayed taken after the reply of its undoing was lost"
         b.delete([filler])
         b.put(key, value, durable=True)  # the chunk is not busy to every member for good
+        assert raw.get(rkey) == b.get_blob(key)
+
+
+def test_a_recount_whose_commit_failed_is_committed_by_the_heartbeat(tmp_path, redis_server):
+    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-recount-commit", 103)
+    cb.cluster.busy_wait_s = 1.0  # b's put gives up soon on a key another member holds
+    with Store(ca) as a, Store(cb) as b:
+        a.put(key, value, durable=True)  # the older value: raw, on Redis
+        tier = failing_re_put(a)
+        tier.ledger = failing = CommitFailsOnce(tier.ledger)
+        a.put(key, value, codec="int8")  # its copy fails; the recount reserves the raw value, its commit fails
+        assert a.flush(30) and failing.failed
+        tier.settle()  # the heartbeat
+        assert tier.ledger.holder("redis", key.id) == ("r", "a"), \
+            "the recount's reservation stayed pending after its commit failed"
+        b.put(key, value, durable=True, codec="int8")  # the chunk is not busy to another member for good
         assert raw.get(rkey) == b.get_blob(key)
