@@ -134,15 +134,19 @@ class BudgetedTier(WrappedTier):
 
     def _write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         size = sum(memoryview(p).nbytes for p in parts)
+        ours = self._header(parts)
         deadline = time.monotonic() + self._busy_wait_s
         take = False
         while True:
             answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
                                                      self._ttl_s, take)
-            if answer == "present":  # a daemon wrote this very value (keys name content)...
-                if self.inner.peek(key, 1) is not None:
+            if answer == "present":  # a resident value of this size: this very blob if its header is ours...
+                if self.inner.peek(key, HEADER_BYTES) == ours:
                     return
-                take = True  # ...but the medium dropped it (Redis evicting on its own): write it again
+                # ...else gone from the medium (Redis evicting on its own), or another put's blob of the
+                # chunk (same codec, other bytes): take the entry and write ours, as a blob of another
+                # size would replace it (kept, this put was acknowledged without its copy on the tier)
+                take = True
                 continue
             if answer == "ok":
                 break
@@ -152,7 +156,6 @@ class BudgetedTier(WrappedTier):
             if time.monotonic() > deadline:  # busy: another member writes or deletes it
                 raise TierError(f"{self.name}: {key.hex()} stayed busy in another member for {self._busy_wait_s} s")
             time.sleep(0.01)
-        ours = self._header(parts)
         try:
             self.inner.write(key, parts)
         except BaseException:
