@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from kvstore.blob import CorruptBlob, reencoded_header, verify_blob
+from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
 from kvstore.placement import Placement
@@ -197,7 +197,8 @@ class Evictor:
                 index.sync(key_id, entry)
                 return
             if written:
-                index.record(key_id, entry, name, Replica(size, job.codec.codec_id, job.replica.version, synced))
+                index.record(key_id, entry, name, Replica(size, job.codec.codec_id, job.replica.version, synced,
+                                                          checksum=decode_header(parts[0]).payload_checksum))
                 index.stats[name].recodes += 1
                 index.stats[name].bytes_written += size
                 if index.evictable(name, entry):

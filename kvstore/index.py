@@ -49,8 +49,11 @@ class StoreClosed(RuntimeError):
 
 @dataclass
 class Replica:
-    """One tier's copy of a chunk: its size there, its encoding (None until a read or the
-    recovery scan has seen its header) and the put version it holds."""
+    """One tier's copy of a chunk: its size there, its encoding and its blob's payload
+    checksum (both None until a read or the recovery scan has seen its header) and the put
+    version it holds. The checksum names the very blob this store wrote or verified there
+    (a re-encoding's own, not the put's): on a shared tier a peer's put of the chunk may
+    replace it with another blob of the same codec and size."""
 
     size: int
     codec_id: int | None
@@ -59,6 +62,7 @@ class Replica:
     # listed on a shared tier (at start, or a peer's), not written here: whether it is synced is
     # not known, and it may hold a durable put's bytes, so a copy that replaces it is synced
     found: bool = False
+    checksum: int | None = None
 
 
 @dataclass

@@ -44,8 +44,8 @@ class ReplacedBlob(Exception):
     lists there: another daemon put the chunk in its own encoding (the codec is not part of
     the key), or it is an older put of ours found at start."""
 
-# promote(key id, version, blob parts, size, codec id): a hit below the first tier
-Promote = Callable[[bytes, int, list, int, int], None]
+# promote(key id, version, blob parts, size, blob header): a hit below the first tier
+Promote = Callable[[bytes, int, list, int, BlobHeader], None]
 
 
 def split_runs(runs: list[tuple[int, int]], n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -289,12 +289,13 @@ class ReadPath:
                 return
             if entry.replicas.get(tier.name) is replica:
                 replica.codec_id = header.codec_id  # learnt: later reads of raw bytes go direct
+                replica.checksum = header.payload_checksum  # learnt: a peer's blob that replaces it is told apart
                 if entry.header is None and replica.version == entry.version and replica.size == entry.size:
                     entry.header = header
             index.hit(key_id, entry)
             promote = tier.name != index.first and entry.current(index.first) is None and entry.current(tier.name) is replica
         if promote:
-            self._promote(key_id, version, parts, replica.size, header.codec_id)
+            self._promote(key_id, version, parts, replica.size, header)
 
     # -- many chunks ------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
             entry = index.entries[key_id] = Entry(version=0, size=size, header=header)
         current = first or (header is not None and header == entry.header)
         replica = Replica(size, header.codec_id if header is not None else None, 0 if current else STALE,
-                          found=tier.shared)
+                          found=tier.shared, checksum=header.payload_checksum if header is not None else None)
         index.record(key_id, entry, tier.name, replica)
         index.sync(key_id, entry)
         recovered.append(replica)

@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kernels import parallel_copy
-from kvstore.blob import HEADER_BYTES, UnsealedBlob, decode_header, encode_header
+from kvstore.blob import HEADER_BYTES, BlobHeader, UnsealedBlob, decode_header, encode_header
 from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
 from kvstore.discovery import discover
@@ -256,7 +256,8 @@ class Store:
                 entry.version, entry.size, entry.header = index.next_version(), size, header
             entry.parent = parent if parent is not None else entry.parent
             entry.model_id = model_id if model_id is not None else entry.model_id
-        index.set_replica(key_id, entry, self.first.name, Replica(size, header.codec_id, entry.version))
+        index.set_replica(key_id, entry, self.first.name,
+                          Replica(size, header.codec_id, entry.version, checksum=header.payload_checksum))
         index.stats[self.first.name].bytes_written += size
         # a durable put is a promise about every replica tier; a plain one gets the planned copies
         self._write_behind.queue(key_id, entry, reservation, ticket, None if ticket else self._planned_copies(key_id, entry))
@@ -315,7 +316,7 @@ class Store:
         header = parts if isinstance(parts, UnsealedBlob) else _leading_header(parts)
         return header.dtype, header.shape
 
-    def _promote(self, key_id: bytes, version: int, parts: list, size: int, codec_id: int) -> None:
+    def _promote(self, key_id: bytes, version: int, parts: list, size: int, header: BlobHeader) -> None:
         """Copy a chunk read from a lower tier into the first tier, unless it changed meanwhile
         (replaced, deleted: a deleted chunk never comes back, review #17) or the first tier
         has no room that is not pinned or waiting for copies."""
@@ -330,7 +331,8 @@ class Store:
             if not unchanged():
                 return False
             entry = self.index.get(key_id)
-            self.index.set_replica(key_id, entry, self.first.name, Replica(size, codec_id, version))
+            self.index.set_replica(key_id, entry, self.first.name,
+                                   Replica(size, header.codec_id, version, checksum=header.payload_checksum))
             self.index.stats[self.first.name].bytes_written += size
             more = self._planned_copies(key_id, entry)
             if more:  # read again from below: it may have earned more copies (never waited for)

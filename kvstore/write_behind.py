@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvstore.blob import CorruptBlob, reencoded_header, verify_blob
+from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
 from kvstore.tier_io import TierIO
@@ -307,7 +307,7 @@ class WriteBehind:
                 with self.index.lock:
                     self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is gone; nothing to copy"))
                 return
-            replica = Replica(source.size, source.codec_id, source.version)
+            replica = Replica(source.size, source.codec_id, source.version, checksum=source.checksum)
             try:
                 recoded = self._encode(tier, key_id, views, codec, replica) if codec is not None else None
             except CorruptBlob as exc:  # never spread a copy found corrupt, nor keep it
@@ -343,7 +343,8 @@ class WriteBehind:
                         key_id.hex(), codec.name, exc)
             return None
         parts = [reencoded_header(header, codec.codec_id, encoded), encoded]
-        return parts, Replica(sum(len(p) for p in parts), codec.codec_id, source.version)
+        return parts, Replica(sum(len(p) for p in parts), codec.codec_id, source.version,
+                              checksum=decode_header(parts[0]).payload_checksum)
 
     def _write(self, q: _Queue, job: CopyJob, views, replica: Replica, sync: bool, recoded: bool = False) -> None:
         """Make room and write; room is made without the key lock, the write under it, and a
