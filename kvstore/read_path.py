@@ -42,7 +42,7 @@ _RETRY = object()  # the replica changed under the read (re-encoded, replaced): 
 class ReplacedBlob(Exception):
     """A shared tier's value is a whole, valid blob of the chunk, but not the one the index
     lists there: another daemon put the chunk in its own encoding (the codec is not part of
-    the key), or it is an older put of ours found at start."""
+    the key) or in the same one with other bytes, or it is an older put of ours found at start."""
 
 # promote(key id, version, blob parts, size, blob header): a hit below the first tier
 Promote = Callable[[bytes, int, list, int, BlobHeader], None]
@@ -156,6 +156,7 @@ class ReadPath:
             if replica is None:
                 return None
             size, codec_id, version, expected = replica.size, replica.codec_id, replica.version, entry.header
+            checksum = replica.checksum
         header_buf = bytearray(HEADER_BYTES)
         direct = out is not None and codec_id == 0 and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
@@ -178,9 +179,10 @@ class ReadPath:
             if tier.shared and self._whole(tier, key, header_buf, got, digest):
                 return self._replaced(key_id, tier, replica)
             return self._vanished(key_id, tier, replica)
+        shared = tier.shared
         try:
             header = self._verified(tier, key, header_buf, payload_buf, got, size, codec_id, digest,
-                                    None if direct else out, expected if tier.shared else None)
+                                    None if direct else out, expected if shared else None, checksum if shared else None)
         except ReplacedBlob:
             return self._replaced(key_id, tier, replica)
         except CorruptBlob as exc:
@@ -203,14 +205,18 @@ class ReadPath:
 
     @staticmethod
     def _verified(tier: Tier, key: ChunkKey, header_buf, payload_buf, got: int, size: int, codec_id: int | None,
-                  digest, decode_into: torch.Tensor | None, expected: BlobHeader | None = None) -> BlobHeader:
+                  digest, decode_into: torch.Tensor | None, expected: BlobHeader | None = None,
+                  checksum: int | None = None) -> BlobHeader:
         """The header of a blob just read, once its length, header, checksum (where ``digest``
         hashed it), codec and decoding (into ``decode_into``) check out; else CorruptBlob.
-        ``expected``: on a shared tier, the blob the index's entry names; a valid blob of
-        another codec, or one that differs from ``expected`` where the replica's codec is not
-        known yet, raises ReplacedBlob (a peer's put, or an older one of ours), not CorruptBlob.
-        The header alone decides that (its own checksum is always verified), also where the
-        payload is not hashed: another put's file is never deleted as corrupt, nor read as ours."""
+        ``expected`` and ``checksum``: on a shared tier, the blob the index's entry names and
+        the payload checksum of the one this store wrote or verified there (None: not known
+        yet); a valid blob of another codec or another checksum, or one that differs from
+        ``expected`` where the replica's codec is not known yet, raises ReplacedBlob (a peer's
+        put, or an older one of ours), not CorruptBlob: one codec and size may hold other
+        bytes (another ranking, KV computed elsewhere). The header alone decides that (its own
+        checksum is always verified), also where the payload is not hashed: another put's file
+        is never deleted as corrupt, nor read as ours."""
         if got != size:
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = checked_header(tier, key, header_buf, size)
@@ -220,6 +226,8 @@ class ReadPath:
             if tier.shared:
                 raise ReplacedBlob(f"{tier.name}: a valid blob of codec {header.codec_id}, the index says {codec_id}")
             raise CorruptBlob(f"{tier.name}: blob is encoded with codec {header.codec_id}, the index says {codec_id}")
+        if checksum is not None and header.payload_checksum != checksum:
+            raise ReplacedBlob(f"{tier.name}: a valid blob of the chunk, not the one this store wrote or read there")
         if codec_id is None and expected is not None and header != expected:
             raise ReplacedBlob(f"{tier.name}: a valid blob of the chunk, not the one its latest put wrote")
         if decode_into is not None:
