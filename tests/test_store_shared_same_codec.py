@@ -13,6 +13,7 @@ import torch
 
 from helpers import same
 from kvstore.codecs import get_codec
+from kvstore.config import DiskTierConfig
 from kvstore.store import Store
 from test_store_shared import chunks  # a head_dim the mixed codec can rank
 from test_store_shared_peers import daemon
@@ -64,3 +65,37 @@ def test_a_copy_of_ours_read_again_is_still_a_hit(tmp_path):
         out = torch.empty_like(values[0])
         for key, value in zip(keys, values):
             assert a.get_into(key, out) and same(out, value)
+
+
+def test_a_peers_blob_read_once_is_told_apart_from_the_one_that_replaces_it(tmp_path):
+    """A copy found on the PFS (a lookup, its header never read) learns its blob's checksum
+    on its first verified read, as it learns its codec: C's blob of the same codec and size
+    that replaces B's later is a miss for A, not B's chunk."""
+    keys, values = chunks(1, seed=13)
+    key, value = keys[0], values[0]
+    mine, _, theirs, _ = two_puts("raw", value)
+    with Store(daemon(tmp_path, None, "raw")) as a:
+        with Store(daemon(tmp_path, None, "raw")) as b:
+            b.put(key, mine, durable=True)
+        assert a.lookup(keys) == 1 and a.get_blob(key) is not None  # B's chunk, verified (and promoted)
+        with Store(daemon(tmp_path, None, "raw")) as c:
+            c.put(key, theirs, durable=True)
+        assert a.drop(keys, "host") == 1
+        assert a.get_blob(key) is None, "A read C's bytes as the chunk it had verified"
+
+
+def test_a_copy_found_at_start_beside_a_private_one_is_told_apart_from_a_peers(tmp_path):
+    """At start the PFS copy of a chunk the disk also holds is recorded with its header's
+    checksum: a peer's blob of the same codec and size that replaces it is a miss."""
+    keys, values = chunks(1, seed=14)
+    key, value = keys[0], values[0]
+    mine, _, theirs, _ = two_puts("raw", value)
+    with_disk = daemon(tmp_path, None, "raw")
+    with_disk.disk = DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=1 << 20, enabled=True)
+    with Store(with_disk) as a:
+        a.put(key, mine, durable=True)
+    with Store(with_disk) as a:  # restarted: the disk's copy and the PFS's, headers read
+        with Store(daemon(tmp_path, None, "raw")) as b:
+            b.put(key, theirs, durable=True)
+        assert a.drop(keys, "disk") == 1  # A's index lists its PFS copy alone
+        assert a.get_blob(key) is None, "A read another put's bytes as those of its own last put"
