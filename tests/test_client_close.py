@@ -181,26 +181,33 @@ def test_many_calls_and_a_close_meanwhile(daemon):
             assert len(got) == 1 and same(got[0], value(100 + i)), f"put {i} stored other bytes"
 
 
+async def close_with_a_get_held(address, out, held):
+    """An async client whose get_into is held mid-copy, and its close() started: returned
+    once the close refuses new calls (or, wrongly, has returned)."""
+    client = AsyncClient(address, shm_slots=SLOTS)
+    assert await client.path() == "shm"
+    reader = asyncio.create_task(client.get_into(KEYS[1], out))
+    assert await asyncio.to_thread(held.wait, 10)
+    closer = asyncio.create_task(client.close())
+
+    async def new_call_refused():
+        try:
+            await client.lookup(KEYS)
+        except DaemonError as exc:
+            return refused(exc)
+        return False
+
+    while not closer.done() and not await new_call_refused():
+        pass
+    return client, reader, closer
+
+
 def test_async_close_waits_for_a_get_in_flight_and_refuses_new_calls(daemon, monkeypatch):
     held, go = hold_copies(monkeypatch)  # the async client copies in threads of its own
     out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
 
     async def scenario():
-        client = AsyncClient(daemon.address, shm_slots=SLOTS)
-        assert await client.path() == "shm"
-        reader = asyncio.create_task(client.get_into(KEYS[1], out))
-        assert await asyncio.to_thread(held.wait, 10)
-        closer = asyncio.create_task(client.close())
-
-        async def new_call_refused():
-            try:
-                await client.lookup(KEYS)
-            except DaemonError as exc:
-                return refused(exc)
-            return False
-
-        while not closer.done() and not await new_call_refused():
-            pass
+        client, reader, closer = await close_with_a_get_held(daemon.address, out, held)
         assert not closer.done(), "close() returned while a get_into still had to copy into its caller's tensor"
         go.set()
         assert await reader is True
@@ -220,21 +227,7 @@ def test_a_cancelled_async_close_still_gives_everything_back(daemon, monkeypatch
     out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
 
     async def scenario():
-        client = AsyncClient(daemon.address, shm_slots=SLOTS)
-        assert await client.path() == "shm"
-        reader = asyncio.create_task(client.get_into(KEYS[1], out))
-        assert await asyncio.to_thread(held.wait, 10)
-        closer = asyncio.create_task(client.close())
-
-        async def new_call_refused():
-            try:
-                await client.lookup(KEYS)
-            except DaemonError as exc:
-                return refused(exc)
-            return False
-
-        while not await new_call_refused():
-            pass
+        client, reader, closer = await close_with_a_get_held(daemon.address, out, held)
         closer.cancel()
         with pytest.raises(asyncio.CancelledError):
             await closer
