@@ -74,6 +74,14 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc, DaemonError) and exc.code == grpc.StatusCode.CANCELLED and "closed" in exc.message
 
 
+def refuses_new_calls(client) -> bool:
+    try:
+        client.lookup(KEYS)
+    except DaemonError as exc:
+        return refused(exc)
+    return False
+
+
 def hold_copies(monkeypatch):
     """Hold every copy out of slots or the pool, except the main thread's, until ``go``."""
     held, go = threading.Event(), threading.Event()
@@ -108,14 +116,7 @@ def test_close_waits_for_a_get_in_flight_and_refuses_new_calls(daemon, monkeypat
     closer = threading.Thread(target=run, args=("close", client.close))
     closer.start()
 
-    def new_call_refused():
-        try:
-            client.lookup(KEYS)
-        except DaemonError as exc:
-            return refused(exc)
-        return False
-
-    wait_until(lambda: not closer.is_alive() or new_call_refused(), "close() never refused new calls")
+    wait_until(lambda: not closer.is_alive() or refuses_new_calls(client), "close() never refused new calls")
     assert closer.is_alive(), "close() returned while a get_into still had to copy into its caller's tensor"
     go.set()
     reader.join(10)
@@ -252,15 +253,8 @@ def test_an_interrupted_close_is_finished_by_the_next(daemon, monkeypatch):
     reader.start()
     assert held.wait(10)
 
-    def new_call_refused():
-        try:
-            client.lookup(KEYS)
-        except DaemonError as exc:
-            return refused(exc)
-        return False
-
     def interrupt():
-        wait_until(new_call_refused, "close() never refused new calls")
+        wait_until(lambda: refuses_new_calls(client), "close() never refused new calls")
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
