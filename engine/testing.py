@@ -111,6 +111,8 @@ def transformers_copy(gguf: Path) -> Path:
         model.config.quantization_config = None
         model.config.to_json_file(f"{tmp}/config.json")
         tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():  # safetensors writes 0600: a shared cache is read by other users too
+            f.chmod(0o644)
         sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
         (tmp / COPY_MANIFEST).write_text(json.dumps(sizes))
         tmp.chmod(0o755)

@@ -254,6 +254,7 @@ def test_transformers_copy_converts_once_per_content(tiny_gguf, fake_conversion)
     converted, hf = fake_conversion
     folder = transformers_copy(tiny_gguf)
     assert converted == ["tiny.gguf"] * 2
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in folder.iterdir())  # a shared cache: others read it
     assert transformers_copy(tiny_gguf) == folder and len(converted) == 2
     loaded = probe_model.load_model(tiny_gguf)
     assert len(converted) == 2 and loaded.model_id == "tiny"
