@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
+from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
 from kvstore.tier_io import TierIO
@@ -283,14 +283,18 @@ class WriteBehind:
         under its key lock, so it is exactly the replica the index lists; a re-put after that
         makes this copy a stale replica that the newer job replaces."""
         tier, key_id, entry = q.tier, job.key_id, job.entry
-        # a durable put's copy to a shared tier writes the value again if it is gone from there
-        gone = tier.shared and bool(job.tickets) and not self._there(tier, key_id)
+        # a durable put's copy to a shared tier writes the value again unless the medium holds the
+        # very blob the index lists: a peer may have deleted it, or replaced it with its own put's
+        looked = tier.shared and bool(job.tickets)
+        there = self._blob_there(tier, key_id) if looked else None
         with ExitStack() as stack:
             with self.locks.hold(self.first.name, key_id):
                 with self.index.lock:
                     live = self.index.get(key_id) is entry
                     source = entry.current(self.first.name) if live else None
-                    target = entry.known_current(tier.name) if live and not gone else None
+                    target = entry.known_current(tier.name) if live else None
+                    if looked and target is not None and there != (target.codec_id, target.checksum):
+                        target = None
                     sync = bool(job.tickets)
                     codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
                 views = None
@@ -322,12 +326,17 @@ class WriteBehind:
             self._write(q, job, views, replica, sync, recoded is not None)
 
     @staticmethod
-    def _there(tier: Tier, key_id: bytes) -> bool:
-        """Whether the medium holds a value for the key now (asked, not the tier's view)."""
+    def _blob_there(tier: Tier, key_id: bytes) -> tuple[int, int] | None:
+        """(codec, payload checksum) of the blob the medium holds for the key now (asked, not
+        the tier's view), by its header alone; None if absent, unreadable or damaged."""
         try:
-            return tier.peek(key_id, 1) is not None
-        except TierError:
-            return False  # then the write fails, and says so
+            head = tier.peek(key_id, HEADER_BYTES)
+            if head is None:
+                return None
+            header = decode_header(head)
+        except (TierError, CorruptBlob):
+            return None  # then the write replaces it, or fails and says so
+        return header.codec_id, header.payload_checksum
 
     @staticmethod
     def _encode(tier: Tier, key_id: bytes, views, codec: Codec, source: Replica):
