@@ -15,9 +15,12 @@ Chunk bytes take the fastest path available, chosen once per client:
 
 Gets and puts go over a bulk channel whenever the daemon offers one (shm included: gRPC
 costs about as much per message as moving a 4 MiB chunk), else over gRPC. A request never
-waits for a slot: with all of them busy it takes the socket path. Retries: only UNAVAILABLE
-and a broken bulk connection, with exponential backoff (every operation is idempotent); a
-lease or bulk session the daemon no longer knows is replaced once, at once.
+waits for a slot: with all of them busy it takes the socket path, and one whose bulk
+connection is closed before the daemon's hello reply (a flood of connections without a
+token fills the daemon's room for such connections) takes gRPC, bulk again a second later.
+Retries: only UNAVAILABLE and a broken bulk connection, with exponential backoff (every
+operation is idempotent); a lease or bulk session the daemon no longer knows is replaced
+once, at once.
 
 torch (and the blob and codec modules, which need it) is imported in the methods that take
 or make tensors, not with this module: ``kvstore ping`` and ``stats`` start in a fraction of
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
 
 PIN_MARGIN = 0.9  # of BulkAttachReply.pin_ttl_s: a Get read later than this is discarded
 LEASE_AGAIN_S = 1.0  # after the daemon had no free slots for a lease
+BULK_AGAIN_S = 1.0  # after a bulk connection was closed before its hello reply: gRPC meanwhile
 UNANSWERED_KEPT = 16  # Lease requests without an answer to release by id: the latest so many
 
 
@@ -82,6 +86,7 @@ class ClientCore:
         self._unanswered: list[int] = []  # Lease requests that got no answer: released by their id
         self._idle: list[BulkSession] = []
         self._bulk_ok = not options.tls_ca  # the bulk channel is not encrypted
+        self._bulk_again_at = 0.0  # after a bulk connection that did not attach: when to try again
         self._namespaces: dict[bytes, Namespace] = {}
         self._calls = 0  # operations running now (``call``)
         self._closing = False  # ``close`` began: new operations are refused
@@ -262,7 +267,9 @@ class ClientCore:
             return None
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop()  # attached already: a flood does not touch it
+        if time.monotonic() < self._bulk_again_at:
+            return None
         try:
             reply = yield Rpc("BulkAttach", pb.BulkAttachRequest())
         except DaemonError as exc:
@@ -272,7 +279,14 @@ class ClientCore:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # too many sessions right now: this call uses gRPC
             raise
-        return (yield from BulkSession.open(self.host, reply))
+        try:
+            return (yield from BulkSession.open(self.host, reply))
+        except OSError:
+            # Closed or refused before the hello reply: anyone can fill the daemon's room for
+            # connections without a token (max_unauthenticated), and retrying on that port
+            # would fail the call. This call uses gRPC; bulk is tried again later.
+            self._bulk_again_at = time.monotonic() + BULK_AGAIN_S
+            return None
 
     def _done_with(self, session: BulkSession | None, ok: bool):
         """Keep a session for the next call, or close it: after a failure its state is unknown."""
