@@ -17,7 +17,8 @@ Gets and puts go over a bulk channel whenever the daemon offers one (shm include
 costs about as much per message as moving a 4 MiB chunk), else over gRPC. A request never
 waits for a slot: with all of them busy it takes the socket path, and one whose bulk
 connection is closed before the daemon's hello reply (a flood of connections without a
-token fills the daemon's room for such connections) takes gRPC, bulk again a second later.
+token fills the daemon's room for such connections) takes gRPC; bulk is tried again a
+second later, the wait doubling up to a minute while it fails.
 Retries: only UNAVAILABLE and a broken bulk connection, with exponential backoff (every
 operation is idempotent); a lease or bulk session the daemon no longer knows is replaced
 once, at once.
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 
 PIN_MARGIN = 0.9  # of BulkAttachReply.pin_ttl_s: a Get read later than this is discarded
 LEASE_AGAIN_S = 1.0  # after the daemon had no free slots for a lease
-BULK_AGAIN_S = 1.0  # after a bulk connection was closed before its hello reply: gRPC meanwhile
+BULK_AGAIN_S = (1.0, 60.0)  # after a bulk connection did not attach: gRPC meanwhile, doubling per failure
 UNANSWERED_KEPT = 16  # Lease requests without an answer to release by id: the latest so many
 
 
@@ -87,6 +88,7 @@ class ClientCore:
         self._idle: list[BulkSession] = []
         self._bulk_ok = not options.tls_ca  # the bulk channel is not encrypted
         self._bulk_again_at = 0.0  # after a bulk connection that did not attach: when to try again
+        self._bulk_failed = 0  # bulk connections in a row that did not attach
         self._namespaces: dict[bytes, Namespace] = {}
         self._calls = 0  # operations running now (``call``)
         self._closing = False  # ``close`` began: new operations are refused
@@ -280,13 +282,18 @@ class ClientCore:
                 return None  # too many sessions right now: this call uses gRPC
             raise
         try:
-            return (yield from BulkSession.open(self.host, reply))
+            session = yield from BulkSession.open(self.host, reply)
         except OSError:
             # Closed or refused before the hello reply: anyone can fill the daemon's room for
             # connections without a token (max_unauthenticated), and retrying on that port
-            # would fail the call. This call uses gRPC; bulk is tried again later.
-            self._bulk_again_at = time.monotonic() + BULK_AGAIN_S
+            # would fail the call. This call uses gRPC; bulk is tried again later, and less
+            # often while it keeps failing (a port that times out costs a whole timeout).
+            first, most = BULK_AGAIN_S
+            self._bulk_again_at = time.monotonic() + min(most, first * 2 ** self._bulk_failed)
+            self._bulk_failed += 1
             return None
+        self._bulk_failed = 0
+        return session
 
     def _done_with(self, session: BulkSession | None, ok: bool):
         """Keep a session for the next call, or close it: after a failure its state is unknown."""
