@@ -197,8 +197,8 @@ class Evictor:
                 index.sync(key_id, entry)
                 return
             if written:
-                index.record(key_id, entry, name, Replica(size, job.codec.codec_id, job.replica.version, synced,
-                                                          checksum=decode_header(parts[0]).payload_checksum))
+                index.record(key_id, entry, name, Replica.of(decode_header(parts[0]), size, job.replica.version,
+                                                             synced=synced))
                 index.stats[name].recodes += 1
                 index.stats[name].bytes_written += size
                 if index.evictable(name, entry):

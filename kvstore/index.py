@@ -64,6 +64,15 @@ class Replica:
     found: bool = False
     checksum: int | None = None
 
+    @classmethod
+    def of(cls, header: BlobHeader, size: int, version: int, **flags) -> "Replica":
+        """The replica of a blob whose header is known: its encoding and payload checksum."""
+        return cls(size, header.codec_id, version, checksum=header.payload_checksum, **flags)
+
+    def is_blob(self, header: BlobHeader | None) -> bool:
+        """Whether ``header`` (None: no whole blob) names the very blob this replica records."""
+        return header is not None and (header.codec_id, header.payload_checksum) == (self.codec_id, self.checksum)
+
 
 @dataclass
 class Entry:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header
 from kvstore.index import ChunkIndex, KeyLocks
-from kvstore.tier_io import TierIO
+from kvstore.tier_io import TierIO, peek_header
 from kvstore.write_behind import WriteBehind
-from tiers.base import Tier, TierError
+from tiers.base import Tier
 
 
 def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: WriteBehind | None,
@@ -53,7 +52,8 @@ def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: 
                     continue
                 if tier.size_of(key_id) != replica.size:
                     problems.append(f"{where}: index says {name} holds {replica.size} bytes, the tier says {tier.size_of(key_id)}")
-                elif replica.checksum is not None and _checksum(tier, key_id) not in (None, replica.checksum):
+                elif (replica.checksum is not None and (held := peek_header(tier, key_id)) is not None
+                      and held.payload_checksum != replica.checksum):  # a damaged header is the read path's to find
                     problems.append(f"{where}: index says {name} holds the blob of payload checksum {replica.checksum:x}, "
                                     f"the tier holds another one")
             for name, policy in index.policies.items():
@@ -82,13 +82,3 @@ def check_integrity(index: ChunkIndex, tiers: Mapping[str, Tier], write_behind: 
                 problems.append(f"{name}: uses {tier.used_bytes} of {tier.capacity_bytes} bytes")
     if problems:
         raise AssertionError("store integrity: " + "; ".join(problems))
-
-
-def _checksum(tier: Tier, key_id: bytes) -> int | None:
-    """The payload checksum the header of the tier's value names; None where it has no whole
-    header (a damaged value is the read path's to find)."""
-    try:
-        head = tier.peek(key_id, HEADER_BYTES)
-        return None if head is None else decode_header(head).payload_checksum
-    except (CorruptBlob, TierError):
-        return None

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header
 from kvstore.index import ChunkIndex, Entry, Replica
+from kvstore.tier_io import peek_header
 from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,7 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
 
 def _header(tier: Tier, key_id: bytes, size: int):
     """The value's blob header if it is whole and names ``key_id``; None otherwise."""
-    try:
-        head = tier.peek(key_id, HEADER_BYTES)
-        if head is None:
-            return None
-        header = decode_header(head)
-    except (CorruptBlob, TierError):
-        return None
-    if header.key_id != key_id or header.blob_len != size:
+    header = peek_header(tier, key_id)
+    if header is None or header.key_id != key_id or header.blob_len != size:
         return None
     return header

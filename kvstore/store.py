@@ -256,8 +256,7 @@ class Store:
                 entry.version, entry.size, entry.header = index.next_version(), size, header
             entry.parent = parent if parent is not None else entry.parent
             entry.model_id = model_id if model_id is not None else entry.model_id
-        index.set_replica(key_id, entry, self.first.name,
-                          Replica(size, header.codec_id, entry.version, checksum=header.payload_checksum))
+        index.set_replica(key_id, entry, self.first.name, Replica.of(header, size, entry.version))
         index.stats[self.first.name].bytes_written += size
         # a durable put is a promise about every replica tier; a plain one gets the planned copies
         self._write_behind.queue(key_id, entry, reservation, ticket, None if ticket else self._planned_copies(key_id, entry))
@@ -331,8 +330,7 @@ class Store:
             if not unchanged():
                 return False
             entry = self.index.get(key_id)
-            self.index.set_replica(key_id, entry, self.first.name,
-                                   Replica(size, header.codec_id, version, checksum=header.payload_checksum))
+            self.index.set_replica(key_id, entry, self.first.name, Replica.of(header, size, version))
             self.index.stats[self.first.name].bytes_written += size
             more = self._planned_copies(key_id, entry)
             if more:  # read again from below: it may have earned more copies (never waited for)

@@ -15,10 +15,21 @@ import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, decode_header
 from kvstore.index import ChunkIndex, KeyLocks
 from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
+
+
+def peek_header(tier: Tier, key_id: bytes) -> BlobHeader | None:
+    """The header of the value the medium holds for the key now (asked, not the tier's view);
+    None if there is none, or it cannot be read, or it is not a whole blob header."""
+    try:
+        head = tier.peek(key_id, HEADER_BYTES)
+        return None if head is None else decode_header(head)
+    except (CorruptBlob, TierError):
+        return None
 
 
 class TierIO:

@@ -34,10 +34,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header, reencoded_header, verify_blob
+from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
-from kvstore.tier_io import TierIO
+from kvstore.tier_io import TierIO, peek_header
 from tiers.base import Tier, TierError, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -286,14 +286,14 @@ class WriteBehind:
         # a durable put's copy to a shared tier writes the value again unless the medium holds the
         # very blob the index lists: a peer may have deleted it, or replaced it with its own put's
         looked = tier.shared and bool(job.tickets)
-        there = self._blob_there(tier, key_id) if looked else None
+        there = peek_header(tier, key_id) if looked else None  # None: absent, unreadable or damaged
         with ExitStack() as stack:
             with self.locks.hold(self.first.name, key_id):
                 with self.index.lock:
                     live = self.index.get(key_id) is entry
                     source = entry.current(self.first.name) if live else None
                     target = entry.known_current(tier.name) if live else None
-                    if looked and target is not None and there != (target.codec_id, target.checksum):
+                    if looked and target is not None and not target.is_blob(there):
                         target = None
                     sync = bool(job.tickets)
                     codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
@@ -326,19 +326,6 @@ class WriteBehind:
             self._write(q, job, views, replica, sync, recoded is not None)
 
     @staticmethod
-    def _blob_there(tier: Tier, key_id: bytes) -> tuple[int, int] | None:
-        """(codec, payload checksum) of the blob the medium holds for the key now (asked, not
-        the tier's view), by its header alone; None if absent, unreadable or damaged."""
-        try:
-            head = tier.peek(key_id, HEADER_BYTES)
-            if head is None:
-                return None
-            header = decode_header(head)
-        except (TierError, CorruptBlob):
-            return None  # then the write replaces it, or fails and says so
-        return header.codec_id, header.payload_checksum
-
-    @staticmethod
     def _encode(tier: Tier, key_id: bytes, views, codec: Codec, source: Replica):
         """The pinned first-tier copy verified, decoded and encoded by ``codec``, as (parts,
         replica), or None (logged) to write the put's encoding instead; CorruptBlob if the
@@ -352,8 +339,7 @@ class WriteBehind:
                         key_id.hex(), codec.name, exc)
             return None
         parts = [reencoded_header(header, codec.codec_id, encoded), encoded]
-        return parts, Replica(sum(len(p) for p in parts), codec.codec_id, source.version,
-                              checksum=decode_header(parts[0]).payload_checksum)
+        return parts, Replica.of(decode_header(parts[0]), sum(len(p) for p in parts), source.version)
 
     def _write(self, q: _Queue, job: CopyJob, views, replica: Replica, sync: bool, recoded: bool = False) -> None:
         """Make room and write; room is made without the key lock, the write under it, and a
