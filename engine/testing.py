@@ -7,8 +7,13 @@ BPE without merges (every byte is a token) plus ``<s>``/``</s>``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 from pathlib import Path
+
+from engine.cachefiles import remove, remove_dead_temps, temp_path
 
 NUM_BYTES = 256
 BOS, EOS = NUM_BYTES, NUM_BYTES + 1
@@ -84,15 +89,11 @@ def transformers_copy(gguf: Path) -> Path:
     at that path never finds it, and built in a temporary folder renamed into place, so a
     folder there is whole. Its manifest of file sizes, written last, says it still is: one
     cut short or damaged since (or made before manifests) is rebuilt, never loaded as is."""
-    import contextlib
-    import os
-
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.assets import model_cache_dir
-    from engine.cachefiles import remove, remove_dead_temps, temp_path
     from engine.models.loader import model_fingerprint
 
     digest = model_fingerprint(gguf).rsplit("-", 1)[1]
@@ -151,10 +152,6 @@ def remove_superseded_copies(folder: Path, gguf: Path) -> None:
     the GGUF at this path had before, and the unverified ``<file>.transformers-fp32`` of an
     earlier version. Only beside the GGUF: in the shared model cache a name like ours may be
     the copy of a GGUF of the same file name in another folder."""
-    import re
-
-    from engine.cachefiles import remove
-
     pattern = re.compile(rf"{re.escape(gguf.name)}\.transformers-(fp32|[0-9a-f]{{16}})")
     for entry in folder.parent.iterdir():
         if entry != folder and pattern.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
