@@ -21,8 +21,6 @@ import json
 import shutil
 import tempfile
 
-from bench.attacks import dying, flood, fuzz, kill9, soak, tenants
-from bench.attacks.target import start
 from bench.cli import UsageError
 
 MODES = ("fuzz", "flood", "dying", "kill9", "tenants", "soak")
@@ -63,6 +61,9 @@ def _found(mode: str, report: dict) -> list[str]:
 
 
 def _one(mode: str, args, root: str) -> dict:
+    from bench.attacks import dying, flood, fuzz, kill9, soak, tenants  # here, not at the top: they import torch
+    from bench.attacks.target import start
+
     if mode == "kill9":
         return kill9.run(root, args.rounds).as_dict()
     target = start(root, max_open_files=512 if mode == "flood" else None, prefault=mode == "soak")

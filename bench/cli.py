@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import pkgutil
+import re
 import sys
 
 import bench
@@ -23,17 +25,20 @@ class UsageError(Exception):
 
 
 def _subcommand_modules(only: str | None = None):
+    """The modules whose source defines ``add_parser``, each imported; the others are not: a
+    helper such as probe_model needs torch at its top, seconds of start-up for ``--help``."""
     for info in sorted(pkgutil.iter_modules(bench.__path__), key=lambda i: i.name):
         if info.name in ("cli", "__main__") or info.name.startswith("_") or only not in (None, info.name):
             continue
-        module = importlib.import_module(f"bench.{info.name}")
-        if hasattr(module, "add_parser"):
-            yield module
+        name = f"bench.{info.name}"
+        source = importlib.util.find_spec(name).loader.get_source(name)
+        if re.search(r"^def add_parser\(", source, re.M):
+            yield importlib.import_module(name)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """All subcommands; with ``command``, only that one when it names one (its module alone is
-    imported: most import torch, seconds of start-up before a mistyped argument could fail)."""
+    imported)."""
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmarks for the KV-cache store.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

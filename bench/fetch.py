@@ -20,8 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from bench.cli import UsageError
 from bench.limits import disk_read_limit, over_limit
@@ -36,7 +35,11 @@ from kvstore.config import (
     parse_size,
 )
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.store import Store
+
+# torch and the Store are imported where they run: `kvbench --help` and a mistyped argument
+# go without their seconds of start-up.
+if TYPE_CHECKING:
+    from kvstore.store import Store
 
 GB = 1e9
 
@@ -75,6 +78,8 @@ def _drop_caches(store: Store, keys) -> None:
 
 def build_store(args, root: str, caps: list[int]) -> Store:
     """Host RAM plus the replica tiers: local disk, a PFS directory, and Redis if given."""
+    from kvstore.store import Store
+
     cfg = load_config(args.config) if args.config else StoreConfig()
     chunk_bytes = args.layers * 2 * args.tokens * args.kv_heads * args.head_dim * 2
     budget = 4 * args.chunks * chunk_bytes
@@ -127,6 +132,8 @@ def _timed_read(store: Store, keys, tiers, repeat: int, cold: bool) -> float:
 
 
 def _measure(args, root: str, caps: list[int]) -> dict:
+    import torch
+
     ns = Namespace("kvbench-fetch", args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
     keys = chunk_keys(list(range(args.chunks * args.tokens)), ns)
     chunk = torch.randn(ns.chunk_shape).half()

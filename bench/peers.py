@@ -23,15 +23,12 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 
 from bench.cli import UsageError
 from bench.limits import best_over, disk_read_limit, drop_cache, memcpy_limit, over_limit
 from bench.tiers import READ_FORMS
-from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.store import Store
 
 GB = 1e9
 PHASES = ("put", "host_get", "cold_get")
@@ -64,6 +61,8 @@ class Ours:
 
     def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str, direct_writes: bool = False,
                  read_form: str = "buffered") -> None:
+        from kvstore.store import Store
+
         room = chunks * (chunk_bytes + (1 << 20))
         self.store = Store(StoreConfig(
             host=HostTierConfig(capacity_bytes=2 * room),
@@ -105,6 +104,7 @@ class LMCachePeer:
     name = f"LMCache {LMCACHE_VERSION}"
 
     def __init__(self, ns: Namespace, chunks: int, chunk_bytes: int, root: str, rounds: int) -> None:
+        import torch
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.event_manager import EventManager
@@ -120,6 +120,7 @@ class LMCachePeer:
         config = LMCacheEngineConfig.from_defaults(chunk_size=ns.chunk_tokens, local_cpu=True, max_local_cpu_size=gib,
                                                    local_disk=self.path, max_local_disk_size=gib * rounds)
         self.shape = (ns.num_layers, 2, ns.chunk_tokens, ns.num_kv_heads, ns.head_dim)
+        self.size = torch.Size(self.shape)
         meta = LMCacheMetadata(model_name="kvbench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                                kv_dtype=ns.torch_dtype, kv_shape=self.shape)
         self.fmt = MemoryFormat.KV_2LTD
@@ -132,7 +133,7 @@ class LMCachePeer:
 
     def put(self, chunks) -> None:
         for k, c in zip(self.keys, chunks):
-            obj = self.sm.allocate(torch.Size(self.shape), self.dtype, fmt=self.fmt)
+            obj = self.sm.allocate(self.size, self.dtype, fmt=self.fmt)
             if obj is None:
                 raise RuntimeError("LMCache could not allocate host memory for a chunk")
             obj.tensor.copy_(c.view(self.shape))
@@ -176,6 +177,8 @@ def _timed(fn) -> float:
 def _round(system, chunks, outs, total: int, pairs) -> dict:
     """One round of the work, with the limits measured right after it on the same buffers
     and files (so a busy moment weighs on both alike)."""
+    import torch
+
     system.reset()
     put_s = _timed(lambda: system.put(chunks))
     system.settle()
@@ -209,6 +212,10 @@ def run(args) -> int:
     if min(args.chunks, args.rounds, args.destinations) <= 0:
         raise UsageError("--chunks, --rounds and --destinations must be positive")
     peer_cls = _peer(args.peer)
+    import torch  # here, not at the top: --help, a mistyped argument or a missing peer go without its seconds
+
+    from kvstore.codecs.raw import tensor_bytes
+
     ns = Namespace("kvbench", args.layers, args.kv_heads, args.head_dim, "float16", args.tokens)
     chunks = [torch.randn(ns.chunk_shape).to(torch.float16) for _ in range(args.chunks)]
     outs = [torch.zeros_like(chunks[0]) for _ in range(args.destinations)]  # pre-touched

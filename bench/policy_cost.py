@@ -19,15 +19,12 @@ import sys
 import time
 from typing import Hashable
 
-import torch
-
 from bench.sim import capacity_blocks, simulate
 from bench.traces import load_trace
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.policies import make_policy
 from kvstore.policies.base import EvictionPolicy
-from kvstore.store import Store
 
 NS = Namespace("policy-cost", num_layers=1, num_kv_heads=1, head_dim=16, chunk_tokens=8)  # 256-byte chunks
 PAGE = 4096
@@ -108,6 +105,10 @@ def replay_seconds(policy: str, capacity_bytes: int, calls: list[tuple[str, tupl
 def _replay_store(trace, config: StoreConfig, wrap=None) -> float:
     """CPU seconds (the process's, background threads included) to replay ``trace`` through
     a Store: each block looked up and, on a miss, put with its parent."""
+    import torch  # here, not at the top: --help and a mistyped argument go without its seconds
+
+    from kvstore.store import Store
+
     kv = torch.zeros(NS.chunk_shape, dtype=NS.torch_dtype)
     out = torch.empty_like(kv)
     keys = {}

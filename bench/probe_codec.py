@@ -15,17 +15,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from bench.cli import UsageError
-from bench.probe_baselines import baselines
-from kvstore.codecs import codec_names, get_codec
-from kvstore.codecs.base import Codec
-from kvstore.placement import VERDICT_SCHEMA as SCHEMA
+
+# torch, the codecs, the baselines and placement are imported where they run: `kvbench --help`
+# and a mistyped argument go without their seconds of start-up.
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.codecs.base import Codec
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "probe_prose.txt"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")  # torch's names
 
 
 def add_parser(subparsers) -> None:
@@ -35,7 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=512, help="prefix tokens whose KV is encoded")
     p.add_argument("--continuation", type=int, default=512, help="tokens scored after the prefix")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per encoded chunk")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="dtype the KV is stored in")
+    p.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype the KV is stored in")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="UTF-8 text the model reads")
     p.add_argument("--max-ppl-change", type=float, default=2.0, help="allowed perplexity change either way, %%")
     p.add_argument("--min-top1", type=float, default=95.0, help="required top-1 agreement, %%")
@@ -49,8 +51,12 @@ def run(args) -> int:
     codecs = _codecs(args.codecs)
     if args.tokens < 1 or args.continuation < 2 or args.chunk_tokens < 1:
         raise UsageError("--tokens and --chunk-tokens must be >= 1 and --continuation >= 2")
+    import torch
+
     from bench import probe_model
+    from bench.probe_baselines import baselines
     from engine.models.loader import model_fingerprint
+    from kvstore.placement import VERDICT_SCHEMA
 
     path = args.model
     if path is None:
@@ -65,7 +71,7 @@ def run(args) -> int:
     if len(ids) < args.tokens + args.continuation:
         raise UsageError(f"{args.text} has {len(ids)} tokens; --tokens + --continuation need more")
     prefix, continuation = ids[: args.tokens], ids[args.tokens : args.tokens + args.continuation]
-    kv = probe_model.prefix_kv(loaded, prefix).to(DTYPES[args.dtype])
+    kv = probe_model.prefix_kv(loaded, prefix).to(getattr(torch, args.dtype))
     reference = probe_model.continuation_logits(loaded, kv, continuation)
     targets = continuation[1:]
     reference_ppl = _perplexity(reference, targets)
@@ -91,7 +97,7 @@ def run(args) -> int:
         }
 
     result = {
-        "schema": SCHEMA,
+        "schema": VERDICT_SCHEMA,
         "model": loaded.model_id,
         "model_id": model_id,
         "model_path": str(path),
@@ -112,6 +118,8 @@ def run(args) -> int:
 
 
 def _codecs(names: str | None) -> list[Codec]:
+    from kvstore.codecs import codec_names, get_codec
+
     chosen = names.split(",") if names else codec_names()
     unknown = [n for n in chosen if n not in codec_names()]
     if unknown:
@@ -121,6 +129,8 @@ def _codecs(names: str | None) -> list[Codec]:
 
 def _round_trip(codec: Codec, kv: torch.Tensor, chunk_tokens: int) -> tuple[torch.Tensor, float]:
     """``kv`` after each chunk went through ``codec``, and the payload size over the raw size."""
+    import torch
+
     decoded = torch.empty_like(kv)
     payload_bytes = 0
     for start in range(0, kv.shape[2], chunk_tokens):
@@ -132,6 +142,8 @@ def _round_trip(codec: Codec, kv: torch.Tensor, chunk_tokens: int) -> tuple[torc
 
 
 def _perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    import torch
+
     return math.exp(float(torch.nn.functional.cross_entropy(logits[:-1], targets)))
 
 

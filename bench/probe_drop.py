@@ -20,10 +20,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from bench.cli import UsageError
+
+# torch is imported where it runs: `kvbench --help` and a mistyped argument go without its
+# seconds of start-up.
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "probe_prose.txt"
 DEFAULT_VERDICTS = Path(__file__).parent / "data" / "verdicts" / "SmolLM2-135M-Instruct.Q4_1.float16.json"
@@ -45,6 +49,8 @@ def add_parser(subparsers) -> None:
 
 def keep_set(scores: torch.Tensor, keep: int, window: int) -> torch.Tensor:
     """The ``keep`` highest-scoring positions, sinks and the last ``window`` always among them."""
+    import torch
+
     scores = scores.clone().float()
     scores[:SINKS] = math.inf
     scores[-window:] = math.inf
@@ -59,6 +65,8 @@ def run(args) -> int:
         raise UsageError("--keep fractions must be in (0, 1], --window >= 1, --continuation >= 2")
     if args.tokens < SINKS + args.window:
         raise UsageError(f"--tokens must be at least {SINKS + args.window} (sinks and window)")
+    import torch
+
     from bench import probe_model
 
     path = args.model

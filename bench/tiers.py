@@ -32,20 +32,19 @@ import time
 from contextlib import ExitStack
 
 import numpy as np
-import torch
 
 from bench.cli import UsageError
 from bench.limits import Limit, best_over, disk_read_limit, drop_cache, memcpy_limit, over_limit
-from kvstore.blob import HEADER_BYTES, encode_header
-from kvstore.codecs.raw import tensor_bytes
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.store import Store
 from tiers.disk import HASH_SLICE_BYTES, DiskTier
 from tiers.files import TMP_SUFFIX
 from tiers.host import HostTier
 from tiers.read_probe import read_form
 
+# torch, the blob header, the codecs and the Store are imported where they run: `kvbench --help`
+# and a mistyped argument (here or in `kvbench peers`, which takes READ_FORMS) go without their
+# seconds of start-up.
 READ_FORMS = {"buffered": False, "direct": True, "auto": "auto"}  # --read-form -> disk.o_direct
 
 GB = 1e9
@@ -82,6 +81,11 @@ def _best(fn, repeat: int) -> float:
 def run(args) -> int:
     if args.chunks <= 0 or args.repeat <= 0:
         raise UsageError("--chunks and --repeat must be positive")
+    import torch
+
+    from kvstore.blob import encode_header
+    from kvstore.codecs.raw import tensor_bytes
+
     ns = Namespace("kvbench", args.layers, args.kv_heads, args.head_dim, args.dtype, args.tokens)
     dtype = getattr(torch, args.dtype)
     keys = chunk_keys(list(range(args.chunks * args.tokens)), ns)
@@ -140,6 +144,8 @@ def _limit_fields(limit: Limit, name: str) -> dict:
 
 
 def _bench_host(keys, headers, payload, args) -> dict:
+    from kvstore.blob import HEADER_BYTES
+
     payload_bytes = len(payload)
     tier = HostTier(len(keys) * (payload_bytes + HEADER_BYTES) + (64 << 20))
     dst = _prefaulted(payload_bytes)
@@ -173,6 +179,8 @@ def _bench_host(keys, headers, payload, args) -> dict:
 
 def _payload_pages(views) -> list[np.ndarray]:
     """A pinned blob's pool views as byte arrays, without its header."""
+    from kvstore.blob import HEADER_BYTES
+
     arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
     skip, out = HEADER_BYTES, []
     for a in arrays:
@@ -198,6 +206,8 @@ def _disk_tier(keys, payload, args, path) -> DiskTier:
 
 
 def _bench_disk(tier: DiskTier, keys, headers, payload, args) -> dict:
+    from kvstore.blob import HEADER_BYTES
+
     payload_bytes = len(payload)
     if args.read_form != "buffered":  # auto: as a Store decides, with the probe's figures for this device
         tier.o_direct = args.read_form == "direct" or read_form(str(tier.root), None, TMP_SUFFIX, HASH_SLICE_BYTES)[0]
@@ -254,6 +264,11 @@ def _interleaved(ours, limit, repeat: int) -> tuple[float, Limit]:
 
 def _bench_store(ns, keys, chunk, args, path) -> dict:
     """Host RAM holds a quarter of the chunks, so the rest are read cold from disk."""
+    import torch
+
+    from kvstore.blob import HEADER_BYTES
+    from kvstore.store import Store
+
     blob = chunk.numel() * chunk.element_size() + HEADER_BYTES
     resident = max(2, len(keys) // 4)
     cfg = StoreConfig(

@@ -128,6 +128,16 @@ def test_kvbench_replay_and_daemon_refuse_without_importing_torch(tmp_path, comm
     assert proc.stdout.split() == ["2", "False"], proc.stderr[-2000:]
 
 
+def test_kvbench_parser_imports_no_torch():
+    """`kvbench --help` and a mistyped command build every subcommand's parser: that must not cost
+    the seconds of importing torch, transformers or triton."""
+    code = ("import sys, bench.cli\nbench.cli.build_parser()\n"
+            "print('loaded:', *(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.split() == ["loaded:"], proc.stdout + proc.stderr[-2000:]
+
+
 def _azure_like(path: Path) -> Path:
     with gzip.open(path, "wt") as f:
         f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,374,44\n")

@@ -11,6 +11,7 @@ import torch
 from bench import probe_codec
 from bench.cli import main
 from engine.models.loader import model_fingerprint
+from kvstore.placement import VERDICT_SCHEMA
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -45,7 +46,7 @@ def test_probe_writes_verdicts_and_raw_is_exact(tiny_llama, tmp_path, capsys):
     argv += ["--chunk-tokens", "64", "--codecs", "raw,lz4,int8,int4,mixed50", "--out", str(out)]
     assert main(argv) == 0
     verdicts = json.loads(out.read_text())
-    assert verdicts["schema"] == probe_codec.SCHEMA
+    assert verdicts["schema"] == VERDICT_SCHEMA
     assert verdicts["model"] == tiny_llama.name
     assert verdicts["model_id"] == model_fingerprint(tiny_llama)  # the id the engine's namespaces carry
     assert verdicts["prefix_tokens"] == 96 and verdicts["continuation_tokens"] == 32
