@@ -24,7 +24,6 @@ What the Store promises:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager

@@ -30,7 +30,6 @@ import errno
 import functools
 import hmac
 import logging
-import os
 import secrets
 import select
 import socket
