@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, decode_header
+from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, decode_header, verify_blob
 from kvstore.index import ChunkIndex, KeyLocks
 from tiers.base import Tier, TierError
 
@@ -29,6 +29,16 @@ def peek_header(tier: Tier, key_id: bytes) -> BlobHeader | None:
         head = tier.peek(key_id, HEADER_BYTES)
         return None if head is None else decode_header(head)
     except (CorruptBlob, TierError):
+        return None
+
+
+def verified_header(tier: Tier, key_id: bytes) -> BlobHeader | None:
+    """``peek_header`` for a value read whole: its header only if the payload checks out too
+    (bit rot, a torn write of the payload leave the header intact); None otherwise."""
+    try:
+        data = tier.read(key_id)
+        return None if data is None else verify_blob(data)[0]
+    except (CorruptBlob, TierError, ValueError):  # ValueError: a larger value took its place meanwhile
         return None
 
 

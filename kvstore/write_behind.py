@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
-from kvstore.tier_io import TierIO, peek_header
+from kvstore.tier_io import TierIO, verified_header
 from tiers.base import Tier, TierError, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -284,9 +284,10 @@ class WriteBehind:
         makes this copy a stale replica that the newer job replaces."""
         tier, key_id, entry = q.tier, job.key_id, job.entry
         # a durable put's copy to a shared tier writes the value again unless the medium holds the
-        # very blob the index lists: a peer may have deleted it, or replaced it with its own put's
+        # very blob the index lists, whole: a peer may have deleted it, or replaced it with its own
+        # put's, and a sync alone must not acknowledge a payload damaged since it was written
         looked = tier.shared and bool(job.tickets)
-        there = peek_header(tier, key_id) if looked else None  # None: absent, unreadable or damaged
+        there = verified_header(tier, key_id) if looked else None  # None: absent, unreadable or damaged
         with ExitStack() as stack:
             with self.locks.hold(self.first.name, key_id):
                 with self.index.lock:
