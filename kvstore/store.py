@@ -187,7 +187,8 @@ class Store:
         """Store an already encoded, already verified blob (header + payload, possibly in pieces).
 
         Putting the blob a chunk already holds is an access and writes nothing (retries are
-        idempotent); another blob of the same chunk (another codec) replaces it: reads then
+        idempotent) but its copy again, behind, on a shared tier where a peer's blob replaced
+        it; another blob of the same chunk (another codec) replaces it: reads then
         return the new one, and older copies on lower tiers are replaced behind. ``key`` is the
         chunk's key, or its id alone: then, until a put names its namespace, its model is
         unknown and placement keeps it lossless (codec verdicts hold per model)."""
@@ -216,22 +217,24 @@ class Store:
             same = entry is not None and header is not None and entry.header == header
             host = entry.current(self.first.name) if same else None
             present = host is not None and host.size == size
-            if present and ticket is None:
-                self.index.puts += 1
-                self.index.hit(key_id, entry)
-                return True
-            needs = [t.name for t in self.replica_tiers
-                     if not (same and (r := entry.known_current(t.name)) is not None
-                             and (ticket is None or WriteBehind.durable_there(t, r)))]
+            if present and ticket is None:  # no new copy, but its shared tiers' copies are looked at
+                needs = self._write_behind.rechecks(entry)
+                if not needs:
+                    self.index.puts += 1
+                    self.index.hit(key_id, entry)
+                    return True
+            else:
+                needs = [t.name for t in self.replica_tiers
+                         if not (same and WriteBehind.done_there(t, entry.known_current(t.name), ticket is not None))]
         reservation = self._write_behind.reserve(size, needs)
-        if present:  # a durable put of what is there: its copies must be written and synced
+        if present:  # a put of what is there: a durable one's copies written and synced, a plain one's looked at
             with self.index.lock:
                 if self.index.get(key_id) is not entry or entry.current(self.first.name) is not host:
                     self._write_behind.release(reservation)
                     return False
                 self.index.puts += 1
                 self.index.hit(key_id, entry)
-                self._write_behind.queue(key_id, entry, reservation, ticket)
+                self._write_behind.queue(key_id, entry, reservation, ticket, None if ticket else needs)
             return True
         try:
             self._write_first(key_id, parts, size, True, None, lambda: self._commit_put(
@@ -257,8 +260,12 @@ class Store:
             entry.model_id = model_id if model_id is not None else entry.model_id
         index.set_replica(key_id, entry, self.first.name, Replica.of(header, size, entry.version))
         index.stats[self.first.name].bytes_written += size
-        # a durable put is a promise about every replica tier; a plain one gets the planned copies
-        self._write_behind.queue(key_id, entry, reservation, ticket, None if ticket else self._planned_copies(key_id, entry))
+        # a durable put is a promise about every replica tier; a plain one gets the planned copies,
+        # and looks at those on shared tiers where a peer may have replaced its blob
+        only = None if ticket else self._planned_copies(key_id, entry)
+        if only is not None:
+            only += self._write_behind.rechecks(entry)
+        self._write_behind.queue(key_id, entry, reservation, ticket, only)
         return True
 
     def _planned_copies(self, key_id: bytes, entry: Entry) -> list[str] | None:

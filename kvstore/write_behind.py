@@ -1,7 +1,10 @@
 """Write-behind: copies of new chunks to the replica tiers, one queue and pool of workers per tier.
 
 A put of a new blob queues one copy job per replica tier; a worker writes it from the first
-tier's copy, pinned while it reads. Per tier:
+tier's copy, pinned while it reads. A re-put queues one too on each shared tier where the
+index lists the chunk's copy: a peer may have replaced it, so the job looks at the medium
+first (the header; for a durable put, the whole blob) and writes unless it holds that very
+blob. Per tier:
 
 - At most one job per key waits: a re-put before it starts updates it in place, so the
   newest version is copied, once; a re-put while it runs queues a job behind it, and jobs
@@ -37,7 +40,7 @@ from typing import Callable, Sequence
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
 from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
-from kvstore.tier_io import TierIO, verified_header
+from kvstore.tier_io import TierIO, peek_header, verified_header
 from tiers.base import Tier, TierError, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -183,12 +186,18 @@ class WriteBehind:
     # -- queueing (index lock held) -------------------------------------------------------------
 
     @staticmethod
-    def durable_there(tier: Tier, replica: Replica | None) -> bool:
-        """Whether a durable put may count ``replica`` done without touching the tier: synced,
-        and on a private tier. A shared medium can lose a value without this index knowing
-        (another daemon's delete, the cluster ledger's eviction, Redis's own), so there the
-        copy job looks before it trusts it."""
-        return replica is not None and replica.synced and not tier.shared
+    def done_there(tier: Tier, replica: Replica | None, durable: bool) -> bool:
+        """Whether a put may count ``replica`` (the tier's known current copy) as its copy
+        without touching the tier: on a private tier, any for a plain put, a synced one for a
+        durable put. A shared medium can lose a value or hold a peer's blob in its place
+        without this index knowing (another daemon's delete or put, the cluster ledger's
+        eviction, Redis's own), so there the copy job looks before it trusts it."""
+        return replica is not None and not tier.shared and (replica.synced or not durable)
+
+    def rechecks(self, entry: Entry) -> list[str]:
+        """The shared tiers where the index lists a copy of ``entry``'s latest blob, which a
+        re-put's copy job looks at (index lock held)."""
+        return [name for name, q in self.queues.items() if q.tier.shared and entry.known_current(name) is not None]
 
     def queue(self, key_id: bytes, entry: Entry, reservation: Reservation, ticket: Ticket | None,
               only: Sequence[str] | None = None) -> None:
@@ -202,7 +211,7 @@ class WriteBehind:
             current = entry.known_current(name)
             job = None
             wanted = only is None or name in only
-            if wanted and (current is None or (ticket is not None and not self.durable_there(q.tier, current))):
+            if wanted and not self.done_there(q.tier, current, ticket is not None):
                 job = q.waiting.get(key_id)
                 if job is not None and job.entry is not entry:
                     job = None
@@ -283,18 +292,22 @@ class WriteBehind:
         under its key lock, so it is exactly the replica the index lists; a re-put after that
         makes this copy a stale replica that the newer job replaces."""
         tier, key_id, entry = q.tier, job.key_id, job.entry
-        # a durable put's copy to a shared tier writes the value again unless the medium holds the
-        # very blob the index lists, whole: a peer may have deleted it, or replaced it with its own
-        # put's, and a sync alone must not acknowledge a payload damaged since it was written
-        looked = tier.shared and bool(job.tickets)
-        there = verified_header(tier, key_id) if looked else None  # None: absent, unreadable or damaged
+        # a re-put's copy to a shared tier writes the value again unless the medium holds the very
+        # blob the index lists: a peer may have deleted it, or replaced it with its own put's. A
+        # durable put's copy reads it whole: a sync alone must not acknowledge a payload damaged
+        # since it was written
+        with self.index.lock:
+            listed = tier.shared and entry.known_current(tier.name) is not None
+        there = None  # absent, unreadable or damaged, or not looked at (a first copy)
+        if listed:
+            there = verified_header(tier, key_id) if job.tickets else peek_header(tier, key_id)
         with ExitStack() as stack:
             with self.locks.hold(self.first.name, key_id):
                 with self.index.lock:
                     live = self.index.get(key_id) is entry
                     source = entry.current(self.first.name) if live else None
                     target = entry.known_current(tier.name) if live else None
-                    if looked and target is not None and not target.is_blob(there):
+                    if tier.shared and target is not None and not target.is_blob(there):
                         target = None
                     sync = bool(job.tickets)
                     codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
@@ -305,7 +318,7 @@ class WriteBehind:
                 with self.index.lock:
                     self._finish(q, job, None, None)
                 return
-            if target is not None:  # already there (a durable re-put): make it durable
+            if target is not None:  # already there (a re-put): a durable one makes it durable
                 self._sync_only(q, job, target, sync)
                 return
             if views is None or sum(len(v) for v in views) != source.size:

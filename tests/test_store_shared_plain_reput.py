@@ -1,0 +1,77 @@
+"""A plain re-put over a peer's blob of the same codec and size on a shared PFS directory.
+
+A puts a chunk and its copy reaches the PFS; B puts the chunk too, with other bytes of the
+same codec and size, and its file replaces A's; then A puts its chunk again. A's index still
+listed its PFS copy as current, so the re-put queued no copy there (only a durable put's
+copy looked at the medium): once A's host copy was gone its read of the PFS was a miss,
+though the put had succeeded. A re-put's copy to a shared tier where the index lists the
+chunk's blob now peeks the medium's header and writes its own unless it is that blob; a
+first copy does not look."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore import write_behind
+from kvstore.store import Store
+from kvstore.tier_io import peek_header
+from test_store_shared import chunks
+from test_store_shared_peers import daemon
+from test_store_shared_same_codec import two_puts
+
+
+@pytest.mark.parametrize("replication", ["all", "utility"])
+@pytest.mark.parametrize("host_copy", ["kept", "dropped"])
+@pytest.mark.parametrize("kind", ["raw", "mixed"])
+def test_a_plain_re_put_over_a_peers_blob_of_the_same_size_writes_its_own(tmp_path, kind, host_copy, replication):
+    """``host_copy``: whether A's host RAM still holds the chunk when it puts it again (a
+    put of what is there, or a new first-tier copy of the same version); ``replication``:
+    the planner's copies leave out tiers that hold one, the look at the PFS's is added."""
+    keys, values = chunks(1, seed=23)
+    key = keys[0]
+    mine, my_codec, theirs, their_codec = two_puts(kind, values[0])
+    config = daemon(tmp_path, None, "raw")
+    config.replication.mode = replication
+    with Store(config) as a:
+        a.put(key, mine, codec=my_codec)
+        assert a.flush(timeout_s=30)
+        a_blob = a.get_blob(key)
+        with Store(daemon(tmp_path, None, "raw")) as b:
+            b.put(key, theirs, codec=their_codec)  # its copy replaces A's file on the PFS once B closes
+            b_blob = b.get_blob(key)
+        assert b_blob != a_blob and len(b_blob) == len(a_blob), "not another blob of the same size"
+        if host_copy == "dropped":
+            assert a.drop(keys, "host") == 1
+        a.put(key, mine, codec=my_codec)
+        assert a.flush(timeout_s=30)
+        assert a.drop(keys, "host") == 1  # A's index lists its PFS copy alone
+        assert a.get_blob(key) == a_blob, "A's put is not on the PFS, though its index lists it there"
+        a.check_integrity()
+
+
+@pytest.mark.parametrize("host_copy", ["kept", "dropped"])
+def test_a_plain_re_put_over_its_own_blob_looks_once_and_writes_nothing(tmp_path, monkeypatch, host_copy):
+    """The first copy does not look at the PFS; the re-put's finds its own blob there and
+    leaves it."""
+    peeks = []
+
+    def counted(tier, key_id):
+        peeks.append(tier.name)
+        return peek_header(tier, key_id)
+
+    monkeypatch.setattr(write_behind, "peek_header", counted)
+    keys, values = chunks(1, seed=24)
+    key = keys[0]
+    with Store(daemon(tmp_path, None, "raw")) as a:
+        a.put(key, values[0])
+        assert a.flush(timeout_s=30)
+        assert peeks == []
+        written = a.stats().tiers["pfs"].bytes_written
+        if host_copy == "dropped":
+            assert a.drop(keys, "host") == 1
+        a.put(key, values[0])
+        assert a.flush(timeout_s=30)
+        assert peeks == ["pfs"]
+        assert a.stats().tiers["pfs"].bytes_written == written
+        assert a.drop(keys, "host") == 1
+        assert a.get_blob(key) is not None
