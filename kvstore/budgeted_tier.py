@@ -48,6 +48,7 @@ class BudgetedTier(WrappedTier):
         self._uncommitted: dict[bytes, bytes] = {}  # commits whose reply was lost: key -> our header
         self._undeleted: set[bytes] = set()  # values marked evicting whose delete failed
         self._lost_rooms: set[str] = set()  # tokens of make_room calls whose reply was lost
+        self._recounts: dict[bytes, bytes] = {}  # older values still to count again: key -> their header
         self._pending_lock = threading.Lock()
         # A key is written or settled, never both at once: a settle's undo of an old write
         # would delete a newer write's value of the same blob (``_settle_keys``).
@@ -196,8 +197,9 @@ class BudgetedTier(WrappedTier):
             try:
                 self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
             except TierError:
-                with self._pending_lock:
+                with self._pending_lock:  # ``settle`` releases it, then counts the older value
                     self._owed.add(key)
+                    self._recounts[key] = older
                 return
             self._recount(key, older, term)
             return
@@ -246,8 +248,12 @@ class BudgetedTier(WrappedTier):
         put, acknowledged, still counted). Under another member's entry ('kept') or one being
         deleted ('busy': its holder removes the value) it stays. A failed commit is committed
         again by ``settle``, as a write's is (``_commit``): left pending, the key was busy to
-        every other member and its bytes never evictable for as long as this member lived."""
+        every other member and its bytes never evictable for as long as this member lived. A
+        failed reserve is done again by ``settle``: it may not have run (the value counted by
+        nobody, evictable by nobody: the budget exceeded for good) or its reply was lost (the
+        entry this member's, pending, as after a failed commit)."""
         size = decode_header(older).blob_len
+        answer = None
         try:
             answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
                                                      self._ttl_s)
@@ -257,6 +263,9 @@ class BudgetedTier(WrappedTier):
                 self._drop_older(key, term)
         except TierError as exc:
             log.warning("%s: cannot count the older value of %s again: %s", self.name, key.hex(), exc)
+            if answer is None:  # the reserve failed (a failed commit or delete is noted already)
+                with self._pending_lock:
+                    self._recounts[key] = older
 
     def _drop_older(self, key: bytes, term: int) -> None:
         try:
@@ -274,7 +283,7 @@ class BudgetedTier(WrappedTier):
         the writes whose undo had to wait; delete the victims of make_room calls whose reply
         was lost, and the values whose delete the medium refused (while their entries stay
         evicting, nobody may write those keys, and their bytes stay counted); release the
-        reservations ``_undo`` could not."""
+        reservations ``_undo`` could not, then count again the older values it could not."""
         self._settle_keys(self._uncommitted, self._settle_commit)
         self._settle_keys(self._undos, lambda key, owed: self._undo(key, *owed))
         self._settle_deletes()
@@ -284,6 +293,7 @@ class BudgetedTier(WrappedTier):
             self._used = self.ledger.release(self.member, self.name, owed, own_only=True)
             with self._pending_lock:
                 self._owed.difference_update(owed)
+        self._settle_keys(self._recounts, self._settle_recount)
 
     def _settle_keys(self, pending: dict, settle_one: Callable) -> None:
         """Each key is settled while no write of it is in flight, and writes of it wait until
@@ -322,6 +332,24 @@ class BudgetedTier(WrappedTier):
     def _settle_commit(self, key: bytes, ours: bytes) -> None:
         if not self._commit(key, ours):  # the entry was taken from this member meanwhile
             self._undo(key, ours)
+
+    def _settle_recount(self, key: bytes, older: bytes) -> None:
+        """Only while the older value is still what the medium holds: a write since replaced
+        it and counted its own (one of this member's took over the pending entry a lost reply
+        left), so a write does not drop the recount (one refused before it wrote leaves the
+        older value). Gone (Redis dropped it), only that entry, if the reserve ran, is left
+        to release."""
+        term = self._lease.term
+        try:
+            there = self.inner.peek(key, HEADER_BYTES)
+            if there is None:
+                self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
+        except TierError:
+            with self._pending_lock:
+                self._recounts[key] = older
+            raise
+        if there == older:
+            self._recount(key, older, term)
 
     def _settle_deletes(self) -> None:
         with self._pending_lock:
