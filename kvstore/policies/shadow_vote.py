@@ -15,7 +15,12 @@ its size and on the workload of the hour, so instead of guessing, the policy mea
 - Each expert's vote weighs ``(score / best score) ** SHARPNESS``: the leader weighs 1,
   an expert 0.1% behind about 0.8, 1% behind about 0.13, 3% behind nothing to speak of.
   Experts that differ only in a parameter (the LRFUs) are rarely far apart, so the vote
-  must be this sharp to follow the best of them. A resident key's *support* is
+  must be this sharp to follow the best of them. The short score is noisy, though: an
+  expert that another beats window after window by a hair still came near the lead now and
+  then, and switching to it and back costs the real cache what it dropped meanwhile. So an
+  expert's weight is also at most ``exp(-z**2 / 2)``, z its gap behind the expert that
+  beats it most surely, in standard errors of their per-window difference over a long
+  memory (``PairedGaps``). A resident key's *support* is
   the weight of the experts holding it; the real cache evicts the key with the least
   support from a heap. A chunk is worth nothing once the chunk before it is gone (a prefix
   loads up to its first miss), so a chunk's support is at most its resident parent's: the
@@ -68,6 +73,7 @@ from kvstore.policies.s3fifo import S3FIFOPolicy
 WINDOW = 2048  # accesses per scoring window
 FIRST_WINDOW = 64  # the first windows double from this up to WINDOW, so a small trace is scored too
 SMOOTHING = 0.1  # weight of the newest window in each expert's score
+GAP_SMOOTHING = 0.01  # weight of the newest window in the experts' paired gaps (``PairedGaps``)
 SHARPNESS = 200.0  # how fast an expert's vote fades as it falls behind the leader
 REWEIGH = 0.05  # re-weigh the votes when a weight moves by more than this
 LONG_HISTORY = 4.0  # LIRS's remembered non-resident keys per resident key, for small caches
@@ -125,6 +131,47 @@ class ReuseClasses:
         return p / overall
 
 
+class PairedGaps:
+    """How far each expert stands behind each other over a long memory, in standard errors
+    of the per-window difference of their hit rates (paired: both saw the same accesses).
+    An expert that another beats window after window keeps little weight even where the
+    short score puts it near the lead for a while: switching to it and back costs the real
+    cache what it dropped meanwhile. Where the lead really moves, the differences change
+    sign and their spread keeps every gap small."""
+
+    def __init__(self, experts: int) -> None:
+        self._n = experts
+        self._mean = [[0.0] * experts for _ in range(experts)]  # smoothed rate_j - rate_i
+        self._square = [[0.0] * experts for _ in range(experts)]  # smoothed (rate_j - rate_i) ** 2
+        self._weight = 0.0  # the smoothing weights' sum and sum of squares (effective windows)
+        self._weight_sq = 0.0
+
+    def add(self, rates: list[float]) -> None:
+        keep = 1 - GAP_SMOOTHING
+        for j in range(self._n):
+            mean, square = self._mean[j], self._square[j]
+            for i in range(self._n):
+                d = rates[j] - rates[i]
+                mean[i] = keep * mean[i] + GAP_SMOOTHING * d
+                square[i] = keep * square[i] + GAP_SMOOTHING * d * d
+        self._weight = keep * self._weight + GAP_SMOOTHING
+        self._weight_sq = keep * keep * self._weight_sq + GAP_SMOOTHING * GAP_SMOOTHING
+
+    def standing(self, i: int) -> float:
+        """``exp(-z**2 / 2)`` for the largest z by which another expert leads expert ``i``
+        (1 if none leads it)."""
+        windows = self._weight ** 2 / self._weight_sq if self._weight else 0.0
+        if windows < 2:
+            return 1.0
+        z = 0.0
+        for j in range(self._n):
+            mean = self._mean[j][i] / self._weight
+            if j != i and mean > 0:
+                var = (self._square[j][i] / self._weight - mean * mean) * windows / (windows - 1)
+                z = max(z, mean / math.sqrt(var / windows)) if var > 0 else math.inf
+        return math.exp(-z * z / 2)
+
+
 @dataclass
 class _Shadow:
     policy: EvictionPolicy
@@ -154,6 +201,8 @@ class ShadowVotePolicy(EvictionPolicy):
         self._children: dict[Hashable, set[Hashable]] = {}  # key -> its resident children
         self._accesses = 0
         self._next_reweigh = FIRST_WINDOW
+        self._window_start = 0  # accesses when the current scoring window began
+        self._gaps = PairedGaps(len(self._shadows))
         self._fresh: Hashable | None = None  # the key inserted by the latest access, if any
         self._parents_seen = False
         self._removed: RemovedKeys[tuple[int, bool, int, Hashable | None]] = RemovedKeys()  # -> (hits, tail, size, parent)
@@ -281,13 +330,17 @@ class ShadowVotePolicy(EvictionPolicy):
             self._reweigh()
 
     def _reweigh(self) -> None:
+        window, self._window_start = self._accesses - self._window_start, self._accesses
+        self._gaps.add([shadow.window_hits / window for shadow in self._shadows])
         for shadow in self._shadows:
             shadow.score = (1 - SMOOTHING) * shadow.score + SMOOTHING * shadow.window_hits
             shadow.window_hits = 0
         best = max(s.score for s in self._shadows)
         if best <= 0:
             return
-        weights = [(s.score / best) ** SHARPNESS for s in self._shadows]
+        weights = [min((s.score / best) ** SHARPNESS, self._gaps.standing(i)) for i, s in enumerate(self._shadows)]
+        top = max(weights)
+        weights = [w / top for w in weights] if top > 0 else weights
         if max(abs(a - b) for a, b in zip(weights, self._weights)) <= REWEIGH:
             return
         self._weights = weights
