@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile

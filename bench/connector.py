@@ -33,13 +33,11 @@ from __future__ import annotations
 import gzip
 import json
 import multiprocessing
-import os
 import random
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -30,7 +30,6 @@ import math
 import shutil
 import statistics
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path

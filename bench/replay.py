@@ -386,7 +386,7 @@ def _print(report: dict) -> None:
               f"{written:10.1f} {t['mean_s']:10.4f} {t['p50_s']:8.4f} {t['p90_s']:8.4f} {t['p99_s']:8.4f}")
     classes = sorted({c for r in report["policies"].values() for c in r["by_class"]})
     if classes:
-        print(f"per request class: prefix hit % / TTFT mean / p50 / p90 (s)")
+        print("per request class: prefix hit % / TTFT mean / p50 / p90 (s)")
         print(f"{'policy':<18} " + " ".join(f"{c + ' (' + str(_requests(report, c)) + ')':>30}" for c in classes))
         for name, r in report["policies"].items():
             cells = []
