@@ -217,24 +217,22 @@ class Store:
             same = entry is not None and header is not None and entry.header == header
             host = entry.current(self.first.name) if same else None
             present = host is not None and host.size == size
-            if present and ticket is None:  # no new copy, but its shared tiers' copies are looked at
-                needs = self._write_behind.rechecks(entry)
-                if not needs:
-                    self.index.puts += 1
-                    self.index.hit(key_id, entry)
-                    return True
-            else:
-                needs = [t.name for t in self.replica_tiers
-                         if not (same and WriteBehind.done_there(t, entry.known_current(t.name), ticket is not None))]
+            if present and ticket is None:  # an access; its copies on shared tiers are looked at behind
+                self.index.puts += 1
+                self.index.hit(key_id, entry)
+                self._recheck(key_id, entry, size)
+                return True
+            needs = [t.name for t in self.replica_tiers
+                     if not (same and WriteBehind.done_there(t, entry.known_current(t.name), ticket is not None))]
         reservation = self._write_behind.reserve(size, needs)
-        if present:  # a put of what is there: a durable one's copies written and synced, a plain one's looked at
+        if present:  # a durable put of what is there: its copies must be written and synced
             with self.index.lock:
                 if self.index.get(key_id) is not entry or entry.current(self.first.name) is not host:
                     self._write_behind.release(reservation)
                     return False
                 self.index.puts += 1
                 self.index.hit(key_id, entry)
-                self._write_behind.queue(key_id, entry, reservation, ticket, None if ticket else needs)
+                self._write_behind.queue(key_id, entry, reservation, ticket)
             return True
         try:
             self._write_first(key_id, parts, size, True, None, lambda: self._commit_put(
@@ -243,6 +241,16 @@ class Store:
             self._write_behind.release(reservation)
             raise
         return True
+
+    def _recheck(self, key_id: bytes, entry: Entry, size: int) -> None:
+        """Queue a look at the chunk's copy on each shared tier where the index lists one (a
+        peer may have replaced it), where the queue has room now (index lock held): a plain put
+        of what is there is an access and does not wait for write-behind."""
+        rechecks = self._write_behind.rechecks(entry)
+        if rechecks:
+            room = self._write_behind.try_reserve(size, rechecks)
+            if room.tiers:
+                self._write_behind.queue(key_id, entry, room, None, list(room.tiers))
 
     def _commit_put(self, key_id: bytes, header, size: int, parent: bytes | None, reservation: Reservation,
                     ticket: Ticket | None, model_id: str | None) -> bool:

@@ -10,6 +10,8 @@ first copy does not look."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvstore import write_behind
@@ -75,3 +77,36 @@ def test_a_plain_re_put_over_its_own_blob_looks_once_and_writes_nothing(tmp_path
         assert a.stats().tiers["pfs"].bytes_written == written
         assert a.drop(keys, "host") == 1
         assert a.get_blob(key) is not None
+
+
+def test_a_plain_re_put_of_what_is_there_does_not_wait_for_a_full_queue(tmp_path, monkeypatch):
+    """The look at the PFS copy is behind and best effort: with the PFS queue full (a copy
+    under way, the stall limit far off) the re-put is an access and returns at once. (It
+    waited for room, up to the stall limit, in the version that first queued the look.)"""
+    keys, values = chunks(2, seed=29)
+    config = daemon(tmp_path, None, "raw")
+    config.write_behind.stall_s = 120.0
+    held, release = threading.Event(), threading.Event()
+    copy = write_behind.WriteBehind._copy
+
+    def blocked(self, q, job):
+        if held.is_set():
+            release.wait(60)
+        return copy(self, q, job)
+
+    monkeypatch.setattr(write_behind.WriteBehind, "_copy", blocked)
+    with Store(config) as a:
+        a.put(keys[0], values[0])
+        assert a.flush(timeout_s=30)
+        a._write_behind.max_pending_bytes = len(a.get_blob(keys[0]))  # room for one copy
+        held.set()
+        a.put(keys[1], values[1])  # its copy holds the PFS queue's room
+        re_put = threading.Thread(target=a.put, args=(keys[0], values[0]))
+        re_put.start()
+        re_put.join(timeout=30)
+        finished = not re_put.is_alive()
+        release.set()
+        re_put.join()
+        assert finished, "a plain re-put of a chunk in host RAM waited for the PFS queue"
+        assert a.flush(timeout_s=30)
+        a.check_integrity()
