@@ -43,7 +43,7 @@ class BudgetedTier(WrappedTier):
         self._lease = lease
         self._used = 0  # the cluster's use of the budget, as the ledger last said
         # Work a failure left half-done, finished by ``settle`` (the heartbeat), under one lock:
-        self._owed: set[bytes] = set()  # reservations of failed writes still to release
+        self._owed: dict[bytes, bytes] = {}  # reservations still to release: key -> the older value to count again
         self._undos: dict[bytes, tuple[bytes, str]] = {}  # undos still to do: key -> (our header, token)
         self._uncommitted: dict[bytes, bytes] = {}  # commits whose reply was lost: key -> our header
         self._undeleted: set[bytes] = set()  # values marked evicting whose delete failed
@@ -198,8 +198,7 @@ class BudgetedTier(WrappedTier):
                 self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
             except TierError:
                 with self._pending_lock:  # ``settle`` releases it, then counts the older value
-                    self._owed.add(key)
-                    self._recounts[key] = older
+                    self._owed[key] = older
                 return
             self._recount(key, older, term)
             return
@@ -287,12 +286,7 @@ class BudgetedTier(WrappedTier):
         self._settle_keys(self._uncommitted, self._settle_commit)
         self._settle_keys(self._undos, lambda key, owed: self._undo(key, *owed))
         self._settle_deletes()
-        with self._pending_lock:
-            owed = list(self._owed)
-        if owed:
-            self._used = self.ledger.release(self.member, self.name, owed, own_only=True)
-            with self._pending_lock:
-                self._owed.difference_update(owed)
+        self._settle_keys(self._owed, self._settle_release)
         self._settle_keys(self._recounts, self._settle_recount)
 
     def _settle_keys(self, pending: dict, settle_one: Callable) -> None:
@@ -332,6 +326,18 @@ class BudgetedTier(WrappedTier):
     def _settle_commit(self, key: bytes, ours: bytes) -> None:
         if not self._commit(key, ours):  # the entry was taken from this member meanwhile
             self._undo(key, ours)
+
+    def _settle_release(self, key: bytes, older: bytes) -> None:
+        """Release this member's own pending entry of ``key``, then count the older value again.
+        Ordered against writes of the key (``_settle_keys``): a write of it in flight took that
+        entry over, and a release now made its commit answer 0 and the write fail for nothing."""
+        try:
+            self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
+        except TierError:
+            with self._pending_lock:
+                self._owed[key] = older
+            raise
+        self._settle_recount(key, older)
 
     def _settle_recount(self, key: bytes, older: bytes) -> None:
         """Only while the older value is still what the medium holds: a write since replaced
