@@ -43,7 +43,8 @@ class BudgetedTier(WrappedTier):
         self._lease = lease
         self._used = 0  # the cluster's use of the budget, as the ledger last said
         # Work a failure left half-done, finished by ``settle`` (the heartbeat), under one lock:
-        self._owed: dict[bytes, bytes] = {}  # reservations still to release: key -> the older value to count again
+        # reservations to release: key -> an older value to count again (None: the one the medium holds then)
+        self._owed: dict[bytes, bytes | None] = {}
         self._undos: dict[bytes, tuple[bytes, str]] = {}  # undos still to do: key -> (our header, token)
         self._uncommitted: dict[bytes, bytes] = {}  # commits whose reply was lost: key -> our header
         self._undeleted: set[bytes] = set()  # values marked evicting whose delete failed
@@ -139,8 +140,13 @@ class BudgetedTier(WrappedTier):
         deadline = time.monotonic() + self._busy_wait_s
         take = False
         while True:
-            answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
-                                                     self._ttl_s, take)
+            try:
+                answer, self._used = self.ledger.reserve(self.member, self.name, key, self.footprint(size), size,
+                                                         self._ttl_s, take)
+            except TierError:  # it may have run, its reply lost: the entry this member's, pending (``settle``)
+                with self._pending_lock:
+                    self._owed.setdefault(key, None)
+                raise
             if answer == "present":  # a resident value of this size: this very blob if its header is ours...
                 if self.inner.peek(key, HEADER_BYTES) == ours:
                     return
@@ -230,13 +236,22 @@ class BudgetedTier(WrappedTier):
         """The header of a whole value under ``key`` that is not ``ours`` (the one this write
         wrote); None if there is none, or it is ours, or the medium cannot tell."""
         try:
-            head = self.inner.peek(key, HEADER_BYTES)
-            if head is None or head == ours:
-                return None
-            decode_header(head)
-            return head
-        except (TierError, CorruptBlob):
+            head = self._value_header(key)
+        except TierError:
             return None
+        return None if head == ours else head
+
+    def _value_header(self, key: bytes) -> bytes | None:
+        """The header of the whole value under ``key``, None if there is none; TierError when
+        the medium cannot tell."""
+        head = self.inner.peek(key, HEADER_BYTES)
+        if head is None:
+            return None
+        try:
+            decode_header(head)
+        except CorruptBlob:
+            return None
+        return head
 
     def _recount(self, key: bytes, older: bytes, term: int) -> None:
         """Count an older value (its header ``older``) that stayed in place of a failed write;
@@ -282,7 +297,9 @@ class BudgetedTier(WrappedTier):
         the writes whose undo had to wait; delete the victims of make_room calls whose reply
         was lost, and the values whose delete the medium refused (while their entries stay
         evicting, nobody may write those keys, and their bytes stay counted); release the
-        reservations ``_undo`` could not, then count again the older values it could not."""
+        reservations of failed reserves (their reply may be lost) and those ``_undo`` could
+        not release, then count again the older values under them, and those ``_undo`` could
+        not count."""
         self._settle_keys(self._uncommitted, self._settle_commit)
         self._settle_keys(self._undos, lambda key, owed: self._undo(key, *owed))
         self._settle_deletes()
@@ -298,11 +315,9 @@ class BudgetedTier(WrappedTier):
             keys = list(pending)
         for key in keys:
             with self._pending_lock:
-                if key in self._writing:
+                if key in self._writing or key not in pending:
                     continue
-                owed = pending.pop(key, None)
-                if owed is None:
-                    continue
+                owed = pending.pop(key)
                 self._settling.add(key)
             try:
                 settle_one(key, owed)
@@ -327,17 +342,23 @@ class BudgetedTier(WrappedTier):
         if not self._commit(key, ours):  # the entry was taken from this member meanwhile
             self._undo(key, ours)
 
-    def _settle_release(self, key: bytes, older: bytes) -> None:
+    def _settle_release(self, key: bytes, older: bytes | None) -> None:
         """Release this member's own pending entry of ``key``, then count the older value again.
+        A write's lost reserve (None) may have replaced the entry of the value the medium holds
+        (one of another size, or a take): that value is counted again, looked at before the
+        release, while the entry, if the reserve ran, keeps other members from writing the key.
         Ordered against writes of the key (``_settle_keys``): a write of it in flight took that
         entry over, and a release now made its commit answer 0 and the write fail for nothing."""
         try:
+            if older is None:
+                older = self._value_header(key)
             self._used = self.ledger.release(self.member, self.name, [key], own_only=True)
         except TierError:
             with self._pending_lock:
                 self._owed[key] = older
             raise
-        self._settle_recount(key, older)
+        if older is not None:
+            self._settle_recount(key, older)
 
     def _settle_recount(self, key: bytes, older: bytes) -> None:
         """Only while the older value is still what the medium holds: a write since replaced
