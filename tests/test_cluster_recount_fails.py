@@ -58,7 +58,8 @@ class RecountFails:
 
 
 def members(tmp_path, url, how, seed):
-    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, url, "rv-recount-fails-" + how.split()[0], seed)
+    prefix = f"rv-recount-fails-{how.split()[0]}-{seed}"  # each test its own keys and budget on the shared Redis
+    key, value, (ca, cb), raw, rkey = one_chunk_cluster(tmp_path, url, prefix, seed)
     for cfg in (ca, cb):
         cfg.redis.capacity_bytes = 2 * BLOB - 1  # one chunk fits, not two
         cfg.cluster.heartbeat_s, cfg.cluster.member_ttl_s = 3600.0, 3 * 3600.0  # the test settles by hand
