@@ -124,17 +124,18 @@ class BudgetedTier(WrappedTier):
         with self._pending_lock:
             while key in self._settling:  # a settle of an older write of the key ends first
                 self._key_free.wait()
-            self._uncommitted.pop(key, None)  # this write's own commit decides now, not a settle
+            lost = self._uncommitted.pop(key, None)  # this write's own commit decides now, not a settle
             self._writing[key] = self._writing.get(key, 0) + 1
         try:
-            self._write(key, parts)
+            self._write(key, parts, lost)
         finally:
             with self._pending_lock:
                 left = self._writing.pop(key) - 1
                 if left:
                     self._writing[key] = left
 
-    def _write(self, key: bytes, parts: Sequence[Buffer]) -> None:
+    def _write(self, key: bytes, parts: Sequence[Buffer], lost: bytes | None) -> None:
+        """``lost``: the header of an earlier write of the key whose commit failed (``_commit``)."""
         size = sum(memoryview(p).nbytes for p in parts)
         ours = self._header(parts)
         deadline = time.monotonic() + self._busy_wait_s
@@ -158,9 +159,11 @@ class BudgetedTier(WrappedTier):
             if answer == "ok":
                 break
             if answer == "full":
+                self._refused(key, lost)
                 raise TierFull(f"{self.name}: {size} bytes do not fit the cluster's budget "
                                f"({self._used}/{self.capacity_bytes} used)")
             if time.monotonic() > deadline:  # busy: another member writes or deletes it
+                self._refused(key, lost)
                 raise TierError(f"{self.name}: {key.hex()} stayed busy in another member for {self._busy_wait_s} s")
             time.sleep(0.01)
         try:
@@ -178,6 +181,15 @@ class BudgetedTier(WrappedTier):
         if not committed:
             self._undo(key, ours)
             raise TierError(f"{self.name}: {key.hex()} was deleted while it was written")
+
+    def _refused(self, key: bytes, lost: bytes | None) -> None:
+        """A write the ledger refused took no entry over: an earlier write's failed commit is
+        ``settle``'s again. Forgotten, that write's entry stayed this member's, pending (a
+        reserve answers "full" without touching it): the key busy to every other member, its
+        bytes counted and never evictable, for as long as this member lived."""
+        if lost is not None:
+            with self._pending_lock:
+                self._uncommitted.setdefault(key, lost)
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
         """One ``write`` each: every value reserves and commits its own bytes."""
