@@ -18,24 +18,9 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 from kvstore.blob import encode_header  # noqa: E402
 from kvstore.codecs import resolve_codec  # noqa: E402
 from kvstore.store import Store  # noqa: E402
+from test_cluster_recount_race import CommitFailsOnce  # noqa: E402
 from test_store_shared_durable import BLOB, one_chunk_cluster  # noqa: E402
-from tiers.base import TierError, TierFull, TierUnavailable  # noqa: E402
-
-
-class CommitFails:
-    """A member's ledger whose next commit fails before it reaches Redis."""
-
-    def __init__(self, ledger):
-        self._ledger, self.failed = ledger, False
-
-    def __getattr__(self, name):
-        return getattr(self._ledger, name)
-
-    def commit(self, member, tier, key_id):
-        if not self.failed:
-            self.failed = True
-            raise TierUnavailable("cluster ledger: commit: Redis unreachable (injected)")
-        return self._ledger.commit(member, tier, key_id)
+from tiers.base import TierError, TierFull  # noqa: E402
 
 
 def test_a_write_refused_full_leaves_the_lost_commit_to_the_heartbeat(tmp_path, redis_server):
@@ -48,7 +33,7 @@ def test_a_write_refused_full_leaves_the_lost_commit_to_the_heartbeat(tmp_path, 
     bigger = encode_header(key, resolve_codec("raw").codec_id, value.dtype, value.shape, payload) + bytes(payload)
     with Store(ca) as a, Store(cb) as b:
         tier = a.tier("redis")
-        tier.ledger = failing = CommitFails(tier.ledger)
+        tier.ledger = failing = CommitFailsOnce(tier.ledger)
         with pytest.raises(TierError):
             a.put(key, value, codec="int8", durable=True)
         assert failing.failed
