@@ -2,6 +2,7 @@
 # Creates .venv and installs the project. Idempotent: a second run only checks a stamp.
 #   setup.sh run    the runtime only: the project and its redis extra (what `kvstore serve` needs)
 #   setup.sh test   the runtime plus the test extras (transformers, hypothesis, triton, ...)
+# KVSTORE_FRESH_VENV=1 removes .venv first (CI does), so a resolver change shows at once.
 # torch is pinned to the CPU build first so that no resolver pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,10 @@ case "$mode" in
   *) echo "usage: scripts/setup.sh [run|test]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
+if [ "${KVSTORE_FRESH_VENV:-0}" = 1 ]; then
+  echo "setup: removing .venv for a fresh install" >&2
+  rm -rf .venv
+fi
 hash=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
 stamp=.venv/.installed-$mode-$hash
 # a test install holds everything a run install does
@@ -31,6 +36,16 @@ pip "torch==${TORCH_VERSION:-2.13.0}"
 echo "setup: installing kvstore with extras [$extras]" >&2
 pip -e ".[$extras]"
 .venv/bin/python -c "import torch, kvstore, tiers"
+# Our top-level `kernels/` must be what `import kernels` finds from anywhere, not a
+# dependency's module of the same name (Hugging Face's `kernels` once came with transformers).
+if ! found=$(cd / && "$OLDPWD/.venv/bin/python" -c "import kernels, sys; sys.stdout.write(kernels.__file__ or '')") \
+   || [ "$found" != "$PWD/kernels/__init__.py" ]; then
+  echo "setup: 'import kernels' finds ${found:-nothing}, not this project's kernels/." >&2
+  echo "setup: a dependency installed a module of the same name; see the pin in pyproject.toml." >&2
+  exit 1
+fi
+.venv/bin/pip freeze --disable-pip-version-check 2>/dev/null \
+  | grep -iE '^(torch|transformers|triton|grpcio|numpy|protobuf)==' | tr '\n' ' ' | sed 's/^/setup: resolved /; s/ $/\n/' >&2
 rm -f .venv/.installed-*
 touch "$stamp"
 echo "setup: done ($mode)" >&2
