@@ -1,19 +1,73 @@
 """Open the store a configuration names. Each backend is imported only when chosen, so an
-engine that talks to a daemon never imports the Store, its tiers or its policies."""
+engine that talks to a daemon never imports the Store, its tiers or its policies.
+
+The default, ``auto``, fits a newcomer's machine: an in-process Store, unless its data
+directory is held by another process (the daemon ``./scripts/run.sh`` starts uses the
+same default directory), in which case the engine shares that daemon's store through
+its Client instead of failing on the directory's lock.
+"""
 
 from __future__ import annotations
 
-from connector.config import ConnectorConfig
+import logging
+from pathlib import Path
+
+from connector.config import ConnectorConfig, ConnectorConfigError
 from kvstore.api import ChunkStore
+
+log = logging.getLogger(__name__)
 
 
 def open_store(config: ConnectorConfig) -> ChunkStore:
     """An in-process Store over ``config.store``, or a Client of the daemon at ``config.daemon``."""
-    if config.backend == "store":
+    backend = config.backend
+    if backend == "auto":
+        holder = _directory_holder(config)
+        backend = "store" if holder is None else "daemon"
+        if holder is not None:
+            _check_daemon_answers(config, holder)
+        log.info("connector: backend auto -> %s", "in-process store" if holder is None else
+                 f"the daemon at {config.daemon.addr} (data directory {config.store.disk.path} held by pid {holder})")
+    if backend == "store":
         from kvstore.store import Store
 
         return Store(config.store)
+    return _client(config)
+
+
+def _client(config: ConnectorConfig):
     from kvstore.client import Client
 
     d = config.daemon
     return Client(d.addr, token_file=d.token_file, timeout_s=d.timeout_s, retries=d.retries, transport=d.transport)
+
+
+def _directory_holder(config: ConnectorConfig) -> str | None:
+    """The pid (as its lock file says) of another process holding the in-process Store's data
+    directory, or None when it is free, missing or not used."""
+    from tiers.files import DirectoryInUse, DirectoryLock
+
+    if not config.store.disk.enabled or not Path(config.store.disk.path).is_dir():
+        return None
+    try:
+        DirectoryLock(config.store.disk.path).close()
+    except DirectoryInUse as exc:
+        return exc.holder
+    except OSError:
+        return None  # unreadable: the Store says what is wrong with it
+    return None
+
+
+def _check_daemon_answers(config: ConnectorConfig, holder: str) -> None:
+    client = _client(config)
+    try:
+        status, _ = client.ping()
+    except Exception as exc:  # refused, timed out, TLS: any way of not answering
+        status = f"no answer ({type(exc).__name__})"
+    finally:
+        client.close()
+    if status != "SERVING":
+        raise ConnectorConfigError(
+            f"connector.backend auto: the data directory {config.store.disk.path} is held by pid {holder}, and the "
+            f"daemon at connector.daemon.addr {config.daemon.addr} is {status}; set daemon.addr to the daemon that "
+            f"holds it, or store.disk.path to a directory of the engine's own")

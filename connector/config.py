@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvstore.config import ConfigError, StoreConfig
 
-BACKENDS = ("store", "daemon")
+BACKENDS = ("auto", "store", "daemon")
 LOAD_MODES = ("sync", "async", "layerwise")
 TRANSPORTS = ("auto", "shm", "remote")
 ROLES = ("both", "producer", "consumer")
@@ -79,7 +79,9 @@ class TransferConfig:
 
 @dataclass
 class ConnectorConfig:
-    backend: str = "store"  # "store": an in-process Store; "daemon": the daemon's Client
+    # "store": an in-process Store; "daemon": the daemon's Client; "auto": the Store, unless another
+    # process (the daemon on the same default directory) holds its data directory: then the daemon
+    backend: str = "auto"
     store: StoreConfig = field(default_factory=StoreConfig)
     daemon: DaemonBackendConfig = field(default_factory=DaemonBackendConfig)
     # Tokens per store chunk, a multiple of the engine's block size (checked at start).
@@ -93,10 +95,14 @@ class ConnectorConfig:
     chunks_per_read: int = 2  # chunks per store read call (one round trip through a daemon)
     staging_chunks: int = 16  # idle chunk buffers kept for reuse (fresh ones fault in every page)
     save: bool = True  # False: only load (a consumer that never writes the store)
-    # Chunks gathered and waiting for their put (a 4k-token prompt of 256-token chunks is 16);
-    # past this the store is pushing back and new saves are dropped (and counted): a dropped
-    # save is a future miss, never a wrong load.
-    max_pending_saves: int = 32
+    # Save each prompt's tail (its full blocks past its last full chunk, as one zero-padded
+    # chunk) once its prefill is done, so a hit recomputes at most a block, not a chunk.
+    prompt_tails: bool = True
+    # Chunks gathered and waiting for their put; 0: two engine steps' worth (a step gathers
+    # every chunk its forward completed at once, so a prompt is never cut while the store keeps
+    # up). Past this the store is pushing back and new saves are dropped (counted, and logged
+    # once): a dropped save is a future miss, never a wrong load.
+    max_pending_saves: int = 0
     pin_ttl_s: float = 30.0  # lease on looked-up chunks until they are loaded (bounds any leak)
     # After a store failure the connector is off (no lookups, loads or saves) this long.
     unavailable_backoff_s: float = 30.0
@@ -113,12 +119,13 @@ class ConnectorConfig:
                                    ("role", self.role, ROLES)):
             if value not in known:
                 raise ConnectorConfigError(f"connector.{name}: unknown value {value!r}; known: {', '.join(known)}")
-        for name in ("chunk_tokens", "load_workers", "chunks_per_read", "max_pending_saves", "load_timeout_s",
+        for name in ("chunk_tokens", "load_workers", "chunks_per_read", "load_timeout_s",
                      "pin_ttl_s", "unavailable_backoff_s"):
             if getattr(self, name) <= 0:
                 raise ConnectorConfigError(f"connector.{name} must be positive, got {getattr(self, name)}")
-        if self.staging_chunks < 0:
-            raise ConnectorConfigError(f"connector.staging_chunks must not be negative, got {self.staging_chunks}")
+        for name in ("staging_chunks", "max_pending_saves"):
+            if getattr(self, name) < 0:
+                raise ConnectorConfigError(f"connector.{name} must not be negative, got {getattr(self, name)}")
         self.transfer.check()
 
     @property

@@ -38,8 +38,9 @@ class KVConnector:
         self.scheduler = SchedulerConnector(store, namespace, block_size, config, self.availability, self._stats)
         self.worker = WorkerConnector(store, config, self.availability, self._stats)
 
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.worker.register_kv_cache(kv_cache, self.namespace.chunk_shape)
+    def register_kv_cache(self, kv_cache: torch.Tensor, max_step_tokens: int) -> None:
+        """``max_step_tokens``: the most tokens one engine step computes (sizes the saves in flight)."""
+        self.worker.register_kv_cache(kv_cache, self.namespace.chunk_shape, max_step_tokens)
 
     def stats(self) -> ConnectorStats:
         return dataclasses.replace(self._stats.snapshot(), outages=self.availability.outages)

@@ -4,8 +4,9 @@ For each request it computes the store's chunk keys from the token ids (they cha
 ``chunk_tokens`` tokens, so they differ from the engine's block hashes), answers how many
 tokens past the local prefix cache the store can supply, plans the loads once the engine
 has allocated blocks, and plans each step's saves of newly completed full chunks, prompt
-and output alike. The engine applies the last-token rule (a full-prompt hit still computes
-the last prompt token); this side only reports chunk-aligned hits.
+and output alike, and of each prompt's tail (``connector/tails.py``) once its prefill is
+done. Hits are chunk-aligned, plus a tail of whole blocks where one is stored; the engine
+applies the last-token rule (a full-prompt hit still computes the last prompt token).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from connector.availability import Availability
 from connector.config import ConnectorConfig
 from connector.metadata import ChunkLoad, ChunkSave, ConnectorMetadata, ConnectorOutput, RequestLoad, RequestSave
 from connector.pins import PinLedger
-from connector.sessions import SessionTail, TailRegistry, by_namespace
+from connector.sessions import TailRegistry, by_namespace
+from connector.tails import TailChunk, plan_tail, tail_candidates
 from connector.stats import StatsRecorder
 from kvstore.api import ChunkStore
 from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, prefix_hashes
@@ -30,6 +32,7 @@ class Request(Protocol):
     token_ids: list[int]
     block_table: list[int]
     num_computed: int
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -39,8 +42,8 @@ class _Claim:
     num_local: int
     first_chunk: int
     hit_chunks: int
-    tail_tokens: int = 0  # of the request's session tail, loaded past the hit chunks
-    tail: SessionTail | None = None
+    tail_tokens: int = 0  # of the request's tail (its session's or its prompt's), loaded past the hit chunks
+    tail: TailChunk | None = None
 
     def tokens(self, chunk_tokens: int) -> int:
         end = (self.first_chunk + self.hit_chunks) * chunk_tokens + self.tail_tokens
@@ -53,6 +56,7 @@ class _Tracker:
     claim: _Claim | None = None
     loading: RequestLoad | None = None
     next_save: int = 0  # chunks below are saved, loaded from the store, or were held locally
+    tail_planned: bool = False  # the prompt's tail is saved, loaded or needs no saving
 
 
 class SchedulerConnector:
@@ -65,6 +69,7 @@ class SchedulerConnector:
         self.blocks_per_chunk = self.chunk_tokens // block_size
         self.pins = PinLedger()
         self.tails = TailRegistry(namespace, block_size)  # paused agent sessions' partial chunks
+        self._prompt_tails = config.prompt_tails and config.role == "both"
         self._trackers: dict[str, _Tracker] = {}
         self._planned: list[RequestLoad] = []
         # a producer ranking tokens by the prompt's attention saves its chunks once that is known
@@ -124,15 +129,22 @@ class SchedulerConnector:
         return claim
 
     def _claim_tail(self, request: Request, tracker: _Tracker, claim: _Claim) -> None:
-        """Past the hit chunks, the request's session tail, when its tokens match and it is stored."""
-        tail = self.tails.match(getattr(request, "session", ""), request.token_ids, tracker.keys,
-                                claim.first_chunk + claim.hit_chunks)
-        if tail is None or tail.chunk * self.chunk_tokens + tail.tokens(self.block_size) <= claim.num_local:
-            return
-        if not self._store_call("pin", lambda: self.store.pin([tail.key], self.config.pin_ttl_s), 0):
-            return
-        self.pins.hold(request.request_id, [tail.key])
-        claim.tail, claim.tail_tokens = tail, tail.tokens(self.block_size)
+        """Past the hit chunks, the request's session tail, when its tokens match and it is
+        stored; else, past every full chunk, the longest stored prompt tail its tokens match."""
+        end = claim.first_chunk + claim.hit_chunks
+        tail = self.tails.match(getattr(request, "session", ""), request.token_ids, tracker.keys, end)
+        candidates = [tail] if tail is not None else []
+        if not candidates and self._prompt_tails and end == len(tracker.keys):
+            candidates = tail_candidates(self.namespace, self.block_size, request.token_ids, tracker.keys)
+        for tail in candidates:
+            if tail.chunk * self.chunk_tokens + tail.tokens(self.block_size) <= claim.num_local:
+                return  # the local prefix cache holds this and every shorter one
+            if self._store_call("pin", lambda: self.store.pin([tail.key], self.config.pin_ttl_s), 0):
+                self.pins.hold(request.request_id, [tail.key])
+                claim.tail, claim.tail_tokens = tail, tail.tokens(self.block_size)
+                return
+            if not self.availability.available():
+                return
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """The engine allocated blocks for every token of ``request``: plan its load."""
@@ -150,6 +162,9 @@ class SchedulerConnector:
             blocks = tuple(request.block_table[chunk * bpc + skip:(chunk + 1) * bpc])
             loads.append(ChunkLoad(tracker.keys[chunk], blocks, skip))
         if claim.tail is not None:
+            own = request.num_prompt_tokens // self.block_size * self.block_size  # what the prompt's tail would end at
+            end = claim.tail.chunk * self.chunk_tokens + claim.tail.tokens(self.block_size)
+            tracker.tail_planned = claim.tail.key.namespace == self.namespace and end == own
             chunk = claim.tail.chunk
             skip = max(0, local_blocks - chunk * bpc)
             blocks = tuple(request.block_table[chunk * bpc + skip:chunk * bpc + claim.tail.num_blocks])
@@ -171,15 +186,30 @@ class SchedulerConnector:
         bpc = self.blocks_per_chunk
         for request, n in items:
             tracker = self._trackers[request.request_id]
-            full = (request.num_computed + n) // self.chunk_tokens
-            if full <= tracker.next_save or (self._after_prompt and request.num_computed + n < len(request.token_ids)):
-                continue
-            keys = self._keys(tracker, request.token_ids)
-            saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]), i)
-                     for i in range(tracker.next_save, full)]
-            meta.saves.append(RequestSave(request.request_id, saves))
-            tracker.next_save = full
+            done = request.num_computed + n
+            full = done // self.chunk_tokens
+            saves = []
+            if full > tracker.next_save and not (self._after_prompt and done < len(request.token_ids)):
+                keys = self._keys(tracker, request.token_ids)
+                saves = [ChunkSave(keys[i], keys[i - 1] if i else None, tuple(request.block_table[i * bpc:(i + 1) * bpc]), i)
+                         for i in range(tracker.next_save, full)]
+                tracker.next_save = full
+            if self._prompt_tails and not tracker.tail_planned and done >= request.num_prompt_tokens:
+                tracker.tail_planned = True
+                saves += self._tail_save(request, tracker)
+            if saves:
+                meta.saves.append(RequestSave(request.request_id, saves))
         return meta
+
+    def _tail_save(self, request: Request, tracker: _Tracker) -> list[ChunkSave]:
+        """The prompt's tail, once its prefill is done: its full blocks past its last full chunk."""
+        prompt = request.token_ids[:request.num_prompt_tokens]
+        tail = plan_tail(self.namespace, self.block_size, prompt, len(prompt), self._keys(tracker, prompt))
+        if tail is None:
+            return []
+        start = tail.chunk * self.blocks_per_chunk
+        parent = tracker.keys[tail.chunk - 1] if tail.chunk else None
+        return [ChunkSave(tail.key, parent, tuple(request.block_table[start:start + tail.num_blocks]), tail.chunk)]
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
         """Loads that finished release their pins; a failed one is saved again once recomputed."""

@@ -12,10 +12,10 @@ those positions are the same.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Sequence
 
-from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, chain_hash
+from connector.tails import TailChunk, plan_tail, tail_key
+from kvstore.keys import ChunkKey, Namespace
 
 SESSION_SALT = "\x1fsession\x1f"
 SESSION_HOLDER = "\x1fsession\x1f"  # prefix of a paused session's holder id in the connector's PinLedger
@@ -39,60 +39,35 @@ def session_namespace(namespace: Namespace, session: str) -> Namespace:
     return dataclasses.replace(namespace, tenant=namespace.tenant + SESSION_SALT + session)
 
 
-@dataclass(frozen=True)
-class SessionTail:
-    """``num_blocks`` full engine blocks past the ``chunk`` leading full chunks of a session."""
-
-    key: ChunkKey
-    chunk: int  # index of the chunk the tail starts (= the session's full chunks)
-    num_blocks: int
-
-    def tokens(self, block_size: int) -> int:
-        return self.num_blocks * block_size
-
-
-def tail_key(namespace: Namespace, session: str, token_ids: Sequence[int], chunk: int, num_tokens: int,
-             parent: ChunkKey | None) -> ChunkKey:
-    """The key of ``token_ids[chunk * C : chunk * C + num_tokens]`` of ``session`` after ``parent``
-    (the key of chunk ``chunk - 1``, None for the first)."""
-    start = chunk * namespace.chunk_tokens
-    h = chain_hash(parent.prefix_hash if parent is not None else ROOT_HASH, token_ids[start:start + num_tokens])
-    return ChunkKey(session_namespace(namespace, session), h)
-
-
 class TailRegistry:
     """The tail each paused session saved, for the connector's lookups (engine-local)."""
 
     def __init__(self, namespace: Namespace, block_size: int) -> None:
         self.namespace, self.block_size = namespace, block_size
-        self._tails: dict[str, SessionTail] = {}
+        self._tails: dict[str, TailChunk] = {}
 
     def plan(self, session: str, token_ids: Sequence[int], num_kv_tokens: int,
-             full_keys: Sequence[ChunkKey]) -> SessionTail | None:
+             full_keys: Sequence[ChunkKey]) -> TailChunk | None:
         """The tail of a session whose first ``num_kv_tokens`` of ``token_ids`` have KV, or None
         when it ends on a chunk boundary or has less than one full block past it."""
-        c = self.namespace.chunk_tokens
-        chunk = num_kv_tokens // c
-        blocks = (num_kv_tokens - chunk * c) // self.block_size
-        if not session or blocks == 0 or len(full_keys) < chunk:
+        if not session:
             return None
-        parent = full_keys[chunk - 1] if chunk else None
-        key = tail_key(self.namespace, session, token_ids, chunk, blocks * self.block_size, parent)
-        return SessionTail(key, chunk, blocks)
+        return plan_tail(session_namespace(self.namespace, session), self.block_size, token_ids, num_kv_tokens,
+                         full_keys)
 
-    def remember(self, session: str, tail: SessionTail) -> SessionTail | None:
+    def remember(self, session: str, tail: TailChunk) -> TailChunk | None:
         """Record ``session``'s tail; returns the one it replaces (to delete), if any."""
         old = self._tails.get(session)
         self._tails[session] = tail
         return old if old is not None and old.key != tail.key else None
 
-    def forget(self, session: str) -> SessionTail | None:
+    def forget(self, session: str) -> TailChunk | None:
         return self._tails.pop(session, None)
 
-    def get(self, session: str) -> SessionTail | None:
+    def get(self, session: str) -> TailChunk | None:
         return self._tails.get(session)
 
-    def match(self, session: str, token_ids: Sequence[int], keys: Sequence[ChunkKey], chunk: int) -> SessionTail | None:
+    def match(self, session: str, token_ids: Sequence[int], keys: Sequence[ChunkKey], chunk: int) -> TailChunk | None:
         """``session``'s tail if it starts at ``chunk`` and ``token_ids`` hold the same tokens
         there, after the same full chunks (``keys``: the request's full-chunk keys)."""
         tail = self._tails.get(session) if session else None
@@ -102,7 +77,7 @@ class TailRegistry:
         if len(token_ids) < chunk * c + tail.tokens(self.block_size):
             return None
         parent = keys[chunk - 1] if chunk else None
-        if tail_key(self.namespace, session, token_ids, chunk, tail.tokens(self.block_size), parent) != tail.key:
+        if tail_key(tail.key.namespace, token_ids, chunk, tail.tokens(self.block_size), parent) != tail.key:
             return None
         return tail
 

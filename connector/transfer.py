@@ -61,9 +61,15 @@ class ChunkMover:
                                                      self.kv_cache[layer], self._ids(load.block_ids)))
 
     def gather(self, block_ids, buf: torch.Tensor) -> None:
-        """A chunk's blocks, every layer, into host buffer ``buf``."""
+        """A chunk's blocks, every layer, into host buffer ``buf``; a tail (fewer blocks than a
+        chunk) fills its leading tokens and the rest is zeroed, so a stored tail never holds
+        bytes of an earlier use of the buffer."""
         ids = self._ids(block_ids)
+        tokens = len(block_ids) * self.block_size
+        out = buf[:, :, :tokens] if tokens < buf.shape[2] else buf
         if self.cuda:
-            buf.copy_(gather_blocks(self.kv_cache, ids))
+            out.copy_(gather_blocks(self.kv_cache, ids))
         else:
-            gather_blocks(self.kv_cache, ids, out=buf)
+            gather_blocks(self.kv_cache, ids, out=out)
+        if out is not buf:
+            buf[:, :, tokens:].zero_()

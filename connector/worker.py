@@ -10,6 +10,7 @@ then ``get_finished()``. With nothing to run but loads in flight the engine call
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,8 @@ from connector.transfer import ChunkMover
 from kvstore.api import ChunkStore
 from kvstore.keys import ChunkKey
 
+log = logging.getLogger(__name__)
+
 
 class WorkerConnector:
     def __init__(self, store: ChunkStore, config: ConnectorConfig, availability: Availability,
@@ -45,17 +48,22 @@ class WorkerConnector:
         self._save_seconds: dict[str, float] = {}
         self._meta = ConnectorMetadata()
         self._attention: dict = {}
+        self._told_dropped = False
         self.mover: ChunkMover | None = None
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...]) -> None:
-        """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once."""
+    def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...], max_step_tokens: int) -> None:
+        """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once.
+        ``max_step_tokens``: the most tokens one forward computes; by default the saves waiting
+        for their put may hold two such steps' chunks (and tails), so a prompt is never cut for
+        want of a buffer while the store keeps up."""
         self.mover = ChunkMover(kv_cache)
         pin = kv_cache.is_cuda
         in_flight = self.config.load_workers * self.config.chunks_per_read  # buffers one direct load uses
         self.load_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
                                         prefault=in_flight)
+        step_chunks = -(-max_step_tokens // chunk_shape[2]) + 2  # + a chunk begun last step, + a tail
         self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
-                                        limit=self.config.max_pending_saves)
+                                        limit=self.config.max_pending_saves or 2 * step_chunks)
         if self.config.role == "producer":
             self.saver = ProducerSaver(self.store, self.save_staging, self.availability, self.stats,
                                        self.config.transfer)
@@ -190,7 +198,7 @@ class WorkerConnector:
                 buf = self.save_staging.take()
                 if buf is None:  # the saver is behind: the store is pushing back
                     self.saver.unclaim(save)
-                    self.stats.add(dropped_saves=len(request.chunks) - i)
+                    self._dropped(len(request.chunks) - i)
                     break
                 items.append((save, buf))
                 try:
@@ -220,18 +228,25 @@ class WorkerConnector:
         buf = self.save_staging.take()
         if buf is None:
             self.saver.unclaim(save)
-            self.stats.add(dropped_saves=1)
+            self._dropped(1)
             return False
-        tokens = len(block_ids) * self.mover.block_size
         try:
-            self.mover.gather(block_ids, buf[:, :, :tokens])
+            self.mover.gather(block_ids, buf)
         except BaseException:  # (a device out of memory) raised, with nothing claimed or taken left behind
             self.saver.unclaim(save)
             self.save_staging.give(buf)
             raise
-        buf[:, :, tokens:].zero_()
         self.saver.submit([(save, buf)])
         return True
+
+    def _dropped(self, n: int) -> None:
+        """``n`` saves found no buffer: counted always, said once (a future miss, never a wrong load)."""
+        self.stats.add(dropped_saves=n)
+        if not self._told_dropped:
+            self._told_dropped = True
+            log.warning("connector: %d saves dropped, %d chunk buffers all waiting for their put (the store is "
+                        "slower than prefill); further drops are only counted (stats: dropped_saves)",
+                        n, self.save_staging.limit)
 
     # -- reports ----------------------------------------------------------------------------
 

@@ -102,7 +102,7 @@ class LLM:
             ns = Namespace(cfg.connector.model_id or self.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                            mc.dtype, cfg.connector.chunk_tokens, tenant=cfg.connector.tenant)
             self.connector = KVConnector(self.kv_store, ns, cfg.block_size, cfg.connector)
-            self.connector.register_kv_cache(self.runner.kv_cache)
+            self.connector.register_kv_cache(self.runner.kv_cache, cfg.max_num_batched_tokens)
             t = cfg.connector.transfer
             if cfg.connector.role == "producer" and t.ranks_by_attention:
                 self.runner.observe_window = t.observe_tokens

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 from connector import KVConnector
-from connector.sessions import SessionTail, by_namespace, session_holder
+from connector.sessions import by_namespace, session_holder
+from connector.tails import TailChunk
 from engine.agent_config import AgentConfig
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
@@ -70,7 +71,7 @@ class Session:
     token_ids: list[int] = field(default_factory=list)  # tokens with KV when the last turn finished
     hold: BlockHold | None = None
     keys: list[ChunkKey] = field(default_factory=list)  # chunks pinned under the session's holder id
-    tail: SessionTail | None = None
+    tail: TailChunk | None = None
     pin_until: float = 0.0
     pin_pending_until: float = 0.0  # retry pins of chunks the saver had not put yet, until then
     finished_at: float | None = None

@@ -47,6 +47,11 @@ class Model:
         self.tokens = tokens
         self.prompts = [tokens[:3 * c], tokens[200:200 + 2 * c + 7], tokens[400:400 + c - 3]]
 
+    def stored(self, num_tokens: int) -> int:
+        """Tokens of a prompt of ``num_tokens`` the store holds once it was run: its full chunks
+        and its tail of whole blocks (connector/tails.py)."""
+        return num_tokens // self.block * self.block
+
     @property
     def chunk_bytes(self) -> int:
         cfg = self.llm.model_config
@@ -122,12 +127,14 @@ def test_outputs_equal_without_a_store_cold_and_warm(model, store, mode):
     assert got == want
     full, partial, short = (s.metrics for s in seqs)
     assert (full.num_loaded_tokens, full.num_prefilled_tokens) == (3 * c, 1)  # the last token is computed
-    assert (partial.num_loaded_tokens, partial.num_prefilled_tokens) == (2 * c, 7)
-    assert (short.num_loaded_tokens, short.num_prefilled_tokens) == (0, c - 3)
+    for m in (partial, short):  # past the full chunks, the prompt's tail of whole blocks is loaded too
+        loaded = model.stored(m.num_prompt_tokens)
+        assert (m.num_loaded_tokens, m.num_prefilled_tokens) == (loaded, m.num_prompt_tokens - loaded)
     assert full.kv_load_s > 0
     settle(warm, store)
     stats = warm.stats()
-    assert stats.loaded_tokens == 5 * c and stats.connector.loaded_chunks == 5
+    assert stats.loaded_tokens == sum(model.stored(len(p)) for p in model.prompts)
+    assert stats.connector.loaded_chunks == 5 + (7 >= model.block) + (c - 3 >= model.block)
     assert stats.connector.failed_loads == 0
 
 
@@ -156,7 +163,7 @@ def test_an_asynchronous_load_waits_while_other_requests_run(model, tmp_path):
         assert twin.metrics.num_cached_tokens == 0  # the loading request's blocks were not published
         assert ran_while_waiting > 0
         assert loading.output_token_ids == twin.output_token_ids == want[0]
-        assert loading.metrics.num_loaded_tokens == 2 * model.chunk
+        assert loading.metrics.num_loaded_tokens == model.stored(len(prompt))
         settle(llm, slow)
 
 
@@ -295,7 +302,19 @@ def test_a_new_engine_process_loads_from_the_disk_tier(model, tmp_path):
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
     assert got["tokens"] == want[0]
-    assert got["loaded"] == 2 * model.chunk and got["tiers"]["disk"] == 2
+    tail = 7 >= model.block  # the prompt's tail of whole blocks is a chunk blob of its own
+    assert got["loaded"] == model.stored(len(prompt)) and got["tiers"]["disk"] == 2 + tail
+
+
+def test_a_prompt_of_many_small_chunks_is_saved_whole_by_default(model, store):
+    """The saves in flight are sized from the engine's step: a prompt whose one prefill step
+    completes many more chunks than the old fixed 32 buffers is saved, not cut."""
+    b, prompt = model.block, model.tokens[:40 * model.block + 3]
+    llm = with_store(model, store, engine={"max_num_batched_tokens": 1024}, chunk_tokens=b)  # 40 chunks in one step
+    run(llm, [prompt], SamplingParams(max_tokens=1, temperature=0))
+    settle(llm, store)
+    assert llm.stats().connector.dropped_saves == 0
+    assert store.lookup(chunk_keys(prompt, llm.connector.namespace)) == 40
 
 
 def test_saves_are_dropped_and_counted_when_the_saver_is_behind(model, store):
@@ -369,5 +388,6 @@ def test_host_chunks_are_scattered_from_the_stores_pages(model, store, mode, mon
     warm = with_store(model, store, load_mode=mode)
     got, seqs = run(warm, model.prompts)
     assert got == want
-    assert sum(lent) == 5 and all(lent) and not reads
+    tails = (7 >= model.block) + (model.chunk - 3 >= model.block)  # the prompts' tails are lent too
+    assert sum(lent) == 5 + tails and all(lent) and not reads
     settle(warm, store)

@@ -11,6 +11,7 @@ import torch
 
 from connector import ConnectorConfig, ConnectorConfigError, KVConnector
 from connector.metadata import ConnectorOutput, LoadResult
+from connector.tails import tail_key
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, config_from_dict, load_config
@@ -127,9 +128,11 @@ def test_saves_plan_each_newly_completed_chunk_of_prompt_and_output(store):
     plan = conn.build_connector_meta([(seq, 10)])  # chunked prefill: 10 of 22 tokens
     assert plan.saves == []
     seq.num_computed = 10
-    (save,) = conn.build_connector_meta([(seq, 12)]).saves  # the prompt's first chunk completes
-    assert [c.block_ids for c in save.chunks] == [tuple(seq.block_table[:4])]
-    assert save.chunks[0].key == chunk_keys(TOKENS, NS)[0] and save.chunks[0].parent is None
+    (save,) = conn.build_connector_meta([(seq, 12)]).saves  # the prompt's first chunk completes, and its prefill
+    full, tail = save.chunks  # ... so its tail (one full block past the chunk) is saved too
+    assert full.block_ids == tuple(seq.block_table[:4]) and tail.block_ids == (seq.block_table[4],)
+    assert full.key == chunk_keys(TOKENS, NS)[0] and full.parent is None
+    assert tail.key == tail_key(NS, TOKENS, 1, BLOCK, full.key) and tail.parent == full.key
     seq.num_computed = len(seq)
     while len(seq) < 2 * CHUNK:  # decode: output tokens complete the second chunk
         seq.token_ids.append(7)
@@ -249,3 +252,43 @@ def test_chunks_pinned_past_a_chunk_that_left_before_the_pin_are_unpinned_with_t
     assert store.stats().pinned == 2
     conn.request_finished(seq)
     assert store.stats().pinned == 0 and len(conn.pins) == 0
+
+
+def put_tail(store, tokens, blocks, ns=NS):
+    """The tail of ``tokens``' first ``blocks`` blocks past their last full chunk, as the worker saves it."""
+    full = len(tokens) // CHUNK
+    keys = chunk_keys(tokens, ns)
+    key = tail_key(ns, tokens, full, blocks * BLOCK, keys[full - 1] if full else None)
+    store.put(key, torch.full(ns.chunk_shape, -1.0), parent=keys[full - 1] if full else None)
+    return key
+
+
+@pytest.mark.parametrize("stored_blocks", [1, 3])
+def test_a_hit_on_every_full_chunk_also_loads_the_longest_stored_prompt_tail(store, stored_blocks):
+    """A prompt of 2 chunks + 14 tokens (3 full blocks past them): a stored tail of its own 3
+    blocks, or an earlier turn's shorter one, is loaded after the chunks, leaving the rest."""
+    tokens = TOKENS[:2 * CHUNK + 14]
+    put_chunks(store, 2, tokens)
+    key = put_tail(store, tokens[:2 * CHUNK + stored_blocks * BLOCK], stored_blocks)
+    if stored_blocks == 3:
+        put_tail(store, tokens[:2 * CHUNK + 2 * BLOCK], 2)  # shorter: not chosen
+    conn = connector(store).scheduler
+    seq = request(tokens)
+    matched, _ = conn.get_num_new_matched_tokens(seq, 0)
+    assert matched == 2 * CHUNK + stored_blocks * BLOCK
+    conn.update_state_after_alloc(seq, matched)
+    (load,) = conn.build_connector_meta([]).loads
+    assert [c.key for c in load.chunks] == chunk_keys(tokens, NS)[:2] + [key]
+    assert load.chunks[-1].block_ids == tuple(seq.block_table[8:8 + stored_blocks])
+
+
+def test_a_prompt_tail_is_not_looked_up_past_a_missing_chunk_nor_for_other_tokens(store):
+    tokens = TOKENS[:2 * CHUNK + 14]
+    put_chunks(store, 1, tokens)
+    put_tail(store, tokens, 3)  # its second chunk is missing: the tail cannot be reached
+    conn = connector(store).scheduler
+    assert conn.get_num_new_matched_tokens(request(tokens), 0)[0] == CHUNK
+    put_chunks(store, 2, tokens)
+    other = tokens[:2 * CHUNK + 4] + [5] * 10  # the same chunks, other tokens in the tail's second block
+    assert conn.get_num_new_matched_tokens(request(other, "o"), 0)[0] == 2 * CHUNK
+    assert conn.get_num_new_matched_tokens(request(tokens, "t"), 0)[0] == 2 * CHUNK + 3 * BLOCK

@@ -109,7 +109,11 @@ def take(views: list[memoryview], nbytes: int) -> list[memoryview]:
 
 
 class DirectoryInUse(OSError):
-    """Another live process holds this data directory."""
+    """Another live process holds this data directory; ``holder`` is its pid as the lock file says."""
+
+    def __init__(self, message: str, holder: str = "unknown") -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class DirectoryLock:
@@ -129,7 +133,7 @@ class DirectoryLock:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise DirectoryInUse(
                     f"data directory {root} is in use by another process (pid {holder}); "
-                    "give each daemon or Store its own directory"
+                    "give each daemon or Store its own directory", holder
                 ) from None
             raise
         self._fd: int | None = fd
