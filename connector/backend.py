@@ -18,17 +18,24 @@ from kvstore.api import ChunkStore
 log = logging.getLogger(__name__)
 
 
-def open_store(config: ConnectorConfig) -> ChunkStore:
-    """An in-process Store over ``config.store``, or a Client of the daemon at ``config.daemon``."""
-    backend = config.backend
-    if backend == "auto":
-        holder = _directory_holder(config)
-        backend = "store" if holder is None else "daemon"
-        if holder is not None:
-            _check_daemon_answers(config, holder)
-        log.info("connector: backend auto -> %s", "in-process store" if holder is None else
-                 f"the daemon at {config.daemon.addr} (data directory {config.store.disk.path} held by pid {holder})")
-    if backend == "store":
+def resolve_backend(config: ConnectorConfig) -> str:
+    """``config.backend``, with ``auto`` resolved to ``store`` or ``daemon`` (and said once)."""
+    if config.backend != "auto":
+        return config.backend
+    holder = _directory_holder(config)
+    if holder is None:
+        log.info("connector: backend auto -> an in-process store on %s", config.store.disk.path)
+        return "store"
+    _check_daemon_answers(config, holder)
+    log.info("connector: backend auto -> the daemon at %s (it holds the data directory %s, pid %s)",
+             config.daemon.addr, config.store.disk.path, holder)
+    return "daemon"
+
+
+def open_store(config: ConnectorConfig, backend: str | None = None) -> ChunkStore:
+    """An in-process Store over ``config.store``, or a Client of the daemon at ``config.daemon``,
+    as ``backend`` (resolved by ``resolve_backend``) says."""
+    if (backend or resolve_backend(config)) == "store":
         from kvstore.store import Store
 
         return Store(config.store)

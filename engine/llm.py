@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from connector import KVConnector
-from connector.backend import open_store
+from connector.backend import open_store, resolve_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.metrics import EngineStats, RequestMetrics
@@ -78,6 +78,7 @@ class LLM:
         self.model = load_model(path, dtype=self.config.dtype, device=self.config.device, fingerprint=self.model_id)
         self.model_config = self.model.config
         self.kv_store, self._owns_store = kv_store, False
+        self._backend: str | None = None  # the connector backend this engine opened, if it opened one
         self.tokenizer = Tokenizer.from_path(path)
         eos = set(self.model_config.eos_token_ids)
         eos_from_tokenizer = self.tokenizer.token_id(self.tokenizer.eos_token)
@@ -97,7 +98,8 @@ class LLM:
         self.connector = None
         if cfg.connector is not None:
             if self.kv_store is None:
-                self.kv_store, self._owns_store = open_store(cfg.connector), True
+                self._backend = resolve_backend(cfg.connector)
+                self.kv_store, self._owns_store = open_store(cfg.connector, self._backend), True
             mc = self.model_config
             ns = Namespace(cfg.connector.model_id or self.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                            mc.dtype, cfg.connector.chunk_tokens, tenant=cfg.connector.tenant)
@@ -123,7 +125,7 @@ class LLM:
         cfg = self.config
         if cfg.agents.pin_budget_bytes is not None or cfg.connector is None:
             return cfg.agents.pin_budget_bytes
-        if cfg.connector.backend == "store" and self._owns_store:
+        if self._owns_store and self._backend == "store":
             return cfg.connector.store.host.capacity_bytes // 2
         return None
 
