@@ -2,7 +2,10 @@
 the store instead of being recomputed, and a multi-turn conversation workload with and
 without the store.
 
-1. TTFT at each prompt length (default 512, 1k, 2k, 4k tokens of SmolLM2-135M, fp32 KV):
+0. TTFT on real text (``bench/connector_text.py``): prose, documentation, code and chats of
+   about ``--text-tokens`` tokens, lengths no multiple of the chunk: what a user will see.
+1. TTFT on token ranges, the ideal case (exact chunk multiples, nothing left to compute but
+   the last token), at each prompt length (default 512, 1k, 2k, 4k tokens of SmolLM2-135M, fp32 KV):
    cold (no store: the whole prefill recomputed) and a full-prefix hit loaded from
    (a) host RAM, in-process; (b) the local-disk tier, in a new engine process, with the
    chunk files' pages dropped from the page cache (fdatasync + POSIX_FADV_DONTNEED, checked
@@ -33,6 +36,7 @@ from __future__ import annotations
 import gzip
 import json
 import multiprocessing
+import os
 import random
 import shutil
 import statistics
@@ -47,7 +51,8 @@ SOURCES = ("host", "disk", "shm", "remote")
 _FULL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl.gz"
 DEFAULT_TRACE = _FULL_TRACE if _FULL_TRACE.exists() else Path(__file__).parent / "data" / "mooncake_conversation_head2000.jsonl.gz"
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace hashes its prompts in blocks of this many tokens
-TARGETS = {"hit_vs_cold_at_2k": 0.25, "host_load_vs_memcpy": 0.5, "disk_load_vs_raw_read": 0.7,
+PARTS = ("text", "ranges", "multi-turn")
+TARGETS = {"real_text_hit_vs_cold": 0.1, "hit_vs_cold_at_2k": 0.25, "host_load_vs_memcpy": 0.5, "disk_load_vs_raw_read": 0.7,
            "multi_turn_mean_ttft_ratio": 0.5}
 
 
@@ -55,7 +60,11 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("connector", help="engine TTFT with KV loaded from the store vs recomputed; multi-turn")
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M GGUF; tiny with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts: a smoke test")
-    p.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths in tokens")
+    p.add_argument("--parts", default="text,ranges,multi-turn",
+                   help="which parts to run: text (real-text prompts), ranges (token ranges of exact chunk "
+                        "multiples, the ideal case), multi-turn")
+    p.add_argument("--text-tokens", type=int, default=2000, help="about this many tokens per real-text prompt")
+    p.add_argument("--lengths", default="512,1024,2048,4096", help="token-range prompt lengths")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per store chunk")
     p.add_argument("--repeats", type=int, default=3, help="runs per TTFT figure (the median is kept)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -423,16 +432,20 @@ def multi_turn(base, setup: Setup, args) -> dict:
 def run(args) -> int:
     import torch
 
+    from bench import connector_text
     from bench.cli import UsageError
     from engine import LLM
     from engine.assets import smollm2_gguf_path
     from engine.testing import make_tiny_checkpoint
 
+    parts = set(args.parts.split(","))
+    if not parts or parts - set(PARTS):
+        raise UsageError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, not {args.parts!r}")
     torch.set_num_threads(args.threads)
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvbench-connector-"))
     try:
         if args.quick:
-            args.lengths, args.chunk_tokens, args.repeats = "64,128", 32, 1
+            args.lengths, args.chunk_tokens, args.repeats, args.text_tokens = "64,128", 32, 1, 150
             args.conversations, args.turns, args.block_tokens, args.max_prompt, args.output_tokens = 3, 2, 8, 256, 2
             args.budget_prompts = 1.0
             model = args.model or make_tiny_checkpoint(root / "tiny", num_layers=2)
@@ -446,12 +459,17 @@ def run(args) -> int:
         base = LLM(model, setup.engine_config())
         results = {"model": str(model), "quick": args.quick, "threads": args.threads,
                    "chunk_tokens": args.chunk_tokens, "kv_bytes_per_token": kv_bytes_per_token(base),
-                   "repeats": args.repeats, "ttft": ttft_figures(base, setup, args.seed)}
-        at = str(2048 if 2048 in lengths else max(lengths))
-        results["figures_at"] = int(at)
-        results["memcpy_gbps"] = results["ttft"][at]["memcpy_gbps"]
-        results["raw_read_gbps"] = results["ttft"][at]["raw_read_gbps"]
-        results["multi_turn"] = multi_turn(base, setup, args)
+                   "repeats": args.repeats, "load_average": os.getloadavg()}
+        if "text" in parts:
+            results["real_text"] = connector_text.measure(base, setup, args.text_tokens)
+        if "ranges" in parts:
+            results["ttft"] = ttft_figures(base, setup, args.seed)
+            at = str(2048 if 2048 in lengths else max(lengths))
+            results["figures_at"] = int(at)
+            results["memcpy_gbps"] = results["ttft"][at]["memcpy_gbps"]
+            results["raw_read_gbps"] = results["ttft"][at]["raw_read_gbps"]
+        if "multi-turn" in parts:
+            results["multi_turn"] = multi_turn(base, setup, args)
         results["checks"] = checks(results)
     finally:
         if args.dir is None:
@@ -463,43 +481,56 @@ def run(args) -> int:
 
 
 def checks(r: dict) -> dict:
-    """The issue's targets against this run's figures (at 2k tokens, or the longest prompt)."""
-    at = r["ttft"][str(r["figures_at"])]
-    mt = r["multi_turn"]
-    return {
-        "hit_vs_cold_at_2k": {s: at["hit_s"][s] / at["cold_s"] for s in SOURCES},
-        "host_load_vs_memcpy": at["load_gbps"]["host"] / at["memcpy_gbps"],
-        "disk_load_vs_raw_read": at["load_gbps"]["disk"] / at["raw_read_gbps"],
-        "multi_turn_mean_ttft_ratio": mt["with_store"]["ttft_mean_s"] / mt["without_store"]["ttft_mean_s"],
-        "targets": TARGETS,
-    }
+    """The targets against this run's figures (token ranges at 2k tokens, or the longest)."""
+    out = {"targets": TARGETS}
+    if "real_text" in r:
+        out["real_text_hit_vs_cold"] = {s: v["median"] for s, v in r["real_text"]["summary"].items()}
+    if "ttft" in r:
+        at = r["ttft"][str(r["figures_at"])]
+        out["hit_vs_cold_at_2k"] = {s: at["hit_s"][s] / at["cold_s"] for s in SOURCES}
+        out["host_load_vs_memcpy"] = at["load_gbps"]["host"] / at["memcpy_gbps"]
+        out["disk_load_vs_raw_read"] = at["load_gbps"]["disk"] / at["raw_read_gbps"]
+    if "multi_turn" in r:
+        mt = r["multi_turn"]
+        out["multi_turn_mean_ttft_ratio"] = mt["with_store"]["ttft_mean_s"] / mt["without_store"]["ttft_mean_s"]
+    return out
 
 
 def format_table(r: dict) -> str:
+    from bench import connector_text
+
     lines = [f"model {r['model']}  chunk {r['chunk_tokens']} tokens  threads {r['threads']}  "
-             f"KV {r['kv_bytes_per_token']} B/token  median of {r['repeats']}",
-             "TTFT (s): cold = recompute; a full-prefix hit from host RAM / disk (new process, cold page "
-             "cache) / daemon shm / daemon remote",
-             f"{'tokens':>6} {'MB':>6} {'cold':>7} {'host':>7} {'disk':>7} {'shm':>7} {'remote':>7}   "
-             f"load GB/s {'host':>6} {'disk':>6} {'shm':>6} {'remote':>6}   {'memcpy':>6} {'raw rd':>6}"]
-    for n, t in r["ttft"].items():
-        hits = " ".join(f"{t['hit_s'][s]:7.3f}" for s in SOURCES)
-        loads = " ".join(f"{t['load_gbps'][s]:6.2f}" for s in SOURCES)
-        lines.append(f"{n:>6} {t['bytes'] / 1e6:6.1f} {t['cold_s']:7.3f} {hits}             {loads}   "
-                     f"{t['memcpy_gbps']:6.2f} {t['raw_read_gbps']:6.2f}")
-    mt = r["multi_turn"]
-    lines.append(f"multi-turn: {mt['requests']} requests ({mt['conversations']} conversations x {mt['turns']} turns, "
-                 f"mean prompt {mt['mean_prompt_tokens']:.0f} tokens), KV cache {mt['kv_cache_tokens']} tokens")
-    lines.append(f"{'':14} {'TTFT mean':>9} {'p90':>7} {'recomputed':>10}   hit tokens by tier")
-    for name in ("with_store", "without_store"):
-        m = mt[name]
-        tiers = "  ".join(f"{k} {v}" for k, v in m["hit_tokens"].items())
-        lines.append(f"{name:14} {m['ttft_mean_s']:9.3f} {m['ttft_p90_s']:7.3f} {m['recomputed_tokens']:10}   {tiers}")
+             f"KV {r['kv_bytes_per_token']} B/token  {r['repeats']} rounds  "
+             f"load average {' '.join(f'{x:.2f}' for x in r['load_average'])}"]
     c = r["checks"]
-    ratios = ", ".join(f"{s} {v:.3f}" for s, v in c["hit_vs_cold_at_2k"].items())
-    lines.append(f"at {r['figures_at']} tokens: hit/cold {ratios} (target <= {TARGETS['hit_vs_cold_at_2k']}); "
-                 f"host load/memcpy {c['host_load_vs_memcpy']:.2f} (>= {TARGETS['host_load_vs_memcpy']}); "
-                 f"disk load/raw read {c['disk_load_vs_raw_read']:.2f} (>= {TARGETS['disk_load_vs_raw_read']})")
-    lines.append(f"multi-turn mean TTFT with/without the store {c['multi_turn_mean_ttft_ratio']:.2f} "
-                 f"(target <= {TARGETS['multi_turn_mean_ttft_ratio']})")
+    if "real_text" in r:
+        lines += connector_text.format_table(r["real_text"])
+        lines.append(f"target: real-text hit/cold <= {TARGETS['real_text_hit_vs_cold']} (median over the prompts)")
+    if "ttft" in r:
+        lines += ["token ranges, the ideal case (exact chunk multiples): TTFT (s): cold = recompute; a full-prefix "
+                  "hit from host RAM / disk (new process, cold page cache) / daemon shm / daemon remote",
+                  f"{'tokens':>6} {'MB':>6} {'cold':>7} {'host':>7} {'disk':>7} {'shm':>7} {'remote':>7}   "
+                  f"load GB/s {'host':>6} {'disk':>6} {'shm':>6} {'remote':>6}   {'memcpy':>6} {'raw rd':>6}"]
+        for n, t in r["ttft"].items():
+            hits = " ".join(f"{t['hit_s'][s]:7.3f}" for s in SOURCES)
+            loads = " ".join(f"{t['load_gbps'][s]:6.2f}" for s in SOURCES)
+            lines.append(f"{n:>6} {t['bytes'] / 1e6:6.1f} {t['cold_s']:7.3f} {hits}             {loads}   "
+                         f"{t['memcpy_gbps']:6.2f} {t['raw_read_gbps']:6.2f}")
+        ratios = ", ".join(f"{s} {v:.3f}" for s, v in c["hit_vs_cold_at_2k"].items())
+        lines.append(f"at {r['figures_at']} tokens: hit/cold {ratios} (target <= {TARGETS['hit_vs_cold_at_2k']}); "
+                     f"host load/memcpy {c['host_load_vs_memcpy']:.2f} (>= {TARGETS['host_load_vs_memcpy']}); "
+                     f"disk load/raw read {c['disk_load_vs_raw_read']:.2f} (>= {TARGETS['disk_load_vs_raw_read']})")
+    if "multi_turn" in r:
+        mt = r["multi_turn"]
+        lines.append(f"multi-turn: {mt['requests']} requests ({mt['conversations']} conversations x {mt['turns']} "
+                     f"turns, mean prompt {mt['mean_prompt_tokens']:.0f} tokens), KV cache {mt['kv_cache_tokens']} "
+                     f"tokens")
+        lines.append(f"{'':14} {'TTFT mean':>9} {'p90':>7} {'recomputed':>10}   hit tokens by tier")
+        for name in ("with_store", "without_store"):
+            m = mt[name]
+            tiers = "  ".join(f"{k} {v}" for k, v in m["hit_tokens"].items())
+            lines.append(f"{name:14} {m['ttft_mean_s']:9.3f} {m['ttft_p90_s']:7.3f} {m['recomputed_tokens']:10}   "
+                         f"{tiers}")
+        lines.append(f"multi-turn mean TTFT with/without the store {c['multi_turn_mean_ttft_ratio']:.2f} "
+                     f"(target <= {TARGETS['multi_turn_mean_ttft_ratio']})")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """``kvbench connector --quick``: every source (host RAM, disk in a new process with a cold
-page cache, the daemon over shm and remote) yields a full-prefix hit, and the JSON holds the
-schema other tools read."""
+page cache, the daemon over shm and remote) yields a full-prefix hit, real-text prompts load
+all but their last partial block with outputs equal to cold, and the JSON holds the schema
+other tools read."""
 
 import json
 
@@ -25,4 +26,10 @@ def test_quick_run_writes_the_documented_schema(tmp_path, capsys):
         assert r["multi_turn"][name]["ttft_mean_s"] > 0 and r["multi_turn"][name]["ttft_p90_s"] > 0
     assert r["multi_turn"]["with_store"]["loaded_tokens"] > 0
     assert set(r["checks"]["hit_vs_cold_at_2k"]) == SOURCES
+    text = r["real_text"]
+    assert len(text["prompts"]) == 6 and set(text["summary"]) == {"host", "shm"}
+    for p in text["prompts"].values():  # a prompt's tail of whole 16-token blocks loads too
+        assert p["loaded_tokens"] == {"host": p["tokens"] // 16 * 16, "shm": p["tokens"] // 16 * 16}
+        assert all(0 < p["hit_vs_cold"][s] for s in ("host", "shm"))
+    assert 0 < r["checks"]["real_text_hit_vs_cold"]["host"]
     assert "multi-turn" in capsys.readouterr().out
