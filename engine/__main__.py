@@ -13,6 +13,7 @@ from engine.llm import LLM
 from engine.policies import POLICIES
 from engine.sampling import SamplingParams
 from kvstore.config import load_config
+from tiers.base import TierError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,13 +66,19 @@ def generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command. A mistake of the user's (a bad flag value or configuration, a model or
+    data directory that cannot be used, more host RAM than the machine has) is one line on
+    stderr and exit code 2; Ctrl-C is one line and 130."""
     args = build_parser().parse_args(argv)
     _log_the_engine_start()
     try:
         return generate(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError, TierError) as exc:
         print(f"engine {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"engine {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 class _Stderr(logging.StreamHandler):

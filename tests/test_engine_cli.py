@@ -82,3 +82,25 @@ def test_generate_says_its_threads_at_start(tiny):
     assert proc.returncode == 0, proc.stderr[-2000:]
     n = default_threads(len(os.sched_getaffinity(0)))
     assert f"engine: {n} torch thread{'s' if n > 1 else ''} (one less than the" in proc.stderr.splitlines()[0]
+
+
+@pytest.mark.parametrize("case", ["data dir is a file", "host RAM above physical memory", "threads 0",
+                                  "threads negative", "connector typo"])
+def test_generate_user_errors_are_one_line_and_exit_2(tiny, tmp_path, case):
+    (tmp_path / "a-file").write_text("")
+    toml = {"data dir is a file": f'[store.disk]\npath = "{tmp_path / "a-file"}"\n',
+            "host RAM above physical memory": '[store.host]\ncapacity_bytes = "100TiB"\n',
+            "connector typo": "chunk_tokens = 16\nchunk_tokenz = 16\n"}.get(case)
+    argv = ["--model", str(tiny), "--prompt", "hi", "--max-tokens", "2"]
+    if toml is not None:
+        (tmp_path / "connector.toml").write_text(toml)
+        argv += ["--connector", str(tmp_path / "connector.toml")]
+    else:
+        argv += ["--threads", "0" if case == "threads 0" else "-2"]
+    proc = run_engine(*argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    expected = {"data dir is a file": "it is a file, not a directory", "host RAM above physical memory":
+                "more than this machine's physical memory", "threads 0": "threads must be positive",
+                "threads negative": "threads must be positive", "connector typo": "chunk_tokenz"}[case]
+    assert proc.stderr.startswith("engine generate: ") and expected in proc.stderr
