@@ -29,10 +29,13 @@ import json
 import math
 import shutil
 import statistics
+import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
+
+from bench.progress import Progress
 
 GB = 1e9
 _FULL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl.gz"
@@ -166,6 +169,11 @@ def timing(model: str, args, root: Path, requests) -> dict:
         starting = {name: [pool.submit(engine, name, "colocated", None)] if name == "colocated" else
                     [pool.submit(engine, name, "prefill", "prefill-node"),
                      pool.submit(engine, name, "decode", "decode-node")] for name in names}
+        # each engine process loads the model on two shared cores: a minute or more for all of them
+        every = [f for futures in starting.values() for f in futures]
+        started = Progress(len(every), "engines started", every_s=10.0)
+        for _ in as_completed(every):
+            started.step()
         for name, futures in starting.items():
             engines[name] = [f.result() for f in futures if f.exception() is None]  # closed below if others failed
         for futures in starting.values():
@@ -379,8 +387,6 @@ class Perplexity:
 
 
 def progress(msg: str) -> None:
-    import sys
-
     print(f"[pd] {msg}", file=sys.stderr, flush=True)
 
 

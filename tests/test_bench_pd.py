@@ -24,7 +24,9 @@ def test_quick_run_writes_the_documented_schema(tmp_path, capsys):
     assert raw["ppl_change_pct"] == 0 and raw["stream_exact_match_vs_raw"] == 1
     assert r["runs"]["colocated"]["stream_exact_match_vs_raw"] == 1  # disaggregated raw = colocated
     assert mixed["quality_loaded_tokens"] > 0 and set(mixed["needle"]) == {"128"}
-    assert "raw TTFT / colocated" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "raw TTFT / colocated" in captured.out
+    assert "engines started: 5/5 (100%)" in captured.err  # the minute the engines load is not silent
 
 
 def _run(transfer_bytes, ppl=0.0, stream=1.0, exact=1.0, needle_same=True):
