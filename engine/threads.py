@@ -3,9 +3,9 @@
 torch's own default is one thread per core. On a small shared machine that is the slowest
 choice: OpenMP's threads spin-wait for each other at every small matmul, and a core taken by
 anything else (the connector's loader and writer threads, a daemon, another process) stalls
-them all. A 737-token cold prefill of SmolLM2-135M on 2 cores took 3.4 s with 1 thread and
-16.7 s with 2 (medians of 4 interleaved rounds, load average 3.3-4.6; issue 34 measured
-7.2 s against 19.6 s). So the engine computes with one thread less than the cores this
+them all. A 737-token cold prefill of SmolLM2-135M on 2 shared cores took 3.4 s with 1 thread
+and 16.7 s with 2 (medians of 4 interleaved rounds, load average 3.3-4.6), 4.1 s and 22.7 s
+at load 7.4-8.6; issue 34 measured 7.2 s against 19.6 s. So the engine computes with one thread less than the cores this
 process may use (``os.sched_getaffinity``: a container's or ``taskset``'s limit, not the
 machine's core count), at least one: the spare core serves the rest of the process.
 
