@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -211,8 +212,12 @@ def _prefix_keys(args, writer: int, j: int):
 
 
 def _worker(node: int, args: dict, conn, barrier) -> None:
-    """One node's client: runs the commands it is sent (put, burst) against its daemon."""
+    """One node's client: runs the commands it is sent (put, burst) against its daemon. A
+    Ctrl-C in a terminal reaches it too: it leaves the ending to the parent (``kvbench``),
+    which ends it and alone says so."""
     import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from kvstore.client import Client
 

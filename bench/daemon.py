@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,8 +221,12 @@ def _memcpy_pairs(chunk_bytes: int, sources: int, destinations: int) -> list[tup
 
 
 def _worker(args, ns: Namespace) -> int:
-    """One of ``--processes``: put its chunks, say ready, get in a loop once told to go."""
+    """One of ``--processes``: put its chunks, say ready, get in a loop once told to go. A
+    Ctrl-C in a terminal reaches it too: it leaves the ending to its parent, which kills it and
+    alone says so."""
     import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     ns = dataclasses.replace(ns, tenant=args.tenant)
     with Client(args.addr, transport=args.transport, token=args.token, token_file=args.auth_token_file,

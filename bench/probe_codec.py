@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.cli import UsageError
+from bench.progress import Progress
 
 # torch, the codecs, the baselines and placement are imported where they run: `kvbench --help`
 # and a mistyped argument go without their seconds of start-up.
@@ -65,18 +67,29 @@ def run(args) -> int:
         path = smollm2_gguf_path()
     if not path.exists():
         raise UsageError(f"model {path} does not exist")
+    _say(f"loading {path} (a GGUF file is converted once, which takes a minute)")
     loaded = probe_model.load_model(path)
     model_id = args.model_id or model_fingerprint(path)
     ids = probe_model.token_ids(loaded, args.text.read_text(encoding="utf-8"))
     if len(ids) < args.tokens + args.continuation:
         raise UsageError(f"{args.text} has {len(ids)} tokens; --tokens + --continuation need more")
     prefix, continuation = ids[: args.tokens], ids[args.tokens : args.tokens + args.continuation]
+    _say(f"the reference: the KV of {args.tokens} tokens, {args.continuation} scored on it")
     kv = probe_model.prefix_kv(loaded, prefix).to(getattr(torch, args.dtype))
     reference = probe_model.continuation_logits(loaded, kv, continuation)
     targets = continuation[1:]
     reference_ppl = _perplexity(reference, targets)
+    all_baselines = baselines()
+    # each verdict scores the continuation once more: seconds to a minute with a real model
+    progress = Progress(len(codecs) + len(all_baselines), "codecs scored")
 
     def verdict(codec: Codec) -> dict:
+        try:
+            return _verdict(codec)
+        finally:
+            progress.step(what=codec.name)
+
+    def _verdict(codec: Codec) -> dict:
         try:
             decoded, ratio = _round_trip(codec, kv, args.chunk_tokens)
         except ValueError as exc:
@@ -109,12 +122,17 @@ def run(args) -> int:
         "thresholds": {"max_ppl_change_pct": args.max_ppl_change, "min_top1_agreement_pct": args.min_top1},
         "reference_ppl": reference_ppl,
         "codecs": {c.name: {"codec_id": c.codec_id, **verdict(c)} for c in codecs},
-        "baselines": {c.name: verdict(c) for c in baselines()},
+        "baselines": {c.name: verdict(c) for c in all_baselines},
     }
     print(_table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _say(message: str) -> None:
+    """A phase's start on stderr, in the progress lines' form: a run of minutes is never silent."""
+    print(f"  probe-codec: {message}", file=sys.stderr, flush=True)
 
 
 def _codecs(names: str | None) -> list[Codec]:

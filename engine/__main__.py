@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-
-import torch
 
 from connector.config import ConnectorConfig
 from engine.config import EngineConfig
@@ -14,6 +13,7 @@ from engine.llm import LLM
 from engine.policies import POLICIES
 from engine.sampling import SamplingParams
 from kvstore.config import load_config
+from tiers.base import TierError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", choices=sorted(POLICIES), default="fcfs")
     gen.add_argument("--num-blocks", type=int, default=512)
     gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: one less than the cores this process may use, at least 1)")
     gen.add_argument("--connector", default=None,
                      help="TOML connector configuration: load and save KV through a store (docs/connector.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -40,13 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     connector = load_config(args.connector, ConnectorConfig) if args.connector else None
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
-                          connector=connector)
+                          threads=args.threads, connector=connector)
     with LLM(args.model, config) as llm:
         prompts = args.prompt
         if args.chat:
@@ -67,12 +66,46 @@ def generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command. A mistake of the user's (a bad flag value or configuration, a model or
+    data directory that cannot be used, more host RAM than the machine has) is one line on
+    stderr and exit code 2; Ctrl-C is one line and 130."""
     args = build_parser().parse_args(argv)
+    _log_the_engine_start()
     try:
         return generate(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError, TierError) as exc:
         print(f"engine {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"engine {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment (a redirected or captured one), like
+    logging's last-resort handler."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _log_the_engine_start() -> None:
+    """The engine's INFO lines (its thread count) on stderr, as ``engine: ...``, unless the
+    program configured the engine's logger itself; the store's and the connector's loggers
+    keep their defaults (warnings and errors)."""
+    log = logging.getLogger("engine")
+    if log.handlers:
+        return
+    handler = _Stderr()
+    handler.setFormatter(logging.Formatter("engine: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 if __name__ == "__main__":

@@ -148,6 +148,9 @@ class EngineConfig:
     policy: str = "fcfs"
     dtype: str | None = None
     device: str = "cpu"
+    # torch CPU threads (for the whole process); None: the engine's default, one less than the
+    # cores this process may use (engine/threads.py), unless the program or OMP_NUM_THREADS set it.
+    threads: int | None = None
     admission_watermark: float = 0.01
     # Load and save KV through a store (docs/connector.md); None = the local prefix cache only.
     connector: ConnectorConfig | None = None
@@ -158,6 +161,8 @@ class EngineConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(DTYPES)}")
         if self.connector is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Iterator
 from connector import KVConnector
 from connector.backend import open_store, resolve_backend
 from engine.block_manager import BlockManager
+from engine import threads
 from engine.config import EngineConfig
 from engine.metrics import EngineStats, RequestMetrics
 from engine.models.loader import load_model, model_fingerprint, resolve_model_path
@@ -36,6 +38,7 @@ from kvstore.api import ChunkStore
 from kvstore.keys import Namespace
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +76,7 @@ class LLM:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, kv_store: ChunkStore | None = None,
                  **overrides):
         self.config = config or EngineConfig(**overrides)
+        chosen = threads.apply(self.config.threads)
         path = resolve_model_path(model_path)
         self.model_id = model_fingerprint(path)
         self.model = load_model(path, dtype=self.config.dtype, device=self.config.device, fingerprint=self.model_id)
@@ -86,6 +90,7 @@ class LLM:
             eos.add(eos_from_tokenizer)
         self.eos_token_ids = eos
         self._start()
+        log.info("%s", chosen)  # once the engine could start: a configuration error is the only line
 
     def _start(self) -> None:
         """A fresh KV cache, block manager and scheduler for ``self.config``."""
@@ -137,6 +142,8 @@ class LLM:
         other.config = dataclasses.replace(self.config, **overrides)
         if other.config.dtype not in (None, self.model_config.dtype) or other.config.device != self.config.device:
             raise ValueError("with_config cannot change dtype or device (the weights are shared)")
+        if other.config.threads != self.config.threads:
+            raise ValueError("with_config cannot change threads (torch's threads are the process's)")
         other.kv_store = kv_store or self.kv_store
         other._owns_store = False
         other._start()

@@ -22,17 +22,24 @@ Byte layout of the header (little-endian):
 The payload follows at offset 128 (so it stays 64-byte aligned in aligned buffers). Decoding
 checks the magic, version, header checksum, length and, unless told not to, the payload
 checksum; any mismatch raises a ``CorruptBlob`` subclass, so a bad blob is never used.
+
+torch is imported only when a header's dtype is asked for (or a header is packed): verifying
+blobs needs none of it, and ``kvstore fsck`` would otherwise spend seconds loading it.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from kvstore.keys import ChunkKey
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"KVCB"
 VERSION = 1
@@ -43,9 +50,24 @@ _FIXED = struct.Struct("<4sHHHBBI16s16s8IQQ24x")
 _CHECK = struct.Struct("<Q")
 assert _FIXED.size == 120 and _FIXED.size + _CHECK.size == HEADER_BYTES
 
-DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-DTYPES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPE_NAMES_BY_CODE = {1: "float16", 2: "bfloat16", 3: "float32"}  # torch's names
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, dict]:
+    import torch
+
+    by_code = {code: getattr(torch, name) for code, name in DTYPE_NAMES_BY_CODE.items()}
+    return {"DTYPES_BY_CODE": by_code, "DTYPE_CODES": {d: c for c, d in by_code.items()},
+            "DTYPE_NAMES": {d: DTYPE_NAMES_BY_CODE[c] for c, d in by_code.items()}}
+
+
+def __getattr__(name: str):
+    """``DTYPE_CODES`` (torch dtype -> code), ``DTYPES_BY_CODE`` and ``DTYPE_NAMES`` (torch
+    dtype -> name), built on first use: they need torch."""
+    if name not in ("DTYPE_CODES", "DTYPES_BY_CODE", "DTYPE_NAMES"):  # e.g. ``__path__``, asked by every import
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _torch_dtypes()[name]
 
 
 class CorruptBlob(Exception):
@@ -79,12 +101,16 @@ class KeyMismatch(CorruptBlob):
 @dataclass(frozen=True)
 class BlobHeader:
     codec_id: int
-    dtype: torch.dtype
+    dtype_code: int  # DTYPE_NAMES_BY_CODE
     shape: tuple[int, ...]
     namespace_fp: bytes
     prefix_hash: bytes
     payload_len: int
     payload_checksum: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _torch_dtypes()["DTYPES_BY_CODE"][self.dtype_code]
 
     @property
     def key_id(self) -> bytes:
@@ -142,14 +168,15 @@ def reencoded_header(header: BlobHeader, codec_id: int, payload) -> bytes:
 
 def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: torch.dtype, shape, payload,
                  checksum: int | None = None) -> bytes:
-    if dtype not in DTYPE_CODES:
-        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES.values())}")
+    codes = _torch_dtypes()["DTYPE_CODES"]
+    if dtype not in codes:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES_BY_CODE.values())}")
     shape = tuple(int(d) for d in shape)
     if not 1 <= len(shape) <= MAX_DIMS or any(d <= 0 or d >= 2**32 for d in shape):
         raise ValueError(f"shape {shape} must have 1..{MAX_DIMS} positive dimensions")
     dims = shape + (0,) * (MAX_DIMS - len(shape))
     fixed = _FIXED.pack(
-        MAGIC, VERSION, HEADER_BYTES, codec_id, DTYPE_CODES[dtype], len(shape), 0,
+        MAGIC, VERSION, HEADER_BYTES, codec_id, codes[dtype], len(shape), 0,
         namespace_fp, prefix_hash, *dims, memoryview(payload).nbytes,
         payload_checksum(payload) if checksum is None else checksum,
     )
@@ -171,11 +198,11 @@ def decode_header(data) -> BlobHeader:
     dims, payload_len, checksum = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
     if version != VERSION or header_len != HEADER_BYTES:
         raise UnsupportedVersion(f"blob format version {version} (header {header_len} B) is not supported")
-    if dtype_code not in DTYPES_BY_CODE or not 1 <= ndim <= MAX_DIMS:
+    if dtype_code not in DTYPE_NAMES_BY_CODE or not 1 <= ndim <= MAX_DIMS:
         raise CorruptBlob(f"bad dtype code {dtype_code} or ndim {ndim}")
     return BlobHeader(
         codec_id=codec_id,
-        dtype=DTYPES_BY_CODE[dtype_code],
+        dtype_code=dtype_code,
         shape=tuple(dims[:ndim]),
         namespace_fp=ns,
         prefix_hash=ph,

@@ -60,6 +60,24 @@ def test_fsck_finds_and_repairs_corruption(tmp_path, capsys):
     assert len(list(data.rglob("*" + SUFFIX))) == 2
 
 
+def test_fsck_verifies_blobs_without_torch(tmp_path):
+    """fsck reads headers and checksums only: loading torch (seconds on a small machine) for
+    it made `kvstore fsck` of an empty directory take 8 s."""
+    data = tmp_path / "data"
+    cfg = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=4096, prefault=False),
+                      disk=DiskTierConfig(path=str(data), capacity_bytes=1 << 20))
+    with Store(cfg) as store:
+        for k in chunk_keys(list(range(8)), NS):
+            store.put(k, torch.ones(NS.chunk_shape, dtype=torch.float16))
+    code = ("import sys; from kvstore.cli import main; rc = main(['fsck', '--data-dir', sys.argv[1]]); "
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(data)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 blobs" in proc.stdout and "0 corrupt" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "no torch"
+
+
 def test_user_errors_exit_2(tmp_path, capsys):
     assert main(["fsck", "--data-dir", str(tmp_path / "missing")]) == 2
     bad = tmp_path / "bad.toml"

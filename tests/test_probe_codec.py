@@ -63,7 +63,11 @@ def test_probe_writes_verdicts_and_raw_is_exact(tiny_llama, tmp_path, capsys):
         assert exact["kl_divergence"] == 0.0
     assert verdicts["codecs"]["int8"]["codec_id"] == 2
     assert verdicts["codecs"]["mixed50"]["size_ratio"] <= 0.5
-    assert "raw" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "raw" in captured.out
+    # a run of minutes with a real model says where it is: each phase, then the codecs scored
+    assert "probe-codec: loading" in captured.err and "probe-codec: the reference" in captured.err
+    assert "codecs scored naive50-truncate: 7/7 (100%)" in captured.err.splitlines()[-1]
 
 
 def test_probe_rejects_unknown_codecs_and_short_texts(tiny_llama, capsys):

@@ -86,7 +86,9 @@ class DiskTier(Tier):
         except DirectoryInUse as exc:
             raise DataDirectoryInUse(f"{self.name}: {exc}") from None
         except OSError as exc:
-            raise TierUnavailable(f"{self.name}: cannot use data directory {self.root}: {exc.strerror}") from exc
+            # mkdir(exist_ok=True) says "File exists" of a file in the directory's place
+            reason = "it is a file, not a directory" if isinstance(exc, FileExistsError) else exc.strerror
+            raise TierUnavailable(f"{self.name}: cannot use data directory {self.root}: {reason}") from exc
         for dirpath, _, files in os.walk(self.root):
             for fname in files:
                 full = os.path.join(dirpath, fname)
