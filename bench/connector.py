@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lengths", default="512,1024,2048,4096", help="token-range prompt lengths")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per store chunk")
     p.add_argument("--repeats", type=int, default=3, help="runs per TTFT figure (the median is kept)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the engine's, one less than the cores it may use)")
     p.add_argument("--dir", default=None, help="directory for the disk tiers (default: a temporary one)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake conversation trace (JSON lines, gzip)")
     p.add_argument("--conversations", type=int, default=6, help="conversations in the multi-turn run")
@@ -441,7 +442,9 @@ def run(args) -> int:
     parts = set(args.parts.split(","))
     if not parts or parts - set(PARTS):
         raise UsageError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, not {args.parts!r}")
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvbench-connector-"))
     try:
         if args.quick:

@@ -24,10 +24,10 @@ def resolve_backend(config: ConnectorConfig) -> str:
         return config.backend
     holder = _directory_holder(config)
     if holder is None:
-        log.info("connector: backend auto -> an in-process store on %s", config.store.disk.path)
+        log.info("connector: an in-process store on %s (backend auto: no other process holds it)", config.store.disk.path)
         return "store"
     _check_daemon_answers(config, holder)
-    log.info("connector: backend auto -> the daemon at %s (it holds the data directory %s, pid %s)",
+    log.info("connector: the daemon at %s (backend auto: it holds the data directory %s, pid %s)",
              config.daemon.addr, config.store.disk.path, holder)
     return "daemon"
 

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (default: one less than the cores this process may use, at least 1)")
-    gen.add_argument("--connector", default=None,
-                     help="TOML connector configuration: load and save KV through a store (docs/connector.md)")
+    gen.add_argument("--connector", nargs="?", const="", default=None, metavar="TOML",
+                     help="load and save KV through a store (docs/connector.md): the defaults (the daemon holding "
+                          "the default data directory, else an in-process store on it), or a TOML configuration")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return parser
 
@@ -43,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    connector = load_config(args.connector, ConnectorConfig) if args.connector else None
+    connector = None
+    if args.connector is not None:
+        connector = load_config(args.connector, ConnectorConfig) if args.connector else ConnectorConfig()
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
                           threads=args.threads, connector=connector)
     with LLM(args.model, config) as llm:
@@ -95,17 +98,18 @@ class _Stderr(logging.StreamHandler):
 
 
 def _log_the_engine_start() -> None:
-    """The engine's INFO lines (its thread count) on stderr, as ``engine: ...``, unless the
-    program configured the engine's logger itself; the store's and the connector's loggers
-    keep their defaults (warnings and errors)."""
-    log = logging.getLogger("engine")
-    if log.handlers:
+    """The engine's INFO lines (its thread count, the store its connector chose) on stderr, as
+    ``engine: ...``, unless the program configured the engine's logger itself; the store's
+    and the rest of the connector's loggers keep their defaults (warnings and errors)."""
+    if logging.getLogger("engine").handlers:
         return
     handler = _Stderr()
     handler.setFormatter(logging.Formatter("engine: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    for name in ("engine", "connector.backend"):
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_a_bad_connector_configuration_is_one_line_and_exit_2(tiny, tmp_path, ca
     config.write_text('backend = "nfs"\n')
     assert engine_main(["generate", "--model", str(tiny), "--prompt", "hi", "--connector", str(config)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "engine generate: connector.backend: unknown value 'nfs'; known: store, daemon"
+    assert err == "engine generate: connector.backend: unknown value 'nfs'; known: auto, store, daemon"
     config.write_text("chunk_tokens = 24\n")
     assert engine_main(["generate", "--model", str(tiny), "--prompt", "hi", "--connector", str(config)]) == 2
     assert capsys.readouterr().err.strip() == ("engine generate: connector.chunk_tokens 24 is not a multiple "

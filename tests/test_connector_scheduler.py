@@ -200,7 +200,7 @@ def test_the_connector_comes_back_after_its_back_off(store):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"backend": "redis"}, "connector.backend: unknown value 'redis'; known: store, daemon"),
+    ({"backend": "redis"}, "connector.backend: unknown value 'redis'; known: auto, store, daemon"),
     ({"load_mode": "eager"}, "connector.load_mode: unknown value 'eager'; known: sync, async, layerwise"),
     ({"chunk_tokens": 0}, "connector.chunk_tokens must be positive, got 0"),
     ({"load_timeout_s": 0.0}, "connector.load_timeout_s must be positive, got 0.0"),

@@ -98,3 +98,17 @@ def test_kvbench_commands(command, user_env):
     done = shell(without_comment(command), user_env, 3 * 3600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() and "Traceback" not in done.stderr
+
+
+def test_the_engine_command_loads_on_its_second_run(user_env):
+    """Run twice as written: the first computes and saves, the second (a new process, the
+    in-process store's disk tier) loads all but the last partial block, with the same text."""
+    (command,) = ENGINE
+    runs = [shell(command, user_env, 900) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    summary = [re.search(r"\[(\d+) prompt tokens \((\d+) cached, (\d+) loaded from the store\)", d.stderr) for d in runs]
+    (prompt, _, first), (_, _, second) = (tuple(map(int, m.groups())) for m in summary)
+    assert first == 0 and second == (prompt - 1) // 16 * 16 and prompt > 1000
+    assert runs[0].stdout == runs[1].stdout
