@@ -3,7 +3,8 @@ LocalDiskBackend) on exactly the same work, in the same process and run, beside 
 
 The work (defaults: 24 chunks of 32 MiB, fp16, 256 tokens x 32 layers x 8 KV heads x 128):
 put every chunk (a put returns once the chunk is in host RAM; the disk copy is written
-behind and waited for outside the timing); get them from host RAM into 4 rotating,
+behind and waited for outside the timing; each put is timed too, for its median and P99
+beside the throughput; our Store runs write-behind's defaults, as users do); get them from host RAM into 4 rotating,
 pre-touched destination tensors; drop the host copies and the page cache of the disk copies
 (checked dropped), then read them cold from disk into the same destinations. Rounds
 alternate which system goes first. Limits (bench/limits.py) are measured after each round on
@@ -27,7 +28,7 @@ import numpy as np
 from bench.cli import UsageError
 from bench.limits import best_over, disk_read_limit, drop_cache, memcpy_limit, over_limit
 from bench.tiers import READ_FORMS
-from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
+from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 
 GB = 1e9
@@ -68,15 +69,13 @@ class Ours:
             host=HostTierConfig(capacity_bytes=2 * room),
             disk=DiskTierConfig(path=os.path.join(root, "ours"), capacity_bytes=2 * room, direct_writes=direct_writes,
                                 o_direct=READ_FORMS[read_form]),
-            write_behind=WriteBehindConfig(max_pending_bytes=room),
         ))
         self.keys = chunk_keys(list(range(chunks * ns.chunk_tokens)), ns)
         direct = getattr(self.store.tier("disk"), "o_direct", False)
         self.read_form = f"{'O_DIRECT' if direct else 'buffered'}, {self.store.fetch_workers['disk']} in flight"
 
-    def put(self, chunks) -> None:
-        for k, c in zip(self.keys, chunks):
-            self.store.put(k, c)
+    def put(self, i: int, chunk) -> None:
+        self.store.put(self.keys[i], chunk)
 
     def settle(self) -> None:
         if not self.store.flush(300):
@@ -131,13 +130,12 @@ class LMCachePeer:
         self.chunks, self.round = chunks, 0
         self.keys = []
 
-    def put(self, chunks) -> None:
-        for k, c in zip(self.keys, chunks):
-            obj = self.sm.allocate(self.size, self.dtype, fmt=self.fmt)
-            if obj is None:
-                raise RuntimeError("LMCache could not allocate host memory for a chunk")
-            obj.tensor.copy_(c.view(self.shape))
-            self.sm.batched_put([k], [obj])
+    def put(self, i: int, chunk) -> None:
+        obj = self.sm.allocate(self.size, self.dtype, fmt=self.fmt)
+        if obj is None:
+            raise RuntimeError("LMCache could not allocate host memory for a chunk")
+        obj.tensor.copy_(chunk.view(self.shape))
+        self.sm.batched_put([self.keys[i]], [obj])
 
     def settle(self) -> None:
         deadline = time.monotonic() + 120
@@ -174,13 +172,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _put_ms(system, chunks) -> list[float]:
+    """Every chunk put, one by one: each put's milliseconds, in order."""
+    ms = []
+    for i, chunk in enumerate(chunks):
+        ms.append(_timed(lambda: system.put(i, chunk)) * 1e3)
+    return ms
+
+
 def _round(system, chunks, outs, total: int, pairs) -> dict:
     """One round of the work, with the limits measured right after it on the same buffers
     and files (so a busy moment weighs on both alike)."""
     import torch
 
     system.reset()
-    put_s = _timed(lambda: system.put(chunks))
+    put_ms = _put_ms(system, chunks)
     system.settle()
     host_s = _timed(lambda: system.get(outs))
     if not torch.equal(outs[(len(chunks) - 1) % len(outs)], chunks[-1]):
@@ -194,7 +200,9 @@ def _round(system, chunks, outs, total: int, pairs) -> dict:
     cold_s = _timed(lambda: system.get(outs))
     if not torch.equal(outs[(len(chunks) - 1) % len(outs)], chunks[-1]):
         raise RuntimeError(f"{system.name} returned wrong bytes from disk")
-    return {"put": total / put_s / GB, "host_get": total / host_s / GB, "cold_get": total / cold_s / GB,
+    return {"put": total / (sum(put_ms) / 1e3) / GB, "put_p50_ms": float(np.percentile(put_ms, 50)),
+            "put_p99_ms": float(np.percentile(put_ms, 99)), "put_ms": put_ms,
+            "host_get": total / host_s / GB, "cold_get": total / cold_s / GB,
             "memcpy": memcpy_limit(pairs), "disk_read": best_over([disk_before, disk_read_limit(files)])}
 
 
@@ -280,6 +288,10 @@ def _print(report: dict, names: list[str], memcpy, disk) -> None:
             ratios = [a / b for a, b in zip(*figures[:2])]
             line += f"{_span(ratios):>12}"
         print(line + f"  {limit_of[phase].config}")
+        if phase == "put":  # each put's latency, beside the throughput (ms, min-max over rounds)
+            for label, of in (("put P50 ms", lambda r: r["put_p50_ms"]), ("put P99 ms", lambda r: r["put_p99_ms"]),
+                              ("P99/P50", lambda r: r["put_p99_ms"] / r["put_p50_ms"])):
+                print(f"{label:<10}" + "".join(f"{_span([of(r) for r in report['rounds'][n]]):>22}" for n in names))
     print("limits: the best over every round's measurement, each taken right after that round")
     for name in names:
         per = report["rounds"][name]

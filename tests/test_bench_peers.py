@@ -13,6 +13,8 @@ def test_peers_without_a_peer_reports_ours_and_the_limits(tmp_path):
     report = json.loads(out.read_text())
     (ours,) = report["rounds"].values()
     assert len(ours) == 2 and all(r[p] > 0 for r in ours for p in peers.PHASES)
+    # every put timed: its median and P99 beside the throughput
+    assert all(len(r["put_ms"]) == 4 and 0 < r["put_p50_ms"] <= r["put_p99_ms"] <= max(r["put_ms"]) for r in ours)
     for name in ("memcpy", "disk_read"):
         limit = report["limits"][name]
         assert limit["gbps"] == max(limit["tried"].values())

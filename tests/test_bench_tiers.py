@@ -16,6 +16,8 @@ def test_kvbench_tiers_writes_the_documented_json(tmp_path):
         assert {"put_gbps", "get_gbps", "limit_gbps"} <= set(r)
         assert all(r[k] > 0 for k in ("put_gbps", "get_gbps", "limit_gbps"))
     assert report["store"]["cold_disk_get_gbps"] > 0
+    store = report["store"]  # every put of the burst timed: its median and P99 beside the throughput
+    assert len(store["put_ms"]) == 4 and 0 < store["put_p50_ms"] <= store["put_p99_ms"] <= max(store["put_ms"])
     assert report["store"]["cold_get_limit"]["gbps"] >= report["tiers"]["disk"]["limit_gbps"]
 
 
