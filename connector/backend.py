@@ -19,27 +19,31 @@ log = logging.getLogger(__name__)
 
 
 def resolve_backend(config: ConnectorConfig) -> str:
-    """``config.backend``, with ``auto`` resolved to ``store`` or ``daemon`` (and said once)."""
+    """``config.backend``, with ``auto`` resolved to ``store`` or ``daemon``."""
     if config.backend != "auto":
         return config.backend
     holder = _directory_holder(config)
     if holder is None:
-        log.info("connector: an in-process store on %s (backend auto: no other process holds it)", config.store.disk.path)
         return "store"
     _check_daemon_answers(config, holder)
-    log.info("connector: the daemon at %s (backend auto: it holds the data directory %s, pid %s)",
-             config.daemon.addr, config.store.disk.path, holder)
     return "daemon"
 
 
 def open_store(config: ConnectorConfig, backend: str | None = None) -> ChunkStore:
     """An in-process Store over ``config.store``, or a Client of the daemon at ``config.daemon``,
-    as ``backend`` (resolved by ``resolve_backend``) says."""
-    if (backend or resolve_backend(config)) == "store":
+    as ``backend`` (resolved by ``resolve_backend``) says. Once open, an ``auto`` choice is said
+    in one log line."""
+    backend = backend or resolve_backend(config)
+    if backend == "store":
         from kvstore.store import Store
 
-        return Store(config.store)
-    return _client(config)
+        store = Store(config.store)
+    else:
+        store = _client(config)
+    if config.backend == "auto":
+        log.info("connector: %s (backend auto)", f"an in-process store on {config.store.disk.path}"
+                 if backend == "store" else f"the daemon at {config.daemon.addr}, which holds {config.store.disk.path}")
+    return store
 
 
 def _client(config: ConnectorConfig):
