@@ -156,7 +156,7 @@ def _measure(clients: list[Client], work, seconds: float, daemon_pid: int | None
     return _summary([x for lat in latencies for x in lat], sum(done), elapsed, cpu)
 
 
-class Path:
+class PathBench:
     """One transport's clients (``--clients``, one thread each), connected once and measured
     in every round: put, batched get, single-chunk get."""
 
@@ -379,7 +379,7 @@ def run(args) -> int:
     opened: list = []
     rounds = []
     try:
-        paths = {t: Path(addr, t, args, ns, pid, creds) for t in ("remote", "shm")}
+        paths = {t: PathBench(addr, t, args, ns, pid, creds) for t in ("remote", "shm")}
         opened += paths.values()
         aggregates = {t: Aggregate(addr, t, args, creds) for t in ("remote", "shm")} if args.processes else {}
         opened += aggregates.values()
@@ -405,7 +405,7 @@ def run(args) -> int:
     return 0
 
 
-def _report(rounds: list[dict], paths: dict[str, Path], chunk_bytes: int, args) -> dict:
+def _report(rounds: list[dict], paths: dict[str, PathBench], chunk_bytes: int, args) -> dict:
     """Medians under the keys a single run used to have, each section's spreads, the per-round
     ratios' medians, the over-limit flags, and every round (its limits as dicts)."""
     def of(*where) -> list:

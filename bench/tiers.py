@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
