@@ -137,11 +137,15 @@ def _measure(clients: list[Client], work, seconds: float, daemon_pid: int | None
     """Run ``work(client, index, deadline, latencies)`` in one thread per client."""
     latencies: list[list[float]] = [[] for _ in clients]
     done = [0] * len(clients)
+    failed: list[BaseException] = []
     barrier = threading.Barrier(len(clients) + 1)
 
     def worker(i: int) -> None:
         barrier.wait()
-        done[i] = work(clients[i], i, time.perf_counter() + seconds, latencies[i])
+        try:
+            done[i] = work(clients[i], i, time.perf_counter() + seconds, latencies[i])
+        except BaseException as exc:  # raised below: a failed client is no figure of 0 GB/s
+            failed.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(clients))]
     for t in threads:
@@ -153,6 +157,8 @@ def _measure(clients: list[Client], work, seconds: float, daemon_pid: int | None
         t.join()
     elapsed = time.perf_counter() - start
     cpu = (_cpu_seconds(None) - cpu0[0], (_cpu_seconds(daemon_pid) - cpu0[1]) if daemon_pid else 0.0)
+    if failed:
+        raise failed[0]
     return _summary([x for lat in latencies for x in lat], sum(done), elapsed, cpu)
 
 
@@ -226,6 +232,13 @@ class PathBench:
         return n * self.nbytes
 
     def round(self, r: int) -> dict:
+        """The previous round's chunks deleted first (outside the timing): read many times, they
+        would outrank this round's fresh puts in the host tier's eviction, which then evicts
+        chunks this round is about to get; and so every round starts from the same state."""
+        for client, keys in zip(self.clients, self.keys):
+            if keys:
+                client.delete(keys)
+        self.keys = [[] for _ in self.clients]
         seconds = self.args.seconds
         p = _measure(self.clients, self._put(r), seconds, self.daemon_pid)
         g = _measure(self.clients, self._get, seconds, self.daemon_pid)

@@ -316,6 +316,16 @@ def test_kvbench_daemon_flags_each_round_a_path_beats_its_limit(daemon, tmp_path
     assert capsys.readouterr().out.count("OVER LIMIT round ") == len(flags)
 
 
+def test_kvbench_daemon_a_failed_client_fails_the_measurement_not_a_figure_of_zero():
+    from bench import daemon as bench_daemon
+
+    def work(client, i, deadline, latencies):
+        raise RuntimeError("a chunk the benchmark stored is missing")
+
+    with pytest.raises(RuntimeError, match="missing"):
+        bench_daemon._measure([None, None], work, 0.01, None)
+
+
 @pytest.mark.parametrize("transport", ["shm", "remote"])
 def test_one_client_shared_by_threads_stays_bit_exact(daemon, transport):
     ns = Namespace("threads", 2, 2, 64, chunk_tokens=64)  # 64 KiB chunks
