@@ -392,10 +392,13 @@ def run(args) -> int:
     opened: list = []
     rounds = []
     try:
-        paths = {t: PathBench(addr, t, args, ns, pid, creds) for t in ("remote", "shm")}
-        opened += paths.values()
-        aggregates = {t: Aggregate(addr, t, args, creds) for t in ("remote", "shm")} if args.processes else {}
-        opened += aggregates.values()
+        paths, aggregates = {}, {}
+        for t in ("remote", "shm"):  # each kept in `opened` at once, so a later failure still closes it
+            paths[t] = PathBench(addr, t, args, ns, pid, creds)
+            opened.append(paths[t])
+        for t in ("remote", "shm") if args.processes else ():
+            aggregates[t] = Aggregate(addr, t, args, creds)
+            opened.append(aggregates[t])
         steps = [(name, lambda r, p=p: p.round(r)) for name, p in paths.items()]
         steps += [(f"aggregate_{name}", lambda r, a=a: a.round()) for name, a in aggregates.items()]
         steps += [("limits", lambda r: limits())]
