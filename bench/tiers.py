@@ -128,23 +128,26 @@ def _report(rounds: list[dict], payload_bytes: int, chunks: int) -> dict:
     def of(section: str, key: str) -> list:
         return [r[section][key] for r in rounds]
 
+    def gbps(limits: list[Limit]) -> list[float]:
+        return [limit.gbps for limit in limits]
+
     get_limit, put_limit, disk_limit = of("host", "get_limit"), of("host", "put_limit"), of("disk", "get_limit")
     # the store's cold get against the best raw read of its round, of the disk tier's files or its own
     cold_limit = [best_over([d, s]) for d, s in zip(disk_limit, of("store", "cold_get_own_files_limit"))]
-    gbps = {"host": ("put_gbps", "get_gbps"), "disk": ("put_gbps", "get_gbps"),
-            "store": ("put_gbps", "put_p50_ms", "put_p99_ms", "put_and_flush_gbps", "host_get_gbps",
-                      "cold_disk_get_gbps", "durable_put_gbps", "durable_put_ms")}
-    spreads = {section: {key: Spread.of(of(section, key)) for key in keys} for section, keys in gbps.items()}
-    spreads["host"]["limit_gbps"] = Spread.of([limit.gbps for limit in get_limit])
-    spreads["host"]["get_vs_limit"] = ratio(of("host", "get_gbps"), [limit.gbps for limit in get_limit])
-    spreads["host"]["put_vs_limit"] = ratio(of("host", "put_gbps"), [limit.gbps for limit in put_limit])
-    spreads["disk"]["limit_gbps"] = Spread.of([limit.gbps for limit in disk_limit])
-    spreads["disk"]["get_vs_limit"] = ratio(of("disk", "get_gbps"), [limit.gbps for limit in disk_limit])
+    measured = {"host": ("put_gbps", "get_gbps"), "disk": ("put_gbps", "get_gbps"),
+                "store": ("put_gbps", "put_p50_ms", "put_p99_ms", "put_and_flush_gbps", "host_get_gbps",
+                          "cold_disk_get_gbps", "durable_put_gbps", "durable_put_ms")}
+    spreads = {section: {key: Spread.of(of(section, key)) for key in keys} for section, keys in measured.items()}
+    spreads["host"]["limit_gbps"] = Spread.of(gbps(get_limit))
+    spreads["host"]["get_vs_limit"] = ratio(of("host", "get_gbps"), gbps(get_limit))
+    spreads["host"]["put_vs_limit"] = ratio(of("host", "put_gbps"), gbps(put_limit))
+    spreads["disk"]["limit_gbps"] = Spread.of(gbps(disk_limit))
+    spreads["disk"]["get_vs_limit"] = ratio(of("disk", "get_gbps"), gbps(disk_limit))
     s = spreads["store"]
     s["put_p99_vs_p50"] = ratio(of("store", "put_p99_ms"), of("store", "put_p50_ms"))
-    s["put_vs_memcpy"] = ratio(of("store", "put_gbps"), [limit.gbps for limit in put_limit])
-    s["host_get_vs_memcpy"] = ratio(of("store", "host_get_gbps"), [limit.gbps for limit in get_limit])
-    s["cold_disk_get_vs_raw_read"] = ratio(of("store", "cold_disk_get_gbps"), [limit.gbps for limit in cold_limit])
+    s["put_vs_memcpy"] = ratio(of("store", "put_gbps"), gbps(put_limit))
+    s["host_get_vs_memcpy"] = ratio(of("store", "host_get_gbps"), gbps(get_limit))
+    s["cold_disk_get_vs_raw_read"] = ratio(of("store", "cold_disk_get_gbps"), gbps(cold_limit))
     flags = (over_limit("host get", of("host", "get_gbps"), get_limit)
              + over_limit("store get from host", of("store", "host_get_gbps"), get_limit)
              + over_limit("host put", of("host", "put_gbps"), put_limit)
