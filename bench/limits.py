@@ -10,7 +10,8 @@ configurations tried, with the configuration that gave it.
   (``mincore`` over a mapping of each file); a file still cached fails the measurement.
 - socket: loopback TCP, 1 to 4 streams at once.
 
-A figure of ours more than ``NOISE`` above its limit means the limit is wrong (``over_limit``).
+A figure of ours more than ``NOISE`` above its limit means the limit is wrong (``over_limit``;
+per round of interleaved rounds, ``bench/rounds.over_limit``).
 """
 
 from __future__ import annotations

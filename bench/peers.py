@@ -6,9 +6,15 @@ put every chunk (a put returns once the chunk is in host RAM; the disk copy is w
 behind and waited for outside the timing; each put is timed too, for its median and P99
 beside the throughput; our Store runs write-behind's defaults, as users do); get them from host RAM into 4 rotating,
 pre-touched destination tensors; drop the host copies and the page cache of the disk copies
-(checked dropped), then read them cold from disk into the same destinations. Rounds
-alternate which system goes first. Limits (bench/limits.py) are measured after each round on
-the same buffers and files; the table's limit is the best of them.
+(checked dropped), then read them cold from disk into the same destinations. Limits
+(bench/limits.py) are measured in each system's turn on the same buffers and files: memcpy
+right after its gets, raw reads of its files just before and just after its cold get.
+
+``--rounds`` rounds (bench/rounds.py), each running both systems, which goes first alternating;
+a round's limit is the best of every measurement taken in it. Every figure is printed as its
+median over the rounds (min-max), every ratio (ours / LMCache, a figure / its round's limit)
+as the median of the per-round ratios. The JSON keeps every round, and flags any round in
+which a figure beat its round's limit by more than 5%.
 
 LMCache is optional and never a dependency: ``pip install lmcache==0.5.6`` beside CPU torch
 (docs/benchmarks.md says how). ``--peer none`` runs ours and the limits alone.
@@ -19,14 +25,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 from bench.cli import UsageError
-from bench.limits import best_over, disk_read_limit, drop_cache, memcpy_limit, over_limit
+from bench.limits import Limit, best_over, disk_read_limit, drop_cache, memcpy_limit
+from bench.rounds import ROUNDS, Spread, in_turns, limit_summary, over_limit, over_limit_lines, ratio
 from bench.tiers import READ_FORMS
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
@@ -48,7 +54,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--chunks", type=int, default=24)
     p.add_argument("--destinations", type=int, default=4, help="rotating destination tensors of a get")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="interleaved rounds of both systems and the limits; figures are their medians")
     p.add_argument("--dir", default=None, help="directory for the disk copies (default: a temporary one)")
     p.add_argument("--direct-writes", action="store_true", help="our disk copies written with O_DIRECT (disk.direct_writes)")
     p.add_argument("--read-form", default="buffered", choices=list(READ_FORMS),
@@ -181,7 +188,7 @@ def _put_ms(system, chunks) -> list[float]:
 
 
 def _round(system, chunks, outs, total: int, pairs) -> dict:
-    """One round of the work, with the limits measured right after it on the same buffers
+    """One system's turn in a round, with the limits measured beside it on the same buffers
     and files (so a busy moment weighs on both alike)."""
     import torch
 
@@ -241,60 +248,85 @@ def run(args) -> int:
                   np.frombuffer(tensor_bytes(c), dtype=np.uint8)) for i, c in enumerate(chunks)]
         rounds: dict[str, list[dict]] = {s.name: [] for s in systems}
         for r in range(args.rounds):
-            for system in systems if r % 2 == 0 else systems[::-1]:
-                rounds[system.name].append(_round(system, chunks, outs, total, pairs))
+            turns = in_turns(r, *[lambda s=s: _round(s, chunks, outs, total, pairs) for s in systems])
+            for system, result in zip(systems, turns):
+                rounds[system.name].append(result)
     finally:
         for s in systems:
             s.close()
         if owned:
             shutil.rmtree(root, ignore_errors=True)
-    limits = [(r["memcpy"], r["disk_read"]) for per_round in rounds.values() for r in per_round]
-    memcpy = max((m for m, _ in limits), key=lambda limit: limit.gbps)
-    disk = max((d for _, d in limits), key=lambda limit: limit.gbps)
-    for per_round in rounds.values():
-        for r in per_round:
-            r["memcpy"], r["disk_read"] = r["memcpy"].as_dict(), r["disk_read"].as_dict()
-    report = {"chunk_bytes": chunk_bytes, "chunks": args.chunks, "destinations": args.destinations,
-              "ours_read_form": ours_form, "rounds": rounds, "limits": {"memcpy": memcpy.as_dict(), "disk_read": disk.as_dict()}}
-    ours = rounds[systems[0].name]
-    report["over_limit"] = (over_limit({"put": max(r["put"] for r in ours), "host get": max(r["host_get"] for r in ours)}, memcpy)
-                            + over_limit({"cold get": max(r["cold_get"] for r in ours)}, disk))
-    _print(report, [s.name for s in systems], memcpy, disk)
-    for w in report["over_limit"]:
-        print(f"warning: {w}", file=sys.stderr)
+    report = _report(rounds, [s.name for s in systems])
+    report.update(chunk_bytes=chunk_bytes, chunks=args.chunks, destinations=args.destinations, ours_read_form=ours_form)
+    _print(report, [s.name for s in systems])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
 
 
-def _span(values: list[float]) -> str:
-    return f"{min(values):.2f}-{max(values):.2f}"
+LIMIT_OF = {"put": "memcpy", "host_get": "memcpy", "cold_get": "disk_read"}
 
 
-def _print(report: dict, names: list[str], memcpy, disk) -> None:
-    print(f"{report['chunks']} chunks of {report['chunk_bytes'] / 2**20:.2f} MiB, {len(report['rounds'][names[0]])} rounds, "
-          f"gets into {report['destinations']} rotating destinations; ours reads the disk "
-          f"{report['ours_read_form']}; GB/s, min-max over rounds")
-    limit_of = {"put": memcpy, "host_get": memcpy, "cold_get": disk}
-    head = f"{'phase':<10}" + "".join(f"{n:>22}" for n in names) + f"{'limit':>10}"
+def _report(rounds: dict[str, list[dict]], names: list[str]) -> dict:
+    """Each round's limits (the best of every measurement taken in it), each system's figures
+    and ratios as spreads over the rounds, the over-limit flags, and every round."""
+    count = len(rounds[names[0]])
+    limits = {kind: [best_over([rounds[n][r][kind] for n in names]) for r in range(count)]
+              for kind in ("memcpy", "disk_read")}
+    figures = {n: {phase: Spread.of([r[phase] for r in rounds[n]]) for phase in (*PHASES, "put_p50_ms", "put_p99_ms")}
+               for n in names}
+    vs_limit, flags = {}, []
+    for n in names:
+        figures[n]["put_p99_vs_p50"] = ratio([r["put_p99_ms"] for r in rounds[n]], [r["put_p50_ms"] for r in rounds[n]])
+        vs_limit[n] = {phase: ratio([r[phase] for r in rounds[n]], [limit.gbps for limit in limits[LIMIT_OF[phase]]])
+                       for phase in PHASES}
+        for phase in PHASES:  # a peer's figure above the limit proves the limit wrong as much as ours
+            flags += over_limit(f"{n} {phase.replace('_', ' ')}", [r[phase] for r in rounds[n]], limits[LIMIT_OF[phase]])
+    report = {
+        "rounds": {n: [{k: v.as_dict() if isinstance(v, Limit) else v for k, v in r.items()} for r in per]
+                   for n, per in rounds.items()},
+        "round_limits": [{kind: limits[kind][r].as_dict() for kind in limits} for r in range(count)],
+        "limits": {kind: limit_summary(per_round) for kind, per_round in limits.items()},
+        "figures": {n: {k: s.as_dict() for k, s in f.items()} for n, f in figures.items()},
+        "vs_limit": {n: {k: s.as_dict() for k, s in f.items()} for n, f in vs_limit.items()},
+        "over_limit": flags,
+    }
     if len(names) > 1:
-        head += f"{'ours/peer':>12}"
-    print(head + "  limit's configuration")
+        report["ours_vs_peer"] = {phase: ratio([r[phase] for r in rounds[names[0]]],
+                                               [r[phase] for r in rounds[names[1]]]).as_dict() for phase in PHASES}
+    return report
+
+
+def _print(report: dict, names: list[str]) -> None:
+    def spread(d: dict) -> str:
+        return Spread.from_dict(d).format()
+
+    print(f"{report['chunks']} chunks of {report['chunk_bytes'] / 2**20:.2f} MiB, {len(report['round_limits'])} rounds "
+          f"of both systems and the limits in turns, gets into {report['destinations']} rotating destinations; ours reads "
+          f"the disk {report['ours_read_form']}; GB/s, median (min-max) over the rounds; a ratio is the median of the "
+          f"per-round ratios")
+    width = 22
+    head = f"{'phase':<10}" + "".join(f"{n:>{width}}" for n in names) + f"{'limit':>{width}}"
+    if len(names) > 1:
+        head += f"{'ours/peer':>{width}}"
+    print(head + "  limit's configuration (best in most rounds)")
+    figures = report["figures"]
     for phase in PHASES:
-        figures = [[r[phase] for r in report["rounds"][n]] for n in names]
-        line = f"{phase:<10}" + "".join(f"{_span(f):>22}" for f in figures) + f"{limit_of[phase].gbps:10.2f}"
+        limit = report["limits"][LIMIT_OF[phase]]
+        line = f"{phase:<10}" + "".join(f"{spread(figures[n][phase]):>{width}}" for n in names)
+        line += f"{spread(limit):>{width}}"
         if len(names) > 1:
-            ratios = [a / b for a, b in zip(*figures[:2])]
-            line += f"{_span(ratios):>12}"
-        print(line + f"  {limit_of[phase].config}")
-        if phase == "put":  # each put's latency, beside the throughput (ms, min-max over rounds)
-            for label, of in (("put P50 ms", lambda r: r["put_p50_ms"]), ("put P99 ms", lambda r: r["put_p99_ms"]),
-                              ("P99/P50", lambda r: r["put_p99_ms"] / r["put_p50_ms"])):
-                print(f"{label:<10}" + "".join(f"{_span([of(r) for r in report['rounds'][n]]):>22}" for n in names))
-    print("limits: the best over every round's measurement, each taken right after that round")
-    for name in names:
-        per = report["rounds"][name]
-        print(f"{name} / its round's limits: put {_span([r['put'] / r['memcpy']['gbps'] for r in per])}x memcpy, "
-              f"host get {_span([r['host_get'] / r['memcpy']['gbps'] for r in per])}x memcpy, cold get "
-              f"{_span([r['cold_get'] / r['disk_read']['gbps'] for r in per])}x raw read")
+            line += f"{spread(report['ours_vs_peer'][phase]):>{width}}"
+        print(line + f"  {limit['config']}")
+        if phase == "put":  # each put's latency, beside the throughput (ms)
+            for label, key in (("put P50 ms", "put_p50_ms"), ("put P99 ms", "put_p99_ms"), ("P99/P50", "put_p99_vs_p50")):
+                print(f"{label:<10}" + "".join(f"{spread(figures[n][key]):>{width}}" for n in names))
+    print("limits: each round's is the best of every measurement taken in it (memcpy after each system's gets, "
+          "raw reads before and after each cold get)")
+    for n in names:
+        v = report["vs_limit"][n]
+        print(f"{n} / its round's limits: put {spread(v['put'])}x memcpy, host get {spread(v['host_get'])}x memcpy, "
+              f"cold get {spread(v['cold_get'])}x raw read")
+    for line in over_limit_lines(report["over_limit"]):
+        print(line)

@@ -10,8 +10,7 @@ head_dim 64, 256 tokens, fp16):
 - disk: put = write every chunk file, then sync the file system (so the figure is the
   disk's, not the page cache's); get = cold reads (each file's cached pages dropped with
   fdatasync + POSIX_FADV_DONTNEED first) into caller buffers with the tier's parallel reader.
-  Limit: the best cold read of the same files, buffered or O_DIRECT, 1 to 8 in flight,
-  measured in turns with the tier's reads (the disk's speed drifts over minutes).
+  Limit: the best cold read of the same files, buffered or O_DIRECT, 1 to 8 in flight.
 - store: the Store facade end to end, with write-behind's defaults (a put returns once the
   chunk is in host RAM, its disk copy written behind; verify header, checksum where
   configured, decode): the puts are one burst into host RAM sized for it, timed one by one
@@ -21,6 +20,11 @@ head_dim 64, 256 tokens, fp16):
   tiers cost; and the cost
   of durability: a durable put returns once its disk copy is written and fsync'ed (file and
   directory), against a put that returns once the chunk is in host RAM.
+
+Every figure comes from ``--rounds`` rounds (bench/rounds.py): each round measures all three,
+every figure of ours next to its limit, which goes first alternating from round to round;
+printed as median (min-max), a ratio as the median of the per-round ratios. The JSON keeps
+every round, and flags any round where ours beat its limit by more than 5%.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -36,7 +39,8 @@ from contextlib import ExitStack
 import numpy as np
 
 from bench.cli import UsageError
-from bench.limits import Limit, best_over, disk_read_limit, drop_cache, memcpy_limit, over_limit
+from bench.limits import Limit, best_over, disk_read_limit, drop_cache, memcpy_limit
+from bench.rounds import ROUNDS, Spread, in_turns, limit_summary, over_limit, over_limit_lines, ratio
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
 from tiers.disk import HASH_SLICE_BYTES, DiskTier
@@ -60,7 +64,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--chunks", type=int, default=48, help="chunks per measurement")
-    p.add_argument("--repeat", type=int, default=3, help="measurements per figure; the best is kept")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="interleaved rounds of ours and the limits; figures are their medians")
     p.add_argument("--read-threads", type=int, default=4)
     p.add_argument("--read-form", default="buffered", choices=list(READ_FORMS),
                    help="how the disk tier reads: through the page cache, with O_DIRECT, or auto (disk.o_direct)")
@@ -75,14 +80,15 @@ def _prefaulted(nbytes: int) -> np.ndarray:
     return buf
 
 
-def _best(fn, repeat: int) -> float:
-    """Seconds of the fastest of ``repeat`` runs of ``fn`` (which may prepare and return its own time)."""
-    return min(fn() for _ in range(repeat))
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def run(args) -> int:
-    if args.chunks <= 0 or args.repeat <= 0:
-        raise UsageError("--chunks and --repeat must be positive")
+    if args.chunks <= 0 or args.rounds <= 0:
+        raise UsageError("--chunks and --rounds must be positive")
     import torch
 
     from kvstore.blob import encode_header
@@ -93,90 +99,123 @@ def run(args) -> int:
     keys = chunk_keys(list(range(args.chunks * args.tokens)), ns)
     chunk = torch.randn(ns.chunk_shape).to(dtype)
     payload = tensor_bytes(chunk)
-    payload_bytes = len(payload)
     headers = [encode_header(k, 0, dtype, chunk.shape, payload) for k in keys]
-    total = args.chunks * payload_bytes
     owned_dir = args.dir is None
     root = args.dir or tempfile.mkdtemp(prefix="kvbench-tiers-")
-    results: dict[str, dict] = {}
     try:
-        disk = _disk_tier(keys, payload, args, os.path.join(root, "disk"))  # an unusable --dir fails now
-        results["host"] = _bench_host(keys, headers, payload, args)
-        results["disk"] = _bench_disk(disk, keys, headers, payload, args)
-        store = _bench_store(ns, keys, chunk, args, os.path.join(root, "store"))
+        with ExitStack() as benches:
+            disk = benches.enter_context(DiskBench(keys, headers, payload, args, os.path.join(root, "disk")))
+            host = benches.enter_context(HostBench(keys, headers, payload))  # an unusable --dir failed above
+            store = benches.enter_context(StoreBench(ns, keys, chunk, args, os.path.join(root, "store")))
+            rounds = []
+            for r in range(args.rounds):
+                h, d, s = in_turns(r, lambda: host.round(r), lambda: disk.round(r), lambda: store.round(r))
+                rounds.append({"host": h, "disk": d, "store": s})
     finally:
         if owned_dir:
             shutil.rmtree(root, ignore_errors=True)
-    for r in results.values():
-        r["get_vs_limit"] = r["get_gbps"] / r["limit_gbps"]
-    host, disk = results["host"], results["disk"]
-    host["put_vs_limit"] = host["put_gbps"] / host["put_limit"]["gbps"]
-    store["put_vs_memcpy"] = store["put_gbps"] / host["put_limit"]["gbps"]
-    store["host_get_vs_memcpy"] = store["host_get_gbps"] / host["limit_gbps"]
-    cold_limit = best_over([_limit(disk["get_limit"]), _limit(store["cold_get_limit"])])
-    store["cold_get_limit"] = cold_limit.as_dict()
-    store["cold_disk_get_vs_raw_read"] = store["cold_disk_get_gbps"] / cold_limit.gbps
-    warnings = (over_limit({"host get": host["get_gbps"], "store get from host": store["host_get_gbps"]}, _limit(host["get_limit"]))
-                + over_limit({"host put": host["put_gbps"], "store put": store["put_gbps"]}, _limit(host["put_limit"]))
-                + over_limit({"disk get": disk["get_gbps"]}, _limit(disk["get_limit"]))
-                + over_limit({"store cold get": store["cold_disk_get_gbps"]}, cold_limit))
-    report = {
-        "chunk_bytes": payload_bytes,
-        "chunks": args.chunks,
-        "bytes_per_measurement": total,
-        "tiers": results,
-        "store": store,
-        "over_limit": warnings,
-    }
+    report = _report(rounds, len(payload), args.chunks)
     _print_table(report)
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
 
 
-def _limit(d: dict) -> Limit:
-    return Limit(d["gbps"], d["config"], d["tried"])
+def _report(rounds: list[dict], payload_bytes: int, chunks: int) -> dict:
+    """Medians (the JSON keys a single run used to have), their spreads, the per-round ratios'
+    medians, the over-limit flags, and every round (its limits as dicts)."""
+    def of(section: str, key: str) -> list:
+        return [r[section][key] for r in rounds]
+
+    def gbps(limits: list[Limit]) -> list[float]:
+        return [limit.gbps for limit in limits]
+
+    get_limit, put_limit, disk_limit = of("host", "get_limit"), of("host", "put_limit"), of("disk", "get_limit")
+    # the store's cold get against the best raw read of its round, of the disk tier's files or its own
+    cold_limit = [best_over([d, s]) for d, s in zip(disk_limit, of("store", "cold_get_own_files_limit"))]
+    measured = {"host": ("put_gbps", "get_gbps"), "disk": ("put_gbps", "get_gbps"),
+                "store": ("put_gbps", "put_p50_ms", "put_p99_ms", "put_and_flush_gbps", "host_get_gbps",
+                          "cold_disk_get_gbps", "durable_put_gbps", "durable_put_ms")}
+    spreads = {section: {key: Spread.of(of(section, key)) for key in keys} for section, keys in measured.items()}
+    spreads["host"]["limit_gbps"] = Spread.of(gbps(get_limit))
+    spreads["host"]["get_vs_limit"] = ratio(of("host", "get_gbps"), gbps(get_limit))
+    spreads["host"]["put_vs_limit"] = ratio(of("host", "put_gbps"), gbps(put_limit))
+    spreads["disk"]["limit_gbps"] = Spread.of(gbps(disk_limit))
+    spreads["disk"]["get_vs_limit"] = ratio(of("disk", "get_gbps"), gbps(disk_limit))
+    s = spreads["store"]
+    s["put_p99_vs_p50"] = ratio(of("store", "put_p99_ms"), of("store", "put_p50_ms"))
+    s["put_vs_memcpy"] = ratio(of("store", "put_gbps"), gbps(put_limit))
+    s["host_get_vs_memcpy"] = ratio(of("store", "host_get_gbps"), gbps(get_limit))
+    s["cold_disk_get_vs_raw_read"] = ratio(of("store", "cold_disk_get_gbps"), gbps(cold_limit))
+    flags = (over_limit("host get", of("host", "get_gbps"), get_limit)
+             + over_limit("store get from host", of("store", "host_get_gbps"), get_limit)
+             + over_limit("host put", of("host", "put_gbps"), put_limit)
+             + over_limit("store put", of("store", "put_gbps"), put_limit)
+             + over_limit("disk get", of("disk", "get_gbps"), disk_limit)
+             + over_limit("store cold get", of("store", "cold_disk_get_gbps"), cold_limit))
+    sections = {name: {key: spread.median for key, spread in figures.items()} | {"spread": {
+        key: spread.as_dict() for key, spread in figures.items()}} for name, figures in spreads.items()}
+    sections["host"].update(limit="memcpy", limit_config=limit_summary(get_limit)["config"],
+                            get_limit=limit_summary(get_limit), put_limit=limit_summary(put_limit))
+    sections["disk"].update(limit="raw_read", limit_config=limit_summary(disk_limit)["config"],
+                            get_limit=limit_summary(disk_limit), read_form=rounds[0]["disk"]["read_form"],
+                            read_threads=rounds[0]["disk"]["read_threads"])
+    sections["store"].update(cold_get_limit=limit_summary(cold_limit), cold_get_form=rounds[0]["store"]["cold_get_form"])
+    kept = []
+    for r, limit in zip(rounds, cold_limit):
+        kept.append({section: {k: v.as_dict() if isinstance(v, Limit) else v for k, v in figures.items()}
+                     for section, figures in r.items()})
+        kept[-1]["store"]["cold_get_limit"] = limit.as_dict()
+    return {"chunk_bytes": payload_bytes, "chunks": chunks, "bytes_per_measurement": chunks * payload_bytes,
+            "rounds": kept, "tiers": {"host": sections["host"], "disk": sections["disk"]},
+            "store": sections["store"], "over_limit": flags}
 
 
-def _limit_fields(limit: Limit, name: str) -> dict:
-    return {"limit_gbps": limit.gbps, "limit": name, "limit_config": limit.config, "get_limit": limit.as_dict()}
+class HostBench:
+    """The host tier's put and get, and memcpy through the very pool pages they use."""
 
+    def __init__(self, keys, headers, payload) -> None:
+        from kvstore.blob import HEADER_BYTES
 
-def _bench_host(keys, headers, payload, args) -> dict:
-    from kvstore.blob import HEADER_BYTES
+        self.keys, self.headers, self.payload = keys, headers, payload
+        self.tier = HostTier(len(keys) * (len(payload) + HEADER_BYTES) + (64 << 20))
+        self.dst = _prefaulted(len(payload))
+        self.hdr = bytearray(HEADER_BYTES)
+        self.total = len(keys) * len(payload)
 
-    payload_bytes = len(payload)
-    tier = HostTier(len(keys) * (payload_bytes + HEADER_BYTES) + (64 << 20))
-    dst = _prefaulted(payload_bytes)
-    hdr = bytearray(HEADER_BYTES)
-    total = len(keys) * payload_bytes
+    def __enter__(self) -> "HostBench":
+        return self
 
-    def put() -> float:
-        t = time.perf_counter()
-        for k, h in zip(keys, headers):
-            tier.write(k.id, [h, payload])
-        return time.perf_counter() - t
+    def __exit__(self, *exc) -> None:
+        self.tier.close()
 
-    def get() -> float:
-        t = time.perf_counter()
-        for k in keys:
-            tier.read_into(k.id, [hdr, dst])
-        return time.perf_counter() - t
+    def _put(self) -> None:
+        for k, h in zip(self.keys, self.headers):
+            self.tier.write(k.id, [h, self.payload])
 
-    put_s = _best(put, args.repeat)
-    get_s = _best(get, args.repeat)
-    assert bytes(dst[:64]) == bytes(payload[:64])
-    src = np.frombuffer(payload, dtype=np.uint8)
-    with ExitStack() as pins:  # the limits copy the very pool pages the gets read and the puts wrote
-        pages = [_payload_pages(pins.enter_context(tier.pinned(k.id))) for k in keys]
-        get_limit = memcpy_limit([pair for p in pages for pair in _pairs(dst, p)], args.repeat)
-        put_limit = memcpy_limit([pair for p in pages for pair in _pairs(src, p, reverse=True)], args.repeat)
-    tier.close()
-    return {"put_gbps": total / put_s / GB, "get_gbps": total / get_s / GB, **_limit_fields(get_limit, "memcpy"),
-            "put_limit": put_limit.as_dict()}
+    def _get(self) -> None:
+        for k in self.keys:
+            self.tier.read_into(k.id, [self.hdr, self.dst])
+
+    def _ours(self) -> tuple[float, float]:
+        put_s, get_s = _timed(self._put), _timed(self._get)
+        assert bytes(self.dst[:64]) == bytes(self.payload[:64])
+        return self.total / put_s / GB, self.total / get_s / GB
+
+    def _limits(self) -> tuple[Limit, Limit]:
+        """The copies a get and a put make, through the pages the chunks are in now (an odd
+        round measures them first, on the pages the previous round's puts wrote)."""
+        src = np.frombuffer(self.payload, dtype=np.uint8)
+        with ExitStack() as pins:
+            pages = [_payload_pages(pins.enter_context(self.tier.pinned(k.id))) for k in self.keys]
+            get_limit = memcpy_limit([pair for p in pages for pair in _pairs(self.dst, p)])
+            put_limit = memcpy_limit([pair for p in pages for pair in _pairs(src, p, reverse=True)])
+        return get_limit, put_limit
+
+    def round(self, r: int) -> dict:
+        (put, get), (get_limit, put_limit) = in_turns(r, self._ours, self._limits)
+        return {"put_gbps": put, "get_gbps": get, "get_limit": get_limit, "put_limit": put_limit}
 
 
 def _payload_pages(views) -> list[np.ndarray]:
@@ -202,158 +241,165 @@ def _pairs(flat: np.ndarray, pages: list[np.ndarray], reverse: bool = False) -> 
     return pairs
 
 
-def _disk_tier(keys, payload, args, path) -> DiskTier:
-    """The disk tier to measure, opened before the host's seconds of measuring."""
-    return DiskTier(path, 2 * len(keys) * (len(payload) + 8192), read_threads=args.read_threads)
+class DiskBench:
+    """The disk tier's put (written and synced) and cold get, against raw reads of its files.
+    Opened first, so that an unusable ``--dir`` fails before any measuring."""
 
+    def __init__(self, keys, headers, payload, args, path) -> None:
+        from kvstore.blob import HEADER_BYTES
 
-def _bench_disk(tier: DiskTier, keys, headers, payload, args) -> dict:
-    from kvstore.blob import HEADER_BYTES
+        self.keys, self.headers, self.payload = keys, headers, payload
+        self.tier = DiskTier(path, 2 * len(keys) * (len(payload) + 8192), read_threads=args.read_threads)
+        if args.read_form != "buffered":  # auto: as a Store decides, with the probe's figures for this device
+            self.tier.o_direct = (args.read_form == "direct"
+                                  or read_form(str(self.tier.root), None, TMP_SUFFIX, HASH_SLICE_BYTES)[0])
+        self.read_form, self.read_threads = args.read_form, args.read_threads
+        self.files = [str(self.tier.path_of(k.id)) for k in keys]
+        self.total = len(keys) * len(payload)
+        self.blob_bytes = len(payload) + HEADER_BYTES
+        ring = [(bytearray(HEADER_BYTES), _prefaulted(len(payload))) for _ in range(2 * args.read_threads)]
+        self.outs = [[memoryview(h), memoryview(p)] for h, p in (ring[i % len(ring)] for i in range(len(keys)))]
 
-    payload_bytes = len(payload)
-    if args.read_form != "buffered":  # auto: as a Store decides, with the probe's figures for this device
-        tier.o_direct = args.read_form == "direct" or read_form(str(tier.root), None, TMP_SUFFIX, HASH_SLICE_BYTES)[0]
-    files = [str(tier.path_of(k.id)) for k in keys]
-    total = len(keys) * payload_bytes
-    ring = [(bytearray(HEADER_BYTES), _prefaulted(payload_bytes)) for _ in range(2 * args.read_threads)]
-    outs = [[memoryview(h), memoryview(p)] for h, p in (ring[i % len(ring)] for i in range(len(keys)))]
+    def __enter__(self) -> "DiskBench":
+        return self
 
-    def put() -> float:
-        for k in keys:
-            tier.delete(k.id)
+    def __exit__(self, *exc) -> None:
+        self.tier.close()
+
+    def _put(self) -> float:
+        for k in self.keys:
+            self.tier.delete(k.id)
         os.sync()
         t = time.perf_counter()
-        for k, h in zip(keys, headers):
-            tier.write(k.id, [h, payload])
+        for k, h in zip(self.keys, self.headers):
+            self.tier.write(k.id, [h, self.payload])
         os.sync()
         return time.perf_counter() - t
 
-    def get() -> float:
-        drop_cache(files)
+    def _get(self) -> float:
+        drop_cache(self.files)
         t = time.perf_counter()
-        sizes = tier.read_many_into([k.id for k in keys], outs)
+        sizes = self.tier.read_many_into([k.id for k in self.keys], self.outs)
         elapsed = time.perf_counter() - t
-        if sizes != [payload_bytes + HEADER_BYTES] * len(keys):
+        if sizes != [self.blob_bytes] * len(self.keys):
             raise RuntimeError("disk tier read back the wrong sizes")
-        return elapsed
+        return self.total / elapsed / GB
 
-    put_s = _best(put, args.repeat)
-    get_s, limit = _interleaved(get, lambda: disk_read_limit(files), args.repeat)
-    tier.close()
-    return {
-        "put_gbps": total / put_s / GB,
-        "get_gbps": total / get_s / GB,
-        **_limit_fields(limit, "raw_read"),
-        "read_form": args.read_form,
-        "read_threads": args.read_threads,
-    }
+    def round(self, r: int) -> dict:
+        """A put (no limit: its files are what the get and the limit read), then the cold get
+        and the raw reads of the same files in turns."""
+        put_s = self._put()
+        get, limit = in_turns(r, self._get, lambda: disk_read_limit(self.files))
+        return {"put_gbps": self.total / put_s / GB, "get_gbps": get, "get_limit": limit,
+                "read_form": self.read_form, "read_threads": self.read_threads}
 
 
-def _interleaved(ours, limit, repeat: int) -> tuple[float, Limit]:
-    """The fastest of ``repeat`` runs of ``ours`` (seconds) and the best over ``repeat``
-    measurements of its ``limit``, taken in turns (which goes first alternates): this disk's
-    speed drifts by 2-4x over minutes, and a limit measured only after ours once came out
-    below ours."""
-    seconds, limits = [], []
-    for r in range(repeat):
-        if r % 2:
-            limits.append(limit())
-        seconds.append(ours())
-        if not r % 2:
-            limits.append(limit())
-    return min(seconds), best_over(limits)
-
-
-def _bench_store(ns, keys, chunk, args, path) -> dict:
+class StoreBench:
     """Host RAM holds every chunk (the put burst fits in it); the last quarter are read from
-    it, the rest cold from disk (dropped from host RAM before each cold read)."""
-    import torch
+    it, the rest cold from disk (dropped from host RAM before each cold read). Each round
+    deletes every chunk first, so its burst puts them all anew."""
 
-    from kvstore.blob import HEADER_BYTES
-    from kvstore.store import Store
+    def __init__(self, ns, keys, chunk, args, path) -> None:
+        import torch
 
-    blob = chunk.numel() * chunk.element_size() + HEADER_BYTES
-    resident = max(2, len(keys) // 4)
-    cfg = StoreConfig(
-        host=HostTierConfig(capacity_bytes=len(keys) * (blob + (256 << 10))),
-        disk=DiskTierConfig(path=path, capacity_bytes=2 * len(keys) * (blob + 8192),
-                            o_direct=READ_FORMS[args.read_form], read_threads=args.read_threads),
-    )
-    payload_bytes = chunk.numel() * chunk.element_size()
-    out = torch.empty_like(chunk)
-    out.zero_()
-    with Store(cfg) as store:
+        from kvstore.blob import HEADER_BYTES
+        from kvstore.store import Store
+
+        blob = chunk.numel() * chunk.element_size() + HEADER_BYTES
+        cfg = StoreConfig(
+            host=HostTierConfig(capacity_bytes=len(keys) * (blob + (256 << 10))),
+            disk=DiskTierConfig(path=path, capacity_bytes=2 * len(keys) * (blob + 8192),
+                                o_direct=READ_FORMS[args.read_form], read_threads=args.read_threads),
+        )
+        self.keys, self.chunk = keys, chunk
+        self.payload_bytes = chunk.numel() * chunk.element_size()
+        self.store = Store(cfg)
+        resident = max(2, len(keys) // 4)
+        self.in_host, self.cold = keys[-resident:], keys[:-resident]
+        self.durable = keys[: max(1, len(keys) // 4)]
+        self.out = torch.empty_like(chunk)
+        self.out.zero_()
+        self.outs = [torch.zeros_like(chunk) for _ in self.cold]  # reused staging buffers, as a connector has
+        direct = getattr(self.store.tier("disk"), "o_direct", False)
+        self.form = f"{'O_DIRECT' if direct else 'buffered'}, {self.store.fetch_workers['disk']} in flight"
+        self.cold_files = [str(self.store.tier("disk").path_of(k.id)) for k in self.cold]
+
+    def __enter__(self) -> "StoreBench":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.store.close()
+
+    def _host_get(self) -> None:
+        for k in self.in_host:
+            self.store.get_into(k, self.out)
+
+    def _cold_get(self) -> float:
+        self.store.drop(self.cold, "host")  # a cold get promotes what it read
+        drop_cache(self.cold_files)
+        t = time.perf_counter()
+        got = list(self.store.stream(self.cold, outs=self.outs))
+        elapsed = time.perf_counter() - t
+        if len(got) != len(self.cold):
+            raise RuntimeError("store lost chunks during the benchmark")
+        return len(self.cold) * self.payload_bytes / elapsed / GB
+
+    def round(self, r: int) -> dict:
+        store, nbytes = self.store, len(self.keys) * self.payload_bytes
+        store.delete(self.keys)
         put_ms = []
         t = time.perf_counter()
-        for k in keys:  # each put returns once its chunk is in host RAM
+        for k in self.keys:  # each put returns once its chunk is in host RAM
             started = time.perf_counter()
-            store.put(k, chunk)
+            store.put(k, self.chunk)
             put_ms.append((time.perf_counter() - started) * 1e3)
         put_s = time.perf_counter() - t
         store.flush()
         flushed_s = time.perf_counter() - t
-        in_host, cold = keys[-resident:], keys[:-resident]
-
-        def host_get() -> float:
-            t = time.perf_counter()
-            for k in in_host:
-                store.get_into(k, out)
-            return time.perf_counter() - t
-
-        host_s = _best(host_get, args.repeat)
-        cold_files = [str(store.tier("disk").path_of(k.id)) for k in cold]
-        outs = [torch.zeros_like(chunk) for _ in cold]  # reused staging buffers, as a connector has
-
-        def cold_get() -> float:
-            store.drop(cold, "host")  # a cold get promotes what it read
-            drop_cache(cold_files)
-            t = time.perf_counter()
-            got = list(store.stream(cold, outs=outs))
-            elapsed = time.perf_counter() - t
-            if len(got) != len(cold):
-                raise RuntimeError("store lost chunks during the benchmark")
-            return elapsed
-
-        disk_s, cold_limit = _interleaved(cold_get, lambda: disk_read_limit(cold_files), args.repeat)
-        direct = getattr(store.tier("disk"), "o_direct", False)
-        form = f"{'O_DIRECT' if direct else 'buffered'}, {store.fetch_workers['disk']} in flight"
-        durable = keys[: max(1, len(keys) // 4)]
-        store.delete(durable)
-        t = time.perf_counter()
-        for k in durable:
-            store.put(k, chunk, durable=True)
-        durable_s = time.perf_counter() - t
-    return {
-        "put_gbps": len(keys) * payload_bytes / put_s / GB,
-        "put_p50_ms": float(np.percentile(put_ms, 50)),
-        "put_p99_ms": float(np.percentile(put_ms, 99)),
-        "put_ms": put_ms,
-        "put_and_flush_gbps": len(keys) * payload_bytes / flushed_s / GB,
-        "host_get_gbps": len(in_host) * payload_bytes / host_s / GB,
-        "cold_disk_get_gbps": len(cold) * payload_bytes / disk_s / GB,
-        "durable_put_gbps": len(durable) * payload_bytes / durable_s / GB,
-        "durable_put_ms": durable_s / len(durable) * 1e3,
-        "cold_get_limit": cold_limit.as_dict(),
-        "cold_get_form": form,
-    }
+        host_s = _timed(self._host_get)
+        cold, cold_limit = in_turns(r, self._cold_get, lambda: disk_read_limit(self.cold_files))
+        store.delete(self.durable)
+        durable_s = _timed(lambda: [store.put(k, self.chunk, durable=True) for k in self.durable])
+        return {
+            "put_gbps": nbytes / put_s / GB,
+            "put_p50_ms": float(np.percentile(put_ms, 50)),
+            "put_p99_ms": float(np.percentile(put_ms, 99)),
+            "put_ms": put_ms,
+            "put_and_flush_gbps": nbytes / flushed_s / GB,
+            "host_get_gbps": len(self.in_host) * self.payload_bytes / host_s / GB,
+            "cold_disk_get_gbps": cold,
+            "durable_put_gbps": len(self.durable) * self.payload_bytes / durable_s / GB,
+            "durable_put_ms": durable_s / len(self.durable) * 1e3,
+            "cold_get_own_files_limit": cold_limit,
+            "cold_get_form": self.form,
+        }
 
 
 def _print_table(report: dict) -> None:
+    def spread(section: dict, key: str, digits: int = 2) -> str:
+        return Spread.from_dict(section["spread"][key]).format(digits)
+
     mb = report["chunk_bytes"] / 2**20
-    print(f"chunk {mb:.2f} MiB x {report['chunks']} chunks")
-    print(f"{'tier':<6} {'put GB/s':>9} {'get GB/s':>9} {'limit GB/s':>11} {'limit':>9} {'get/limit':>10}  limit's configuration")
+    print(f"chunk {mb:.2f} MiB x {report['chunks']} chunks, {len(report['rounds'])} rounds of ours and the limits "
+          f"in turns: median (min-max) over the rounds; a ratio is the median of the per-round ratios")
+    print(f"{'tier':<6} {'put GB/s':>20} {'get GB/s':>20} {'limit GB/s':>20} {'limit':>9} {'get/limit':>17}  "
+          f"limit's configuration (best in most rounds)")
     for name, r in report["tiers"].items():
-        print(f"{name:<6} {r['put_gbps']:9.2f} {r['get_gbps']:9.2f} {r['limit_gbps']:11.2f} {r['limit']:>9} "
-              f"{r['get_vs_limit']:10.2f}  {r['limit_config']}")
-    put_limit = report["tiers"]["host"]["put_limit"]
-    print(f"host put limit: memcpy into the pool {put_limit['gbps']:.2f} GB/s ({put_limit['config']}); "
-          f"put/limit {report['tiers']['host']['put_vs_limit']:.2f}")
+        print(f"{name:<6} {spread(r, 'put_gbps'):>20} {spread(r, 'get_gbps'):>20} {spread(r, 'limit_gbps'):>20} "
+              f"{r['limit']:>9} {spread(r, 'get_vs_limit'):>17}  {r['limit_config']}")
+    host = report["tiers"]["host"]
+    print(f"host put limit: memcpy into the pool {Spread.from_dict(host['put_limit']).format()} "
+          f"GB/s ({host['put_limit']['config']}); put/limit {spread(host, 'put_vs_limit')}")
     s = report["store"]
-    print(f"store  put {s['put_gbps']:.2f} GB/s ({s['put_vs_memcpy']:.2f}x memcpy; P50 {s['put_p50_ms']:.1f} ms, "
-          f"P99 {s['put_p99_ms']:.1f} ms a put; into host RAM, while the disk copies are written behind; "
-          f"{s['put_and_flush_gbps']:.2f} GB/s until they are all written), "
-          f"get from host {s['host_get_gbps']:.2f} GB/s ({s['host_get_vs_memcpy']:.2f}x), cold get from disk "
-          f"{s['cold_disk_get_gbps']:.2f} GB/s ({s['cold_get_form']}; {s['cold_disk_get_vs_raw_read']:.2f}x raw read "
-          f"{s['cold_get_limit']['gbps']:.2f} GB/s, {s['cold_get_limit']['config']})")
-    print(f"store  durable put {s['durable_put_gbps']:.2f} GB/s ({s['durable_put_ms']:.1f} ms a chunk: "
+    print(f"store  put {spread(s, 'put_gbps')} GB/s = {spread(s, 'put_vs_memcpy')}x memcpy into the pool, into host "
+          f"RAM while the disk copies are written behind ({spread(s, 'put_and_flush_gbps')} GB/s until they are all "
+          f"written); a put's P50 {spread(s, 'put_p50_ms', 1)} ms, P99 {spread(s, 'put_p99_ms', 1)} ms, "
+          f"P99/P50 {spread(s, 'put_p99_vs_p50')}")
+    print(f"store  get from host {spread(s, 'host_get_gbps')} GB/s = {spread(s, 'host_get_vs_memcpy')}x memcpy")
+    print(f"store  cold get from disk {spread(s, 'cold_disk_get_gbps')} GB/s ({s['cold_get_form']}) = "
+          f"{spread(s, 'cold_disk_get_vs_raw_read')}x raw read (the best of its round's, of the disk tier's files or "
+          f"its own; {s['cold_get_limit']['config']} in most rounds)")
+    print(f"store  durable put {spread(s, 'durable_put_gbps')} GB/s ({spread(s, 'durable_put_ms', 1)} ms a chunk: "
           f"written and fsync'ed on disk before it returns)")
+    for line in over_limit_lines(report["over_limit"]):
+        print(line)

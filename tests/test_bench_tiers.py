@@ -1,50 +1,68 @@
 import json
+import statistics
 
 from bench.cli import main
+from bench.limits import Limit
+
+ARGS = ["tiers", "--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--tokens", "256", "--chunks", "4"]
 
 
-def test_kvbench_tiers_writes_the_documented_json(tmp_path):
+def _is_spread_of(section: dict, key: str, values: list[float]) -> None:
+    """The printed figure is the median of the rounds', with their smallest and largest."""
+    assert section["spread"][key] == {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    assert section[key] == statistics.median(values)
+
+
+def test_kvbench_tiers_reports_medians_of_rounds_and_keeps_every_round(tmp_path, capsys):
     out = tmp_path / "tiers.json"
-    rc = main(["tiers", "--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--tokens", "256",
-               "--chunks", "4", "--repeat", "1", "--dir", str(tmp_path / "d"), "--json", str(out)])
-    assert rc == 0
+    assert main([*ARGS, "--rounds", "3", "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    rounds = report["rounds"]
+    assert len(rounds) == 3
     assert set(report["tiers"]) == {"host", "disk"}
-    assert report["tiers"]["host"]["limit"] == "memcpy"
-    assert report["tiers"]["disk"]["limit"] == "raw_read"
-    for r in report["tiers"].values():
-        assert {"put_gbps", "get_gbps", "limit_gbps"} <= set(r)
-        assert all(r[k] > 0 for k in ("put_gbps", "get_gbps", "limit_gbps"))
-    assert report["store"]["cold_disk_get_gbps"] > 0
-    store = report["store"]  # every put of the burst timed: its median and P99 beside the throughput
-    assert len(store["put_ms"]) == 4 and 0 < store["put_p50_ms"] <= store["put_p99_ms"] <= max(store["put_ms"])
-    assert report["store"]["cold_get_limit"]["gbps"] >= report["tiers"]["disk"]["limit_gbps"]
+    host, disk, store = report["tiers"]["host"], report["tiers"]["disk"], report["store"]
+    assert host["limit"] == "memcpy" and disk["limit"] == "raw_read"
+    for name, section in (("host", host), ("disk", disk)):
+        for key in ("put_gbps", "get_gbps"):
+            _is_spread_of(section, key, [r[name][key] for r in rounds])
+            assert section[key] > 0
+        limits = [r[name]["get_limit"] for r in rounds]  # each round's limit: its best configuration
+        assert all(limit["gbps"] == max(limit["tried"].values()) for limit in limits)
+        _is_spread_of(section, "limit_gbps", [limit["gbps"] for limit in limits])
+        _is_spread_of(section, "get_vs_limit", [r[name]["get_gbps"] / limit["gbps"] for r, limit in zip(rounds, limits)])
+    _is_spread_of(host, "put_vs_limit", [r["host"]["put_gbps"] / r["host"]["put_limit"]["gbps"] for r in rounds])
+    for key in ("put_gbps", "host_get_gbps", "cold_disk_get_gbps", "put_p50_ms", "put_p99_ms", "durable_put_gbps"):
+        _is_spread_of(store, key, [r["store"][key] for r in rounds])
+    _is_spread_of(store, "put_vs_memcpy", [r["store"]["put_gbps"] / r["host"]["put_limit"]["gbps"] for r in rounds])
+    _is_spread_of(store, "cold_disk_get_vs_raw_read",
+                  [r["store"]["cold_disk_get_gbps"] / r["store"]["cold_get_limit"]["gbps"] for r in rounds])
+    for r in rounds:  # every put of every round's burst timed: its median and P99 beside the throughput
+        s = r["store"]
+        assert len(s["put_ms"]) == 4 and 0 < s["put_p50_ms"] <= s["put_p99_ms"] <= max(s["put_ms"])
+        # the store's cold get is held against the best raw read of its round, its own files' or the tier's
+        assert s["cold_get_limit"]["gbps"] == max(s["cold_get_own_files_limit"]["gbps"], r["disk"]["get_limit"]["gbps"])
+    text = capsys.readouterr().out
+    assert "3 rounds" in text and "median (min-max)" in text
+    assert f"{host['spread']['get_gbps']['median']:.2f} ({host['spread']['get_gbps']['min']:.2f}-" in text
+    assert isinstance(report["over_limit"], list)
+
+
+def test_a_figure_above_its_rounds_limit_is_flagged_in_the_output_and_the_json(tmp_path, monkeypatch, capsys):
+    """A limit that ours beats proves the limit wrong: every round in which it happened is named."""
+    from bench import tiers
+
+    monkeypatch.setattr(tiers, "memcpy_limit", lambda pairs: Limit(1e-6, "too low", {"too low": 1e-6}))
+    out = tmp_path / "tiers.json"
+    assert main([*ARGS, "--rounds", "2", "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    flags = json.loads(out.read_text())["over_limit"]
+    for figure in ("host get", "host put", "store put", "store get from host"):
+        assert sorted(f["round"] for f in flags if f["figure"] == figure) == [0, 1]
+    assert {f["limit_config"] for f in flags if f["figure"].startswith("host")} == {"too low"}
+    text = capsys.readouterr().out
+    assert text.count("OVER LIMIT round ") == len(flags)
 
 
 def test_kvbench_usage_error_exits_2(capsys):
     assert main(["tiers", "--chunks", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
-
-
-def test_a_tiers_limit_is_measured_in_turns_with_ours(monkeypatch):
-    """Each of ours is next to a measurement of the limit, the order alternating, and the
-    limit is the best over all of them: a disk that slows during the run cannot leave the
-    limit below ours because it was only measured after."""
-    from bench import tiers
-    from bench.limits import Limit
-
-    calls = []
-    speeds = iter([4.0, 1.0, 2.0])
-
-    def ours():
-        calls.append("ours")
-        return 1.0
-
-    def limit():
-        calls.append("limit")
-        gbps = next(speeds)
-        return Limit(gbps, "x", {"x": gbps})
-
-    seconds, best = tiers._interleaved(ours, limit, 3)
-    assert calls == ["ours", "limit", "limit", "ours", "ours", "limit"]
-    assert seconds == 1.0 and best.gbps == 4.0
+    assert main(["tiers", "--rounds", "0"]) == 2

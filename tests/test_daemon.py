@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import socket
+import statistics
 import threading
 import time
 import urllib.request
@@ -269,17 +270,60 @@ def test_every_rpc_needs_the_token(daemon):
     assert main(["stats", "--addr", daemon.addr]) == 2  # the CLI: one line, exit 2
 
 
-def test_kvbench_daemon_quick_mode_writes_the_schema(daemon, tmp_path, capsys):
+def test_kvbench_daemon_quick_mode_reports_medians_of_rounds_and_keeps_every_round(daemon, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert kvbench(["daemon", "--addr", daemon.addr, "--auth-token-file", daemon.token_file, "--chunk-bytes", "64KiB",
-                    "--seconds", "0.2", "--keys", "4", "--json", str(out)]) == 0
+                    "--seconds", "0.2", "--keys", "4", "--rounds", "3", "--processes", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    rounds = result["rounds"]
+    assert len(rounds) == 3
     for path in ("remote", "shm"):
         assert {"put_gbps", "get_gbps", "get_p99_s", "put_p99_s", "get_p50_s"} <= set(result[path])
-        assert result[path]["get_gbps"] > 0 and result[path]["put_gbps"] > 0
+        for key in ("put_gbps", "get_gbps", "get_one_gbps", "get_p99_s"):  # medians of the rounds, with their spread
+            values = [r[path][key] for r in rounds]
+            assert result[path][key] == statistics.median(values) > 0
+            assert result[path]["spread"][key] == {"median": result[path][key], "min": min(values), "max": max(values)}
     assert result["remote"]["transport"] == "bulk" and result["shm"]["transport"] == "shm"
-    assert result["socket_gbps"] > 0 and result["memcpy_gbps"] > 0
-    assert "x socket" in capsys.readouterr().out
+    for name in ("socket", "memcpy"):  # each round's limit is its best configuration; the figure their median
+        limits = [r[f"{name}_limit"] for r in rounds]
+        assert all(limit["gbps"] == max(limit["tried"].values()) for limit in limits)
+        assert result[f"{name}_gbps"] == statistics.median(limit["gbps"] for limit in limits) > 0
+    per_round = [r["shm"]["get_gbps"] / r["memcpy_limit"]["gbps"] for r in rounds]
+    assert result["ratios"]["shm_get_vs_memcpy"] == statistics.median(per_round)
+    assert result["ratios_spread"]["shm_get_vs_memcpy"]["max"] == max(per_round)
+    aggregate = result["aggregate"]["shm"]  # the same worker process got in every round
+    assert aggregate["get_gbps"] == statistics.median(r["aggregate_shm"]["get_gbps"] for r in rounds) > 0
+    assert aggregate["vs_one_client"] == statistics.median(
+        r["aggregate_shm"]["get_gbps"] / r["shm"]["get_gbps"] for r in rounds)
+    text = capsys.readouterr().out
+    assert "x socket" in text and "3 rounds" in text and "median (min-max)" in text
+    assert isinstance(result["over_limit"], list)
+
+
+def test_kvbench_daemon_flags_each_round_a_path_beats_its_limit(daemon, tmp_path, monkeypatch, capsys):
+    """A limit that ours beats proves the limit wrong: every such round is named."""
+    from bench import daemon as bench_daemon
+    from bench.limits import Limit
+
+    monkeypatch.setattr(bench_daemon, "memcpy_limit", lambda pairs: Limit(1e-6, "too low", {"too low": 1e-6}))
+    out = tmp_path / "bench.json"
+    assert kvbench(["daemon", "--addr", daemon.addr, "--auth-token-file", daemon.token_file, "--chunk-bytes", "64KiB",
+                    "--seconds", "0.1", "--keys", "4", "--rounds", "2", "--json", str(out)]) == 0
+    flags = json.loads(out.read_text())["over_limit"]
+    for figure in ("shm put", "shm get", "shm get x1"):
+        assert sorted(f["round"] for f in flags if f["figure"] == figure) == [0, 1]
+    assert not [f for f in flags if f["figure"].startswith("remote")]  # its socket limit was real
+    assert capsys.readouterr().out.count("OVER LIMIT round ") == len(flags)
+
+
+def test_kvbench_daemon_a_failed_client_fails_the_measurement_not_a_figure_of_zero():
+    from bench import daemon as bench_daemon
+
+    def work(client, i, deadline, latencies):
+        raise RuntimeError("a chunk the benchmark stored is missing")
+
+    with pytest.raises(RuntimeError, match="missing"):
+        bench_daemon._measure([None, None], work, 0.01, None)
 
 
 @pytest.mark.parametrize("transport", ["shm", "remote"])

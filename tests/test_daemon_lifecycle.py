@@ -62,7 +62,7 @@ def test_a_second_daemon_on_a_data_directory_in_use_is_refused_in_one_line(tmp_p
         assert second.stderr.count("\n") == 1 and "in use" in second.stderr
         assert f"pid {first.proc.pid}" in second.stderr
         assert shm_files(shm) == before, "the refused daemon left (or removed) shared-memory files"
-        assert kvbench(["tiers", "--dir", str(tmp_path / "bench"), "--chunks", "2", "--repeat", "1"]) == 2
+        assert kvbench(["tiers", "--dir", str(tmp_path / "bench"), "--chunks", "2", "--rounds", "1"]) == 2
         with pytest.raises(TierUnavailable, match="in use"):
             Store(StoreConfig(host=HostTierConfig(capacity_bytes=8 << 20, prefault=False),
                               disk=DiskTierConfig(path=data, capacity_bytes=64 << 20)))
