@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, aclosing
+from contextlib import ExitStack, aclosing, contextmanager
 from copy import deepcopy
 
 import grpc
@@ -32,6 +32,7 @@ from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
 from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
+from kvstore.daemon.fair_share import FairShare
 from kvstore.daemon.identity import Credentials, Tenant
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
@@ -74,6 +75,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.boundary = RpcBoundary(metrics)
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
+        # KVStore RPCs at once, counted from the moment each opens (the health service is not)
+        self.rpcs = FairShare(self.limits.max_concurrent_streams, self.limits.reserved_streams,
+                              len(credentials.tenants), metrics, what="RPCs", setting="limits.max_concurrent_streams",
+                              reserve="limits.reserved_streams", shed_label="streams")
+        # bytes of bulk frames being received or served, all sessions together; a quarter is kept
+        # for tenants under their share
+        receive = config.bulk.max_receive_bytes
+        self.receiving = FairShare(receive, receive // 4, len(credentials.tenants), metrics, what="bytes of bulk frames",
+                                   setting="bulk.max_receive_bytes", reserve="a quarter of it",
+                                   shed_label="bulk_receive_bytes")
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
                                     max_groups=self.limits.max_paused_namespaces_per_session)
@@ -151,19 +162,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store.put_blob(key, parts, parent=parent, durable=durable)
 
     async def _store(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
-        """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame),
-        or arriving as the ``inline`` pieces of a Put stream."""
+        """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame,
+        whose bytes the bulk server admitted when the frame announced them), or arriving as
+        the ``inline`` pieces of a Put stream. The caller holds one of ``caller``'s requests."""
         bound = self._bind(h.namespace, caller, WRITE)
         key = bound.keys([h.prefix_hash])[0]
         parent = bound.keys([h.parent_hash])[0].id if h.parent_hash else None
         size = h.blob_bytes
         self._check_size(size)
-        with self.admission.admit(caller, size):
-            if blob is not None:
-                if blob.nbytes != size:
-                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
-                await self._run(self._verify_and_put, bound, key, blob, parent, h.durable)
-            else:
+        if blob is not None:
+            if blob.nbytes != size:
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
+            await self._run(self._verify_and_put, bound, key, blob, parent, h.durable)
+        else:
+            with self.admission.add_bytes(caller, size):
                 buf = self.pool.take(size)
                 try:
                     if h.HasField("slot"):  # copied out first: the client may still write into its slot
@@ -178,14 +190,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.metrics.wrote(caller.label, size)
 
     async def Put(self, messages, caller: Tenant):
-        first = await anext(messages, None)
-        if first is None or not first.HasField("header"):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
-        await self._store(first.header, caller, inline=functools.partial(self._put_inline, first, messages))
+        """A Put stream is one of its tenant's requests from the moment it opens, and each of
+        its messages, the first included, must come within ``stream_idle_timeout_s``: before,
+        a stream that sent nothing held a place of the daemon-wide RPC limit, uncounted."""
+        with self.admission.admit(caller):
+            first = await self._next(messages)
+            if first is None or not first.HasField("header"):
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
+            await self._store(first.header, caller, inline=functools.partial(self._put_inline, first, messages))
         return pb.PutReply()
 
-    @staticmethod
-    async def _put_inline(first, messages, view: memoryview, size: int) -> None:
+    async def _next(self, messages):
+        """The next message of a Put stream (None at its end), within ``stream_idle_timeout_s``."""
+        limit = self.limits.stream_idle_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await anext(messages, None)
+        except TimeoutError:
+            raise Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the Put stream sent nothing for {limit:g} s "
+                       f"(limits.stream_idle_timeout_s = {limit:g})") from None
+
+    async def _put_inline(self, first, messages, view: memoryview, size: int) -> None:
         got = 0
         piece = first.data  # every access copies: read each message's data once
         while True:
@@ -193,7 +218,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream carries more than blob_bytes={size}")
             view[got : got + len(piece)] = piece
             got += len(piece)
-            msg = await anext(messages, None)
+            msg = await self._next(messages)
             if msg is None:
                 break
             if msg.HasField("header"):
@@ -310,7 +335,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, slot_bytes, hold,
                                             caller.name)
 
-        with self.admission.admit(caller, min(len(keys), depth) * chunk_bytes):
+        with self.admission.add_bytes(caller, min(len(keys), depth) * chunk_bytes):
             ready = []
             if holdable:  # the leading chunks raw in host RAM: pinned in one executor call, not one each
                 room = channel.max_pinned_bytes - channel.pinned_bytes
@@ -337,29 +362,42 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Get(self, request, caller: Tenant):
         piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
-        async with aclosing(self._chunks(request, caller)) as chunks:
-            async for read in chunks:
-                if read.data is None:
-                    yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
-                    continue
-                data = read.data if isinstance(read.data, list) else [read.data]
-                view = memoryview(b"".join(data) if len(data) > 1 else data[0]).cast("B")
-                for off in range(0, read.nbytes, piece):
-                    yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes if off == 0 else 0,
-                                      data=bytes(view[off : off + piece]), last=off + piece >= read.nbytes)
+        with self.admission.admit(caller):
+            async with aclosing(self._chunks(request, caller)) as chunks:
+                async for read in chunks:
+                    if read.data is None:
+                        yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
+                        continue
+                    data = read.data if isinstance(read.data, list) else [read.data]
+                    view = memoryview(b"".join(data) if len(data) > 1 else data[0]).cast("B")
+                    for off in range(0, read.nbytes, piece):
+                        yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes if off == 0 else 0,
+                                          data=bytes(view[off : off + piece]), last=off + piece >= read.nbytes)
 
     # -- the bulk channel -------------------------------------------------------------------
 
-    async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None) -> None:
+    @contextmanager
+    def bulk_admit(self, owner: Tenant, meta_bytes: int, data_bytes: int):
+        """What a bulk frame announced, held while its request runs: one of its tenant's
+        requests and its data bytes of the tenant's in-flight bytes, and meta and data of the
+        bytes all bulk sessions receive at once (``bulk.max_receive_bytes``)."""
+        with self.admission.admit(owner, data_bytes), self.receiving.hold(owner, meta_bytes + data_bytes):
+            yield
+
+    async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None,
+                           refused: Exception | None) -> None:
         """Answer one request of a bulk channel (see kvstore/daemon/bulk.py): the same work
         as the Get and Put RPCs, with replies as frames. Connection errors propagate (the
-        channel closes); request errors become an ERROR frame."""
+        channel closes); request errors, and ``refused`` (the frame's admission failed),
+        become an ERROR frame."""
 
         async def answer(fail: Fail) -> None:
             await channel.send(ERROR, pb.ErrorReply(code=fail.code.value[0], message=str(fail)).SerializeToString())
 
         try:
             async with self.boundary.scope("Get" if kind == GET else "Put", answer, passthrough=(ConnectionError,)):
+                if refused is not None:
+                    raise refused
                 if kind == GET:
                     await self._bulk_get(channel, parsed(safe_parser(pb.GetRequest)(meta)))
                 else:
@@ -566,7 +604,8 @@ def _unary(service: KVStoreService, name: str, body, stream: bool):
     async def handle(request, context):
         async with service.boundary.scope(name, _aborter(context)):
             caller = service.caller(context)
-            return await body(_messages(request) if stream else parsed(request), caller)
+            with service.rpcs.hold(caller):
+                return await body(_messages(request) if stream else parsed(request), caller)
 
     return handle
 
@@ -575,8 +614,9 @@ def _streaming(service: KVStoreService, name: str, body):
     async def handle(request, context):
         async with service.boundary.scope(name, _aborter(context)):
             caller = service.caller(context)
-            async with aclosing(body(parsed(request), caller)) as replies:
-                async for reply in replies:
-                    yield reply
+            with service.rpcs.hold(caller):
+                async with aclosing(body(parsed(request), caller)) as replies:
+                    async for reply in replies:
+                        yield reply
 
     return handle
