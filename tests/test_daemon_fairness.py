@@ -11,6 +11,7 @@ import threading
 import time
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -19,6 +20,7 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import Client
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.wire.convert import ns_to_proto
 from kvstore.wire.frames import ERROR, FRAME, HELLO, PUT
 
 TOKENS = {"alice": "alice-secret", "bob": "bob-secret", "carol": "carol-secret"}
@@ -244,4 +246,42 @@ def test_bulk_frames_of_one_tenant_leave_the_others_room_to_receive(tmp_path):
         finally:
             first.close()
             second.close()
+            channel.close()
+
+
+TINY = Namespace("fair-tiny", 1, 1, 8, chunk_tokens=8)  # 256-byte fp16 chunks
+
+
+def test_one_byte_pieces_are_refused_naming_the_minimum(tmp_path):
+    """Finding 7: ``piece_bytes = 1`` on a Get made the daemon send one gRPC message per byte
+    (16.7 s of event-loop time for one 64 KiB chunk), and a Put stream could send its blob a
+    byte a message just as well. Now a Get may not ask for pieces below
+    ``limits.min_piece_bytes``, and a Put piece below it must be the last."""
+    with start(tmp_path) as daemon:
+        key = chunk_keys(list(range(8)), TINY)[0]
+        value = torch.full(TINY.chunk_shape, 4.0, dtype=torch.float16)
+        with Client(daemon.addr, token=TOKENS["alice"], transport="grpc", retries=0) as client:
+            client.put(key, value)
+            blob = client.get_blob(key)
+        channel = grpc.insecure_channel(daemon.addr)
+        stub = pb_grpc.KVStoreStub(channel)
+        try:
+            namespace = ns_to_proto(TINY)
+            request = pb.GetRequest(namespace=namespace, prefix_hashes=[key.prefix_hash], payload=pb.BLOB,
+                                    piece_bytes=1)
+            with pytest.raises(grpc.RpcError) as got:
+                replies = list(stub.Get(request, metadata=auth("alice"), timeout=60))
+                raise AssertionError(f"a Get in 1-byte pieces was served: {len(replies)} messages")
+            assert got.value.code() == grpc.StatusCode.INVALID_ARGUMENT, got.value
+            assert "limits.min_piece_bytes = 65536" in got.value.details(), got.value.details()
+            header = pb.PutHeader(namespace=namespace, prefix_hash=key.prefix_hash, blob_bytes=len(blob))
+            pieces = [pb.PutRequest(header=header)] + [pb.PutRequest(data=blob[i : i + 1]) for i in range(len(blob))]
+            with pytest.raises(grpc.RpcError) as got:
+                stub.Put(iter(pieces), metadata=auth("alice"), timeout=60)
+                raise AssertionError(f"a Put in {len(blob)} 1-byte pieces was stored")
+            assert got.value.code() == grpc.StatusCode.INVALID_ARGUMENT, got.value
+            assert "limits.min_piece_bytes = 65536" in got.value.details(), got.value.details()
+            whole = [pb.PutRequest(header=header), pb.PutRequest(data=bytes(blob))]  # one small last piece: fine
+            stub.Put(iter(whole), metadata=auth("alice"), timeout=60)
+        finally:
             channel.close()

@@ -224,6 +224,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if msg.HasField("header"):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Put carries a header")
             piece = msg.data
+            if len(piece) < self.limits.min_piece_bytes and got + len(piece) < size:  # only the last may be small
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"a Put piece of {len(piece)} bytes that is not the "
+                           f"last; pieces are at least limits.min_piece_bytes = {self.limits.min_piece_bytes}")
         if got != size:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream ended after {got} of {size} bytes")
 
@@ -361,6 +364,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 await reads.close()
 
     async def Get(self, request, caller: Tenant):
+        least = self.limits.min_piece_bytes
+        if 0 < request.piece_bytes < least:
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"piece_bytes {request.piece_bytes} is below limits.min_piece_bytes = {least}")
         piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
         with self.admission.admit(caller):
             async with aclosing(self._chunks(request, caller)) as chunks:
