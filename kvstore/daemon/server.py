@@ -254,15 +254,23 @@ class Daemon:
                 left = self.store.stats().write_behind_pending_bytes
                 log.error("write-behind not flushed after %.0f s (%d bytes unwritten); exiting anyway",
                           self.config.flush_timeout_s, left)
+                self._remove_shared_files()  # before, they stayed in /dev/shm (the pool as large as host RAM)
                 logging.shutdown()
                 os._exit(1)
+        self._remove_shared_files()
+        if self.metrics is not None:
+            self.metrics.close()
+        say("stopped")
+
+
+    def _remove_shared_files(self) -> None:
+        """Remove the slot arena and the host pool file from /dev/shm. The Store's close thread
+        may still write into the pool's mapping when the flush was given up: the file's name
+        goes, its mapping stays valid until the process exits."""
         if self.arena is not None:
             self.arena.close()
         if self._pool_file is not None:
             self._pool_file.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        say("stopped")
 
 
 async def serve(config: DaemonConfig) -> None:
