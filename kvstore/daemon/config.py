@@ -131,6 +131,9 @@ class LimitsConfig:
     # Paused agent sessions remembered per tenant (Pause / ResumeSoon), and a session id's length.
     max_paused_sessions_per_tenant: int = 4096
     max_paused_namespaces_per_session: int = 64
+    # Keys all of a tenant's paused-session records hold (~170 B each); past it the records
+    # expiring first go. At least max_keys_per_request, so one Pause is always recorded whole.
+    max_paused_keys_per_tenant: int = 262144
     max_session_id_bytes: int = 256
 
     def validate(self) -> None:
@@ -142,6 +145,9 @@ class LimitsConfig:
         if self.max_message_bytes <= 1024:  # a Get's pieces are this less 1 KiB
             raise ConfigError(f"max_message_bytes: must be more than 1024, got {self.max_message_bytes}")
         _positive(self, "handshake_timeout_s", "max_pin_ttl_s", "stream_idle_timeout_s")
+        if self.max_paused_keys_per_tenant < self.max_keys_per_request:
+            raise ConfigError(f"max_paused_keys_per_tenant: must be at least max_keys_per_request "
+                              f"({self.max_keys_per_request}), got {self.max_paused_keys_per_tenant}")
         if not 1 <= self.min_piece_bytes <= self.inline_piece_bytes:
             raise ConfigError(f"min_piece_bytes: must be 1 to inline_piece_bytes ({self.inline_piece_bytes}), "
                               f"got {self.min_piece_bytes}")

@@ -87,7 +87,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                    shed_label="bulk_receive_bytes")
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
-                                    max_groups=self.limits.max_paused_namespaces_per_session)
+                                    max_groups=self.limits.max_paused_namespaces_per_session,
+                                    max_keys=self.limits.max_paused_keys_per_tenant)
         self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
@@ -491,9 +492,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(ttl if ttl else pin_ttl(expected) if expected else MIN_PIN_S)
         if not keys:
             return pb.CountReply(count=0)
-        pinned = await self._served(caller, self.store.pin, keys, lease)
-        self.sessions.pause(caller.name, session, keys[0].namespace, keys, lease)
+        present, pinned = await self._served(caller, self._pin_present, keys, lease)
+        if present:
+            self.sessions.pause(caller.name, session, keys[0].namespace, present, lease)
         return pb.CountReply(count=pinned)
+
+    def _pin_present(self, keys: list[ChunkKey], lease: float) -> tuple[list[ChunkKey], int]:
+        """Pin ``keys`` for ``lease`` seconds (in an executor thread): the keys that exist, and
+        how many were pinned. A pause records only those that exist: before, keys that did not
+        were recorded too, and a tenant could fill the daemon's memory with random keys."""
+        present = [k for k in keys if self.store.contains(k)]
+        return present, self.store.pin(present, lease)
 
     async def ResumeSoon(self, request, caller: Tenant):
         """Bring a paused session's chunks up to host RAM, pinned past its ETA; 0 if unknown."""
