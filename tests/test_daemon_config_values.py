@@ -60,3 +60,16 @@ def test_every_size_setting_takes_a_size_with_a_unit(tmp_path):
     proc = run("config", "--daemon", "--config", str(config), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"max_bytes_in_flight_per_tenant = {3 << 30}" in proc.stdout
+
+
+def test_the_documented_daemon_configuration_loads(tmp_path):
+    """docs/daemon.md's configuration example is a file `kvstore serve --config` takes: it
+    said ``max_bytes_in_flight_per_tenant = "1GiB"``, which was refused (finding 8 of issue 36)."""
+    text = (ROOT / "docs" / "daemon.md").read_text()
+    example = text.split("### Configuration", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    config = tmp_path / "daemon.toml"
+    config.write_text(example)
+    proc = run("config", "--daemon", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"max_bytes_in_flight_per_tenant = {1 << 30}" in proc.stdout
+    assert f"max_receive_bytes = {1 << 30}" in proc.stdout
