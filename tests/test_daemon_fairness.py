@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import Client
+from kvstore.client import Client, DaemonError
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.wire.convert import ns_to_proto
@@ -317,3 +317,55 @@ def test_pause_records_only_keys_that_exist_and_at_most_a_bound_per_tenant(tmp_p
             assert pinned_by_resuming("ghost") == 0, "keys that did not exist when paused were recorded"
             assert pinned_by_resuming("first") == 0, "a tenant's records hold more than max_paused_keys_per_tenant"
             assert pinned_by_resuming("second") == 32 and pinned_by_resuming("third") == 32
+
+
+@pytest.mark.parametrize("how", ["put", "promoted", "restarted"])
+def test_a_tenant_at_its_host_quota_cannot_pin_other_tenants_out_of_host_ram(tmp_path, how):
+    """Finding 3: quotas counted blob bytes while host RAM holds whole pages, and a chunk read
+    back from disk into host RAM was never made room for: a tenant with a small host quota
+    filled host RAM with tiny chunks (``put``), or with its own disk chunks read back
+    (``promoted``; after a restart, before any put of the tenant, they were charged to nobody
+    at all: ``restarted``), pinned them, and every put of another tenant was refused. Now a
+    tenant's chunks count the pages they occupy, a namespace is its owner's from its first
+    read too, and reads that promote a tenant's chunks are followed by making room among its
+    own: what it can pin in host RAM is within its quota."""
+    text = ""
+    for name, token in TOKENS.items():
+        quota = 'host_bytes = "256KiB"\n' if name == "alice" else ""
+        text += f'[tenants.{name}]\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n{quota}'
+    (tmp_path / "tenants.toml").write_text(text)
+    (tmp_path / "daemon.toml").write_text(  # 64 pages of 64 KiB; alice may hold 4 of them
+        '[shm]\nenabled = false\n[store.host]\ncapacity_bytes = "4MiB"\npage_bytes = 65536\nprefault = false\n'
+        '[store.disk]\ncapacity_bytes = "64MiB"\n')
+
+    def serve() -> DaemonProcess:
+        return DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
+                              "--data-dir", str(tmp_path / "data"), "--tenants-file", str(tmp_path / "tenants.toml")])
+
+    tiny = chunk_keys(list(range(80 * 8)), TINY)  # 384-byte blobs, a 64 KiB page each
+    daemon = serve()
+    try:
+        with Client(daemon.addr, token=TOKENS["alice"], retries=0) as alice:
+            for i, k in enumerate(tiny):
+                alice.put(k, torch.full(TINY.chunk_shape, float(i), dtype=torch.float16), durable=how != "put")
+        if how == "restarted":
+            assert daemon.stop() == 0
+            daemon = serve()
+        with Client(daemon.addr, token=TOKENS["alice"], retries=0) as alice:
+            if how != "put":
+                alice.get(tiny)  # read back from disk into host RAM
+            alice.pin(tiny, 300.0)
+            host = alice.stats().tiers["host"]
+        keys = chunk_keys(list(range(40 * 32)), NS)
+        with Client(daemon.addr, token=TOKENS["bob"], retries=0) as bob:
+            refused = []
+            for i, k in enumerate(keys):
+                try:
+                    bob.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+                except DaemonError as exc:
+                    refused.append(exc)
+            assert not refused, (f"{len(refused)} of bob's 40 puts refused ({refused[0]}); alice held "
+                                 f"{host.used_bytes >> 10} KiB of host RAM with a quota of 256 KiB")
+            assert bob.lookup(keys) == 40
+    finally:
+        daemon.stop()

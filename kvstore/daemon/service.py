@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, aclosing, contextmanager
@@ -49,6 +50,8 @@ from kvstore.wire.auth import METADATA_KEY
 from kvstore.wire.convert import stats_to_proto
 from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
 from tiers.redis import redact_url
+
+log = logging.getLogger("kvstore.daemon")
 
 
 def _copy(dst, src) -> None:
@@ -89,6 +92,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
                                     max_groups=self.limits.max_paused_namespaces_per_session,
                                     max_keys=self.limits.max_paused_keys_per_tenant)
+        self._background: set[asyncio.Task] = set()  # quota enforcement after prefetches
         self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
@@ -130,7 +134,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(hashes) > self.limits.max_keys_per_request:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"{len(hashes)} keys in one request; the limit is {self.limits.max_keys_per_request}")
-        return bound, bound.keys(hashes)
+        keys = bound.keys(hashes)
+        if keys:  # what the namespace's chunks occupy is its owner's, read or written
+            self.quotas.charge(keys[0], bound.owner)
+        return bound, keys
 
     def _check_size(self, nbytes: int) -> None:
         if nbytes <= HEADER_BYTES:
@@ -351,7 +358,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     read = await reads.next()
                     if read is None:
                         self.metrics.miss(caller.label)
-                        return
+                        break
                     read.index = i
                     self.metrics.hit(caller.label, read.nbytes)
                     if read.pool_runs is not None and request.pool_views:
@@ -363,6 +370,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         self._done(read)
             finally:
                 await reads.close()
+                await self._run(self.quotas.enforce, bound.owner)  # the reads may have promoted chunks
 
     async def Get(self, request, caller: Tenant):
         least = self.limits.min_piece_bytes
@@ -458,12 +466,32 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return [next(iter(self.store.prefetch([k])), None) for k in keys]
 
     async def Prefetch(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, READ)
+        bound, keys = self._keys(request, caller, READ)
         with self.admission.admit(caller):
             futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+            after = self._enforce_after(futures, bound.owner)
             if request.wait:
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+                await after
+            else:
+                self._in_background(after)
         return pb.CountReply(count=len(futures))
+
+    async def _enforce_after(self, futures: list, owner: Tenant) -> None:
+        """Once ``futures`` (promotions into host RAM) are done, ``owner``'s quotas are
+        enforced: a promotion must not leave a tenant over its quota."""
+        if futures:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+            await self._run(self.quotas.enforce, owner)
+
+    def _in_background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("enforcing a quota after prefetches failed: %s", task.exception())
 
     async def Pin(self, request, caller: Tenant):
         _, keys = self._keys(request, caller, READ)
@@ -510,9 +538,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(pin_ttl(valid_duration(request.eta_s) or 0.0))
         started = 0
         for keys in self.sessions.resume(caller.name, session, lease):
+            shared = self.credentials.shared  # a record's keys are bound: the shared tenant's say so
+            owner = shared if shared is not None and keys[0].namespace.tenant == shared.name else caller
             await self._served(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
-                started += len(await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo)))
+                futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+            self._in_background(self._enforce_after(futures, owner))
+            started += len(futures)
         return pb.CountReply(count=started)
 
     async def Unpin(self, request, caller: Tenant):
