@@ -53,6 +53,10 @@ class Quotas:
             if over > 0:
                 self._evict(owner, tier, over, key)
 
+    def bounded(self, owner: Tenant) -> bool:
+        """Whether ``owner`` has a quota here (else there is nothing to enforce)."""
+        return bool(owner.host_bytes or (owner.disk_bytes and self._disk))
+
     def enforce(self, owner: Tenant) -> None:
         """After reads or prefetches that may have promoted ``owner``'s chunks into host RAM (an
         executor thread): its oldest chunks leave until it is within its quotas again."""

@@ -370,7 +370,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         self._done(read)
             finally:
                 await reads.close()
-                await self._run(self.quotas.enforce, bound.owner)  # the reads may have promoted chunks
+                if self.quotas.bounded(bound.owner):  # the reads may have promoted chunks
+                    await self._run(self.quotas.enforce, bound.owner)
 
     async def Get(self, request, caller: Tenant):
         least = self.limits.min_piece_bytes
@@ -469,22 +470,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         bound, keys = self._keys(request, caller, READ)
         with self.admission.admit(caller):
             futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
-            after = self._enforce_after(futures, bound.owner)
             if request.wait:
-                await after
+                await self._enforce_after(futures, bound.owner)
             else:
-                self._in_background(after)
+                self._enforce_later(futures, bound.owner)
         return pb.CountReply(count=len(futures))
 
     async def _enforce_after(self, futures: list, owner: Tenant) -> None:
-        """Once ``futures`` (promotions into host RAM) are done, ``owner``'s quotas are
-        enforced: a promotion must not leave a tenant over its quota."""
-        if futures:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        """Wait for ``futures`` (promotions into host RAM), then enforce ``owner``'s quotas:
+        a promotion must not leave a tenant over its quota."""
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        if futures and self.quotas.bounded(owner):
             await self._run(self.quotas.enforce, owner)
 
-    def _in_background(self, work) -> None:
-        task = asyncio.get_running_loop().create_task(work)
+    def _enforce_later(self, futures: list, owner: Tenant) -> None:
+        """``_enforce_after`` in the background (a Prefetch that does not wait)."""
+        if not (futures and self.quotas.bounded(owner)):
+            return
+        task = asyncio.get_running_loop().create_task(self._enforce_after(futures, owner))
         self._background.add(task)
         task.add_done_callback(self._background_done)
 
@@ -543,7 +546,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await self._served(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
                 futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
-            self._in_background(self._enforce_after(futures, owner))
+            self._enforce_later(futures, owner)
             started += len(futures)
         return pb.CountReply(count=started)
 
