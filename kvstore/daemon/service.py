@@ -531,9 +531,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _pin_present(self, keys: list[ChunkKey], lease: float) -> tuple[list[ChunkKey], int]:
         """Pin ``keys`` for ``lease`` seconds (in an executor thread): the keys that exist, and
         how many were pinned. A pause records only those that exist: before, keys that did not
-        were recorded too, and a tenant could fill the daemon's memory with random keys."""
-        present = [k for k in keys if self.store.contains(k)]
-        return present, self.store.pin(present, lease)
+        were recorded too, and a tenant could fill the daemon's memory with random keys. Each
+        key is looked up apart only when some but not all were pinned: a pause of a session's
+        chunks pins all, a flood of random keys none."""
+        pinned = self.store.pin(keys, lease)
+        if pinned == len(keys):
+            return keys, pinned
+        return ([k for k in keys if self.store.contains(k)] if pinned else []), pinned
 
     async def ResumeSoon(self, request, caller: Tenant):
         """Bring a paused session's chunks up to host RAM, pinned past its ETA; 0 if unknown."""
