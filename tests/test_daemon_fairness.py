@@ -216,6 +216,9 @@ def test_withheld_bulk_frames_are_refused_by_their_announced_size(tmp_path):
                 value = torch.full(NS.chunk_shape, 5.0, dtype=torch.float16)
                 bob.put(key, value)
                 assert bob.path == "bulk" and torch.equal(bob.get([key])[0], value)
+            for sock in socks:
+                sock.close()
+            wait_until(lambda: rss(daemon) - before < 3 * size, "the daemon's memory did not come back")
         finally:
             for sock in socks:
                 sock.close()

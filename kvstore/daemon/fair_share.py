@@ -41,9 +41,6 @@ class FairShare:
         self.used = 0
         self._held: Counter[str] = Counter()
 
-    def held(self, tenant: Tenant) -> int:
-        return self._held[tenant.label]
-
     @contextmanager
     def hold(self, tenant: Tenant, amount: int = 1):
         """``amount`` of the budget for ``tenant``, for the block; Fail RESOURCE_EXHAUSTED,
