@@ -49,12 +49,17 @@ class WorkerConnector:
 
     def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...]) -> None:
         """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once."""
-        self.mover = ChunkMover(kv_cache)
-        pin = kv_cache.is_cuda
+        self.register_mover(ChunkMover(kv_cache), kv_cache.dtype, chunk_shape)
+
+    def register_mover(self, mover: ChunkMover, dtype: torch.dtype, chunk_shape: tuple[int, ...]) -> None:
+        """The paged cache behind ``mover`` (ChunkMover's interface; vLLM's per-layer caches:
+        ``connector.vllm_layout.PagedLayers``), once."""
+        self.mover = mover
+        pin = mover.cuda
         in_flight = self.config.load_workers * self.config.chunks_per_read  # buffers one direct load uses
-        self.load_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
+        self.load_staging = StagingPool(chunk_shape, dtype, pin, keep=self.config.staging_chunks,
                                         prefault=in_flight)
-        self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
+        self.save_staging = StagingPool(chunk_shape, dtype, pin, keep=self.config.staging_chunks,
                                         limit=self.config.max_pending_saves)
         if self.config.role == "producer":
             self.saver = ProducerSaver(self.store, self.save_staging, self.availability, self.stats,

@@ -1,0 +1,96 @@
+"""A real vLLM engine in a child process under the vLLM venv (``scripts/setup.sh vllm`` makes
+``.venv-vllm``), driven by tests/vllm_driver.py: one engine start, many requests. The suite's
+venv has no vLLM; tests that need it skip with one line when the vLLM venv is absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+SKIP_REASON = f"vLLM is not installed ({VLLM_PYTHON} missing): bash scripts/setup.sh vllm"
+REPLY = "KVDRIVER "
+
+
+def connector_kv_config(addr: str, token_file: str | None, **extra) -> dict:
+    """``--kv-transfer-config`` for our connector on the daemon at ``addr``."""
+    daemon = {"addr": addr, "timeout_s": 2.0, **({"token_file": token_file} if token_file else {})}
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"daemon": daemon, "unavailable_backoff_s": 1.0, **extra}}
+
+
+class VllmEngine:
+    def __init__(self, model: Path, kv_transfer_config: dict | None = None, max_model_len: int = 2048,
+                 prefix_caching: bool = False, start_timeout_s: float = 600.0) -> None:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+        cmd = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), "--model", str(model),
+               "--max-model-len", str(max_model_len)]
+        if kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
+        started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
+        self.log: deque[str] = deque(maxlen=5000)
+        self._replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._wait_reply(start_timeout_s)
+        self.start_s = time.monotonic() - started
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(REPLY):
+                self._replies.put(json.loads(line[len(REPLY):]))
+            else:
+                self.log.append(line)
+        self._replies.put(None)  # the process ended
+
+    def _wait_reply(self, timeout_s: float) -> dict:
+        try:
+            answer = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"vLLM driver gave no reply in {timeout_s} s:\n{self.text[-4000:]}") from None
+        if answer is None:
+            raise RuntimeError(f"vLLM driver exited ({self.proc.wait()}):\n{self.text[-6000:]}")
+        return answer
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.log)
+
+    def call(self, timeout_s: float = 300.0, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_reply(timeout_s)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> dict:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens)
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout_s)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:  # the engine's own children are in its session
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
