@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -39,7 +40,7 @@ from connector.backend import open_store
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.metadata import ConnectorMetadata, ConnectorOutput, LoadResult
 from connector.scheduler import SchedulerConnector
-from connector.stats import StatsRecorder
+from connector.stats import ConnectorStats, StatsRecorder
 from connector.vllm_layout import PagedLayers, blocks_view, layout_of
 from connector.worker import WorkerConnector
 from kvstore.config import config_from_dict
@@ -120,6 +121,27 @@ class LoadReport(KVConnectorWorkerMetadata):
         return LoadReport(self.loads + other.loads)
 
 
+@dataclass
+class StoreStats(KVConnectorStats):
+    """``connector.stats.ConnectorStats`` counters of an interval, worker and scheduler halves
+    summed; vLLM logs them as "KV Transfer metrics: loaded_tokens=..., saved_chunks=...". """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for name, value in other.data.items():
+            merged[name] = merged.get(name, 0) + value
+        return StoreStats(merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(value, 4) if isinstance(value, float) else value for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
 class _Tracked:
     """A vLLM request as ``connector.scheduler.Request``: its live token ids, and the block
     table and computed count as of the step being planned."""
@@ -146,6 +168,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.store = open_store(self.config)  # a Client: connects on first use, so a dead daemon is a miss
         self.availability = Availability(self.config.unavailable_backoff_s)
         self._stats = StatsRecorder()
+        self._reported = ConnectorStats()  # what get_kv_connector_stats handed over so far
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -262,6 +285,21 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         output, self._output = self._output, ConnectorOutput()
         return LoadReport(output.loads) if output.loads else None
+
+    # -- both sides -------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The counters' growth since the last call (the worker's loads and saves; vLLM asks
+        the scheduler half too, for its lookups and hits)."""
+        now = self.stats()
+        delta = {f.name: getattr(now, f.name) - getattr(self._reported, f.name) for f in dataclasses.fields(now)}
+        self._reported = now
+        stats = StoreStats({name: value for name, value in delta.items() if value})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return StoreStats(dict(data or {}))
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kv_daemon import start_daemon
-from vllm_engine import SKIP_REASON, VLLM_PYTHON, VllmEngine, connector_kv_config
+from connector.vllm_process import SKIP_REASON, VLLM_PYTHON, VllmEngine, connector_kv_config
 
 pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=SKIP_REASON), pytest.mark.timeout(1200)]
 
@@ -45,12 +45,14 @@ def model():
 @pytest.fixture(scope="module")
 def prompts(model):
     """P1: two full chunks and a tail (a full hit loads 512 tokens); P2 shares only P1's first
-    chunk (a partial hit); P3 shares nothing."""
+    chunk (a partial hit); P3 shares nothing; P4 and P5 (630 tokens) outgrow five blocks while
+    decoding (preemption)."""
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(PROSE.read_text()).ids
     assert len(ids) >= 1100
-    return {"p1": ids[:600], "p2": ids[:CHUNK] + ids[700:1000], "p3": ids[100:500]}
+    return {"p1": ids[:600], "p2": ids[:CHUNK] + ids[700:1000], "p3": ids[100:500], "p4": ids[500:1130],
+            "p5": ids[550:1180]}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,11 @@ class Daemon:
 
     def restart(self) -> None:
         self.proc.stop()
+        self.proc = start_daemon(self.root, host_bytes="512MiB", disk_bytes="1GiB", slot_bytes="16MiB",
+                                 page_bytes=1 << 20, listen=self.addr)
+
+    def restart_after_kill(self) -> None:
+        """Start again on the same address and data after the daemon was killed."""
         self.proc = start_daemon(self.root, host_bytes="512MiB", disk_bytes="1GiB", slot_bytes="16MiB",
                                  page_bytes=1 << 20, listen=self.addr)
 
@@ -97,8 +104,10 @@ def daemon(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saver_run(model, prompts, daemon, reference):
-    """One vLLM with the connector: P1 cold (saved), P1 again (a full hit), P2 (a partial hit)."""
-    with VllmEngine(model, connector_kv_config(daemon.addr, daemon.proc.token_file)) as engine, daemon.client() as c:
+    """One vLLM with the connector: P1 cold (saved), P1 again (a full hit), P2 (a partial hit).
+    Prefills go 384 tokens a step, so P1's chunks are saved by two steps."""
+    config = connector_kv_config(daemon.addr, daemon.proc.token_file)
+    with VllmEngine(model, config, max_batched_tokens=384) as engine, daemon.client() as c:
         _, keys = chunk_keys(engine, prompts["p1"])
         run = {"start_s": engine.start_s, "cold": engine.generate([prompts["p1"]])}
         wait_until(lambda: c.lookup(keys) == len(keys), what="P1's chunks saved")
@@ -107,7 +116,7 @@ def saver_run(model, prompts, daemon, reference):
         return run
 
 
-def test_a_cold_run_with_the_connector_gives_vllm_s_own_tokens(saver_run, reference):
+def test_a_cold_run_with_the_connector_and_prefill_over_two_steps_gives_vllm_s_own_tokens(saver_run, reference):
     assert saver_run["cold"]["outputs"][0] == reference["p1"]
     assert saver_run["cold"]["cached"] == [0]
 
@@ -173,3 +182,18 @@ def test_a_killed_daemon_leaves_vllm_serving_by_recomputing(loader_run, referenc
     outputs = [r["outputs"][0] for r in loader_run["dead"]]
     assert outputs == [reference["p1"], reference["p2"], reference["p3"]]
     assert "connector: store unavailable" in loader_run["log"]
+
+
+@pytest.fixture(scope="module")
+def preempting_run(model, prompts, daemon, loader_run):
+    """A KV cache of 11 blocks holds P4 and P5 (five blocks each) until both decode past 640
+    tokens: vLLM preempts one, which is looked up again (over prompt and output) when it resumes."""
+    daemon.restart_after_kill()
+    config = connector_kv_config(daemon.addr, daemon.proc.token_file)
+    with VllmEngine(model, config, max_model_len=1024, num_blocks=11) as engine:
+        return engine.generate([prompts["p4"], prompts["p5"]])
+
+
+def test_a_preempted_request_resumes_with_identical_tokens(preempting_run, reference):
+    assert sum(preempting_run["preemptions"]) >= 1
+    assert preempting_run["outputs"] == [reference["p4"], reference["p5"]]

@@ -1,6 +1,8 @@
 """A real vLLM engine in a child process under the vLLM venv (``scripts/setup.sh vllm`` makes
-``.venv-vllm``), driven by tests/vllm_driver.py: one engine start, many requests. The suite's
-venv has no vLLM; tests that need it skip with one line when the vLLM venv is absent."""
+``.venv-vllm``), driven by ``connector/vllm_driver.py``: one engine start (a minute or more on
+a small CPU), many requests. The project's own venv has no vLLM: tests/test_vllm_*.py (which
+skip with one line when the vLLM venv is absent) and ``kvbench vllm`` both drive vLLM through
+this, since neither may import the other."""
 
 from __future__ import annotations
 
@@ -30,17 +32,24 @@ def connector_kv_config(addr: str, token_file: str | None, **extra) -> dict:
 
 class VllmEngine:
     def __init__(self, model: Path, kv_transfer_config: dict | None = None, max_model_len: int = 2048,
-                 prefix_caching: bool = False, start_timeout_s: float = 600.0) -> None:
+                 prefix_caching: bool = False, max_batched_tokens: int | None = None, num_blocks: int | None = None,
+                 start_timeout_s: float = 600.0) -> None:
+        """``max_batched_tokens`` below a prompt's length splits its prefill over steps;
+        ``num_blocks`` overrides the KV cache's size in blocks (small: preemptions)."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-        cmd = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), "--model", str(model),
-               "--max-model-len", str(max_model_len)]
+        # as a module: run as a file, its folder would come first on sys.path and connector/vllm.py
+        # would shadow vLLM
+        cmd = [str(VLLM_PYTHON), "-m", "connector.vllm_driver", "--model", str(model),
+               "--max-model-len", str(max_model_len), "--max-batched-tokens", str(max_batched_tokens or max_model_len)]
+        if num_blocks is not None:
+            cmd += ["--num-blocks", str(num_blocks)]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if prefix_caching:
             cmd.append("--prefix-caching")
         started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
+                                     text=True, env=env, cwd=ROOT, start_new_session=True)
         self.log: deque[str] = deque(maxlen=5000)
         self._replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

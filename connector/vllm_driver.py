@@ -1,12 +1,14 @@
-"""One real vLLM engine (CPU, fp32) serving commands, so a test pays for an engine start once
-and sends it many requests. Runs under the vLLM venv's python (tests/vllm_engine.py starts it);
-the test suite's own venv has no vLLM.
+"""One real vLLM engine (CPU, fp32) serving commands, so a test or benchmark pays for an engine
+start once and sends it many requests. Runs under the vLLM venv's python
+(``connector.vllm_process.VllmEngine`` starts it); the project's own venv has no vLLM.
 
 Commands are JSON lines on stdin; each reply is one stdout line ``KVDRIVER {json}`` (vLLM's
 own log lines share stdout and stderr):
 
     {"op": "generate", "prompts": [[token ids], ...], "max_tokens": 16}
-        -> {"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "ttft_s": [...], "seconds": x}
+        -> {"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "preemptions": [...], "seconds": x}
+        (the prompts go in one call, so they are batched; ``seconds`` is the call's wall time: with
+        ``max_tokens`` 1 and one prompt, its time to first token)
     {"op": "namespace"}  -> the connector's namespace fields (the test computes chunk keys)
     {"op": "quit"}
 """
@@ -31,6 +33,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--kv-transfer-config", default="", help="JSON, as vllm serve takes it; empty: none")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from its size)")
     parser.add_argument("--prefix-caching", action="store_true")
     args = parser.parse_args()
 
@@ -41,8 +45,9 @@ def main() -> None:
     kv = KVTransferConfig(**json.loads(args.kv_transfer_config)) if args.kv_transfer_config else None
     started = time.monotonic()
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
-              max_num_seqs=4, max_num_batched_tokens=args.max_model_len, enable_prefix_caching=args.prefix_caching,
-              kv_transfer_config=kv)
+              max_num_seqs=4, max_num_batched_tokens=args.max_batched_tokens,
+              enable_prefix_caching=args.prefix_caching, num_gpu_blocks_override=args.num_blocks,
+              kv_transfer_config=kv, disable_log_stats=False)
     reply({"ready": True, "start_s": time.monotonic() - started})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -59,13 +64,9 @@ def main() -> None:
             t0 = time.monotonic()
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], params, use_tqdm=False)
             seconds = time.monotonic() - t0
-            ttft = []
-            for o in outs:
-                m = o.metrics
-                first = getattr(m, "first_token_latency", None) if m is not None else None
-                ttft.append(first)
             reply({"outputs": [list(o.outputs[0].token_ids) for o in outs],
-                   "cached": [o.num_cached_tokens for o in outs], "ttft_s": ttft, "seconds": seconds})
+                   "cached": [o.num_cached_tokens for o in outs], "seconds": seconds,
+                   "preemptions": [o.metrics.num_preemptions if o.metrics is not None else None for o in outs]})
         else:
             reply({"error": f"unknown op {cmd['op']!r}"})
 
