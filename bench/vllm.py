@@ -8,7 +8,8 @@ wall time of one ``generate`` of one prompt with ``max_tokens=1`` (prefill plus 
 token, through vLLM's front end), the median of ``--repeats`` prompts per length (each a fresh
 slice of text, so nothing hits across repeats). Prefix caching is off, so a repeated prompt
 reaches the connector. Cold runs are the first send of each prompt in the engine of that
-connector, so they include its save.
+connector, so they include its save; hits are measured once every save has landed. vLLM logs
+our connector's counters ("KV Transfer metrics"), from which the load throughput is summed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens")
     p.add_argument("--repeats", type=int, default=3, help="prompts per length (the median is kept)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per store chunk")
+    p.add_argument("--load-mode", default="sync", choices=("sync", "layerwise"), help="our connector's load mode")
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector (one engine start less)")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=run)
@@ -59,21 +61,38 @@ def ttft(engine, prompt: list[int]) -> tuple[float, int]:
     return answer["seconds"], answer["cached"][0]
 
 
-def measure(engine, prompts, wait_saved=None) -> dict[int, dict]:
-    """Cold then hit TTFT of every prompt; ``wait_saved(prompt)`` waits until it is stored."""
+def measure(engine, prompts, settle=None) -> dict[int, dict]:
+    """Cold TTFT of every prompt, then the hit TTFT of every prompt. ``settle({n: [prompt]})``
+    waits until the store holds a prompt and has nothing left to do in the background (our saves
+    go on after the first token; on a 2-core machine the daemon's copy to disk would otherwise
+    slow the next prompt's prefill), so each run starts on a quiet daemon."""
     engine.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
+    cold: dict[int, list[float]] = {}
+    for n, batch in prompts.items():
+        for prompt in batch:
+            cold.setdefault(n, []).append(ttft(engine, prompt)[0])
+            if settle is not None:
+                settle({n: [prompt]})
     out = {}
     for n, batch in prompts.items():
-        cold, hit, cached = [], [], []
-        for prompt in batch:
-            cold.append(ttft(engine, prompt)[0])
-            if wait_saved is not None:
-                wait_saved(prompt)
-            seconds, tokens = ttft(engine, prompt)
-            hit.append(seconds)
-            cached.append(tokens)
-        out[n] = {"cold_s": statistics.median(cold), "hit_s": statistics.median(hit), "hit_tokens": min(cached)}
+        runs = [ttft(engine, p) for p in batch]
+        out[n] = {"cold_s": statistics.median(cold[n]), "hit_s": statistics.median(s for s, _ in runs),
+                  "hit_tokens": min(t for _, t in runs)}
     return out
+
+
+def transfer_totals(log: str) -> dict:
+    """The connector's counters as vLLM logged them ("KV Transfer metrics: name=value, ...")."""
+    totals: dict[str, float] = {}
+    for line in log.splitlines():
+        if "KV Transfer metrics:" in line:
+            for item in line.split("KV Transfer metrics:", 1)[1].split(","):
+                name, _, value = item.strip().partition("=")
+                try:
+                    totals[name] = totals.get(name, 0) + float(value)
+                except ValueError:
+                    continue
+    return totals
 
 
 def run(args) -> int:
@@ -93,6 +112,7 @@ def run(args) -> int:
     prompts = make_prompts(model, lengths, args.repeats)
     max_len = max(lengths) + 256
     results = {"model": str(model), "lengths": lengths, "repeats": args.repeats, "chunk_tokens": args.chunk_tokens,
+               "load_mode": args.load_mode,
                "load_average_before": os.getloadavg(), "engine_start_s": {}}
     root = Path(tempfile.mkdtemp(prefix="kvbench-vllm-"))
     # shared-memory slots of 32 MiB: one read call of two 11.8 MB chunks fits one slot
@@ -105,7 +125,7 @@ def run(args) -> int:
     ours: dict[int, dict] = {}
     try:
         progress(f"our connector: starting vLLM (daemon {addr})")
-        config = connector_kv_config(addr, None, chunk_tokens=args.chunk_tokens)
+        config = connector_kv_config(addr, None, chunk_tokens=args.chunk_tokens, load_mode=args.load_mode)
         with VllmEngine(model, config, max_model_len=max_len, max_batched_tokens=max_len) as engine, \
                 Client(addr) as client:
             results["engine_start_s"]["ours"] = engine.start_s
@@ -115,23 +135,32 @@ def run(args) -> int:
                 full = len(prompt) // args.chunk_tokens * args.chunk_tokens
                 return [ChunkKey(ns, h) for h in prefix_hashes(prompt[:full], args.chunk_tokens, ROOT_HASH)]
 
-            def wait_saved(prompt, timeout_s=120.0):
-                want, deadline = keys(prompt), time.monotonic() + timeout_s
-                while client.lookup(want) < len(want):
+            def settle(prompts, timeout_s=300.0):
+                """Every chunk in the daemon, and its write-behind to disk done: hits measured
+                while the daemon copies 100 MB to disk on a 2-core machine measure the copy."""
+                deadline = time.monotonic() + timeout_s
+                for batch in prompts.values():
+                    for prompt in batch:
+                        while client.lookup(keys(prompt)) < len(keys(prompt)):
+                            if time.monotonic() > deadline:
+                                raise RuntimeError("the connector's saves did not reach the daemon")
+                            time.sleep(0.05)
+                while (st := client.stats()).write_behind_queue or st.write_behind_pending_bytes:
                     if time.monotonic() > deadline:
-                        raise RuntimeError("the connector's saves did not reach the daemon")
+                        raise RuntimeError("the daemon's write-behind did not finish")
                     time.sleep(0.05)
 
-            ours = measure(engine, prompts, wait_saved)
+            ours = measure(engine, prompts, settle)
             progress("restarting the daemon: host RAM emptied, the disk tier kept")
             daemon.stop()
             daemon = DaemonProcess([*serve[:1], addr, *serve[2:]])
+            settle(prompts)
             for n, batch in prompts.items():
-                for prompt in batch:
-                    wait_saved(prompt)
                 runs = [ttft(engine, prompt) for prompt in batch]
                 ours[n]["after_restart_s"] = statistics.median(s for s, _ in runs)
                 ours[n]["after_restart_tokens"] = min(t for _, t in runs)
+            engine.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
+            transfers = transfer_totals(engine.text)
         example: dict[int, dict] = {}
         if not args.no_example:
             progress("vLLM's ExampleConnector: starting vLLM")
@@ -143,6 +172,9 @@ def run(args) -> int:
     finally:
         daemon.stop()
     results["load_average_after"] = os.getloadavg()
+    results["ours_transfers"] = transfers  # summed over the run: every load and save of our connector
+    if transfers.get("load_s"):
+        results["ours_load_gbps"] = transfers.get("loaded_bytes", 0) / transfers["load_s"] / 1e9
     results["ttft"] = {
         str(n): {"cold_s": ours[n]["cold_s"], "cold_example_s": example.get(n, {}).get("cold_s"),
                  "hit_tokens": {"ours": ours[n]["hit_tokens"], "ours_after_restart": ours[n]["after_restart_tokens"],
@@ -170,4 +202,8 @@ def format_table(r: dict) -> str:
     starts = ", ".join(f"{k} {v:.0f} s" for k, v in r["engine_start_s"].items())
     lines.append(f"engine starts: {starts}; load average before {r['load_average_before'][0]:.1f}, "
                  f"after {r['load_average_after'][0]:.1f}")
+    t = r["ours_transfers"]
+    if t.get("load_s"):
+        lines.append(f"our loads: {t.get('loaded_bytes', 0) / 1e6:.0f} MB in {t['load_s']:.3f} s "
+                     f"({r['ours_load_gbps']:.2f} GB/s, first read to KV in vLLM's blocks), {t.get('loads', 0):.0f} loads")
     return "\n".join(lines)

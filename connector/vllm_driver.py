@@ -2,8 +2,8 @@
 start once and sends it many requests. Runs under the vLLM venv's python
 (``connector.vllm_process.VllmEngine`` starts it); the project's own venv has no vLLM.
 
-Commands are JSON lines on stdin; each reply is one stdout line ``KVDRIVER {json}`` (vLLM's
-own log lines share stdout and stderr):
+Commands are JSON lines on stdin; each reply is one JSON line on the file descriptor
+``--reply-fd`` (vLLM's processes write their logs to stdout and stderr):
 
     {"op": "generate", "prompts": [[token ids], ...], "max_tokens": 16}
         -> {"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "preemptions": [...], "seconds": x}
@@ -18,25 +18,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
-
-REPLY = "KVDRIVER "
-
-
-def reply(payload: dict) -> None:
-    print(REPLY + json.dumps(payload), flush=True)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--kv-transfer-config", default="", help="JSON, as vllm serve takes it; empty: none")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--reply-fd", type=int, required=True, help="where replies go, one JSON line each")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from its size)")
     parser.add_argument("--prefix-caching", action="store_true")
     args = parser.parse_args()
+    os.set_inheritable(args.reply_fd, False)  # vLLM's own processes have no business with it
+    replies = os.fdopen(args.reply_fd, "w", buffering=1)
+
+    def reply(payload: dict) -> None:
+        replies.write(json.dumps(payload) + "\n")
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

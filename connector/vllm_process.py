@@ -19,7 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 SKIP_REASON = f"vLLM is not installed ({VLLM_PYTHON} missing): bash scripts/setup.sh vllm"
-REPLY = "KVDRIVER "
 
 
 def connector_kv_config(addr: str, token_file: str | None, **extra) -> dict:
@@ -47,25 +46,35 @@ class VllmEngine:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if prefix_caching:
             cmd.append("--prefix-caching")
+        # replies on a pipe of their own: vLLM's processes write their logs to stdout concurrently,
+        # and a reply sharing a line with one of them would be lost
+        reply_read, reply_write = os.pipe()
+        cmd += ["--reply-fd", str(reply_write)]
         started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env=env, cwd=ROOT, start_new_session=True, pass_fds=(reply_write,))
+        finally:
+            os.close(reply_write)
         self.log: deque[str] = deque(maxlen=5000)
         self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_log, daemon=True).start()
+        threading.Thread(target=self._read_replies, args=(os.fdopen(reply_read),), daemon=True).start()
         self._wait_reply(start_timeout_s)
         self.start_s = time.monotonic() - started
 
-    def _read(self) -> None:
+    def _read_log(self) -> None:
         for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            if line.startswith(REPLY):
-                self._replies.put(json.loads(line[len(REPLY):]))
-            else:
-                self.log.append(line)
+            self.log.append(line.rstrip("\n"))
+
+    def _read_replies(self, replies) -> None:
+        with replies:
+            for line in replies:
+                self._replies.put(json.loads(line))
         self._replies.put(None)  # the process ended
 
     def _wait_reply(self, timeout_s: float) -> dict:
+        """The driver's next reply; its log so far when it ends or stays silent."""
         try:
             answer = self._replies.get(timeout=timeout_s)
         except queue.Empty:

@@ -170,6 +170,8 @@ def test_a_fresh_process_loads_what_another_saved(loader_run, reference):
 
 def test_a_corrupt_chunk_after_a_daemon_restart_is_recomputed_with_identical_tokens(loader_run, reference):
     assert loader_run["before_corrupt_lookup"] == 2  # the index listed it: the load itself found it bad
+    # the connector reported the chunk's blocks (get_block_ids_with_load_errors), and vLLM recomputed them
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in loader_run["log"]
     assert loader_run["corrupt"]["outputs"][0] == reference["p1"]
 
 
