@@ -134,8 +134,10 @@ def test_a_partial_hit_loads_the_shared_chunk_and_gives_identical_tokens(saver_r
 @pytest.fixture(scope="module")
 def loader_run(model, prompts, daemon, saver_run):
     """A fresh vLLM process: loads what the saver saved; then, across a daemon restart, one of
-    P1's chunks corrupt on disk; then noise in P1's chunks; then the daemon killed."""
-    with VllmEngine(model, connector_kv_config(daemon.addr, daemon.proc.token_file)) as engine:
+    P1's chunks corrupt on disk; then noise in P1's chunks; then the daemon killed. Its loads are
+    layer-wise (the saver's are synchronous): each layer waits for its own KV only."""
+    config = connector_kv_config(daemon.addr, daemon.proc.token_file, load_mode="layerwise")
+    with VllmEngine(model, config) as engine:
         ns, keys = chunk_keys(engine, prompts["p1"])
         run = {"start_s": engine.start_s, "fresh": engine.generate([prompts["p1"]])}
 
