@@ -32,6 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3, help="prompts per length (the median is kept)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per store chunk")
     p.add_argument("--load-mode", default="sync", choices=("sync", "layerwise"), help="our connector's load mode")
+    p.add_argument("--load-workers", type=int, default=2, help="our connector's loader threads")
+    p.add_argument("--chunks-per-read", type=int, default=2, help="our connector's chunks per daemon read")
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector (one engine start less)")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=run)
@@ -112,7 +114,8 @@ def run(args) -> int:
     prompts = make_prompts(model, lengths, args.repeats)
     max_len = max(lengths) + 256
     results = {"model": str(model), "lengths": lengths, "repeats": args.repeats, "chunk_tokens": args.chunk_tokens,
-               "load_mode": args.load_mode,
+               "load_mode": args.load_mode, "load_workers": args.load_workers,
+               "chunks_per_read": args.chunks_per_read,
                "load_average_before": os.getloadavg(), "engine_start_s": {}}
     root = Path(tempfile.mkdtemp(prefix="kvbench-vllm-"))
     # shared-memory slots of 32 MiB: one read call of two 11.8 MB chunks fits one slot
@@ -125,7 +128,8 @@ def run(args) -> int:
     ours: dict[int, dict] = {}
     try:
         progress(f"our connector: starting vLLM (daemon {addr})")
-        config = connector_kv_config(addr, None, chunk_tokens=args.chunk_tokens, load_mode=args.load_mode)
+        config = connector_kv_config(addr, None, chunk_tokens=args.chunk_tokens, load_mode=args.load_mode,
+                                     load_workers=args.load_workers, chunks_per_read=args.chunks_per_read)
         with VllmEngine(model, config, max_model_len=max_len, max_batched_tokens=max_len) as engine, \
                 Client(addr) as client:
             results["engine_start_s"]["ours"] = engine.start_s
