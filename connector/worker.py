@@ -52,17 +52,22 @@ class WorkerConnector:
         self.mover: ChunkMover | None = None
 
     def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...], max_step_tokens: int) -> None:
-        """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once.
-        ``max_step_tokens``: the most tokens one forward computes; by default the saves waiting
-        for their put may hold two such steps' chunks (and tails), so a prompt is never cut for
-        want of a buffer while the store keeps up."""
-        self.mover = ChunkMover(kv_cache)
-        pin = kv_cache.is_cuda
+        """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once."""
+        self.register_mover(ChunkMover(kv_cache), kv_cache.dtype, chunk_shape, max_step_tokens)
+
+    def register_mover(self, mover: ChunkMover, dtype: torch.dtype, chunk_shape: tuple[int, ...],
+                       max_step_tokens: int) -> None:
+        """The paged cache behind ``mover`` (ChunkMover's interface; vLLM's per-layer caches:
+        ``connector.vllm_layout.PagedLayers``), once. ``max_step_tokens``: the most tokens one
+        forward computes; by default the saves waiting for their put may hold two such steps'
+        chunks (and tails), so a prompt is never cut for want of a buffer while the store keeps up."""
+        self.mover = mover
+        pin = mover.cuda
         in_flight = self.config.load_workers * self.config.chunks_per_read  # buffers one direct load uses
-        self.load_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
+        self.load_staging = StagingPool(chunk_shape, dtype, pin, keep=self.config.staging_chunks,
                                         prefault=in_flight)
         step_chunks = -(-max_step_tokens // chunk_shape[2]) + 2  # + a chunk begun last step, + a tail
-        self.save_staging = StagingPool(chunk_shape, kv_cache.dtype, pin, keep=self.config.staging_chunks,
+        self.save_staging = StagingPool(chunk_shape, dtype, pin, keep=self.config.staging_chunks,
                                         limit=self.config.max_pending_saves or 2 * step_chunks)
         if self.config.role == "producer":
             self.saver = ProducerSaver(self.store, self.save_staging, self.availability, self.stats,

@@ -2,6 +2,7 @@
 # Creates .venv and installs the project. Idempotent: a second run only checks a stamp.
 #   setup.sh run    the runtime only: the project and its redis extra (what `kvstore serve` needs)
 #   setup.sh test   the runtime plus the test extras (transformers, hypothesis, triton, ...)
+#   setup.sh vllm   real vLLM (CPU) and the project in a venv of their own, .venv-vllm (setup_vllm.sh)
 # KVSTORE_FRESH_VENV=1 removes .venv first (CI does), so a resolver change shows at once.
 # torch is pinned to the CPU build first so that no resolver pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -10,7 +11,8 @@ mode=${1:-test}
 case "$mode" in
   run) extras="redis" ;;
   test) extras="test,redis" ;;
-  *) echo "usage: scripts/setup.sh [run|test]" >&2; exit 2 ;;
+  vllm) exec bash scripts/setup_vllm.sh ;;
+  *) echo "usage: scripts/setup.sh [run|test|vllm]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 if [ "${KVSTORE_FRESH_VENV:-0}" = 1 ]; then

@@ -1,0 +1,213 @@
+"""``kvbench vllm``: time to first token in real vLLM (CPU, fp32, SmolLM2-135M) with a prompt's
+KV recomputed (cold), loaded from our store through connector/vllm.py (host RAM, and the disk
+tier after a daemon restart), and loaded by vLLM's own ``ExampleConnector`` (safetensors files).
+
+vLLM runs in its own venv (``bash scripts/setup.sh vllm``), driven through
+``connector.vllm_process``; each engine is started once and serves every request. TTFT is the
+wall time of one ``generate`` of one prompt with ``max_tokens=1`` (prefill plus the first
+token, through vLLM's front end), the median of ``--repeats`` prompts per length (each a fresh
+slice of text, so nothing hits across repeats). Prefix caching is off, so a repeated prompt
+reaches the connector. Cold runs are the first send of each prompt in the engine of that
+connector, so they include its save; hits are measured once every save has landed. vLLM logs
+our connector's counters ("KV Transfer metrics"), from which the load throughput is summed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROSE = Path(__file__).parent / "data" / "probe_prose.txt"
+WARMUP_TOKENS = 100  # less than a chunk: never stored
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("vllm", help="real vLLM's TTFT: cold vs a hit from our store vs ExampleConnector")
+    p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens")
+    p.add_argument("--repeats", type=int, default=3, help="prompts per length (the median is kept)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per store chunk")
+    p.add_argument("--load-mode", default="sync", choices=("sync", "layerwise"), help="our connector's load mode")
+    p.add_argument("--load-workers", type=int, default=2, help="our connector's loader threads")
+    p.add_argument("--chunks-per-read", type=int, default=2, help="our connector's chunks per daemon read")
+    p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector (one engine start less)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=run)
+
+
+def progress(message: str) -> None:
+    print(f"kvbench vllm: {message}", file=sys.stderr, flush=True)
+
+
+def make_prompts(model: Path, lengths: list[int], repeats: int) -> dict[int, list[list[int]]]:
+    """``repeats`` distinct prompts per length, cut from the probe prose repeated."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(PROSE.read_text()).ids
+    text = ids * (max(lengths) // len(ids) + 2)
+    prompts, offset = {}, 0
+    for n in lengths:
+        prompts[n] = []
+        for _ in range(repeats):
+            offset = (offset + 97) % len(ids)  # a different start each time: no prompt shares a chunk
+            prompts[n].append(text[offset:offset + n])
+    return prompts
+
+
+def ttft(engine, prompt: list[int]) -> tuple[float, int]:
+    answer = engine.generate([prompt], max_tokens=1)
+    return answer["seconds"], answer["cached"][0]
+
+
+def measure(engine, prompts, settle=None) -> dict[int, dict]:
+    """Cold TTFT of every prompt, then the hit TTFT of every prompt. ``settle({n: [prompt]})``
+    waits until the store holds a prompt and has nothing left to do in the background (our saves
+    go on after the first token; on a 2-core machine the daemon's copy to disk would otherwise
+    slow the next prompt's prefill), so each run starts on a quiet daemon."""
+    engine.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
+    cold: dict[int, list[float]] = {}
+    for n, batch in prompts.items():
+        for prompt in batch:
+            cold.setdefault(n, []).append(ttft(engine, prompt)[0])
+            if settle is not None:
+                settle({n: [prompt]})
+    out = {}
+    for n, batch in prompts.items():
+        runs = [ttft(engine, p) for p in batch]
+        out[n] = {"cold_s": statistics.median(cold[n]), "hit_s": statistics.median(s for s, _ in runs),
+                  "hit_tokens": min(t for _, t in runs)}
+    return out
+
+
+def transfer_totals(log: str) -> dict:
+    """The connector's counters as vLLM logged them ("KV Transfer metrics: name=value, ...")."""
+    totals: dict[str, float] = {}
+    for line in log.splitlines():
+        if "KV Transfer metrics:" in line:
+            for item in line.split("KV Transfer metrics:", 1)[1].split(","):
+                name, _, value = item.strip().partition("=")
+                try:
+                    totals[name] = totals.get(name, 0) + float(value)
+                except ValueError:
+                    continue
+    return totals
+
+
+def run(args) -> int:
+    from bench.cli import UsageError
+    from connector.vllm_process import SKIP_REASON, VLLM_PYTHON, VllmEngine, connector_kv_config
+    from engine.hf_folder import smollm2_hf_path
+    from kvstore.client import Client
+    from kvstore.daemon.spawn import DaemonProcess
+    from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, prefix_hashes
+
+    if not VLLM_PYTHON.exists():
+        raise UsageError(SKIP_REASON)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if any(n <= 0 or n % args.chunk_tokens for n in lengths):
+        raise UsageError(f"every length must be a positive multiple of --chunk-tokens {args.chunk_tokens}")
+    model = smollm2_hf_path()
+    prompts = make_prompts(model, lengths, args.repeats)
+    max_len = max(lengths) + 256
+    results = {"model": str(model), "lengths": lengths, "repeats": args.repeats, "chunk_tokens": args.chunk_tokens,
+               "load_mode": args.load_mode, "load_workers": args.load_workers,
+               "chunks_per_read": args.chunks_per_read,
+               "load_average_before": os.getloadavg(), "engine_start_s": {}}
+    root = Path(tempfile.mkdtemp(prefix="kvbench-vllm-"))
+    # shared-memory slots of 32 MiB: one read call of two 11.8 MB chunks fits one slot
+    (root / "daemon.toml").write_text('[shm]\nslots = 16\nslot_bytes = "32MiB"\n'
+                                      '[store.host]\ncapacity_bytes = "2GiB"\npage_bytes = 1048576\n'
+                                      '[store.disk]\ncapacity_bytes = "4GiB"\n')
+    serve = ["--listen", "127.0.0.1:0", "--config", str(root / "daemon.toml"), "--data-dir", str(root / "data")]
+    daemon = DaemonProcess(serve)
+    addr = daemon.addr
+    ours: dict[int, dict] = {}
+    try:
+        progress(f"our connector: starting vLLM (daemon {addr})")
+        config = connector_kv_config(addr, None, chunk_tokens=args.chunk_tokens, load_mode=args.load_mode,
+                                     load_workers=args.load_workers, chunks_per_read=args.chunks_per_read)
+        with VllmEngine(model, config, max_model_len=max_len, max_batched_tokens=max_len) as engine, \
+                Client(addr) as client:
+            results["engine_start_s"]["ours"] = engine.start_s
+            ns = Namespace(**engine.call(op="namespace"))
+
+            def keys(prompt):
+                full = len(prompt) // args.chunk_tokens * args.chunk_tokens
+                return [ChunkKey(ns, h) for h in prefix_hashes(prompt[:full], args.chunk_tokens, ROOT_HASH)]
+
+            def settle(prompts, timeout_s=300.0):
+                """Every chunk in the daemon, and its write-behind to disk done: hits measured
+                while the daemon copies 100 MB to disk on a 2-core machine measure the copy."""
+                deadline = time.monotonic() + timeout_s
+                for batch in prompts.values():
+                    for prompt in batch:
+                        while client.lookup(keys(prompt)) < len(keys(prompt)):
+                            if time.monotonic() > deadline:
+                                raise RuntimeError("the connector's saves did not reach the daemon")
+                            time.sleep(0.05)
+                while (st := client.stats()).write_behind_queue or st.write_behind_pending_bytes:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the daemon's write-behind did not finish")
+                    time.sleep(0.05)
+
+            ours = measure(engine, prompts, settle)
+            progress("restarting the daemon: host RAM emptied, the disk tier kept")
+            daemon.stop()
+            daemon = DaemonProcess([*serve[:1], addr, *serve[2:]])
+            settle(prompts)
+            for n, batch in prompts.items():
+                runs = [ttft(engine, prompt) for prompt in batch]
+                ours[n]["after_restart_s"] = statistics.median(s for s, _ in runs)
+                ours[n]["after_restart_tokens"] = min(t for _, t in runs)
+            engine.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
+            transfers = transfer_totals(engine.text)
+        example: dict[int, dict] = {}
+        if not args.no_example:
+            progress("vLLM's ExampleConnector: starting vLLM")
+            example_config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"shared_storage_path": str(root / "example")}}
+            with VllmEngine(model, example_config, max_model_len=max_len, max_batched_tokens=max_len) as engine:
+                results["engine_start_s"]["example"] = engine.start_s
+                example = measure(engine, prompts)
+    finally:
+        daemon.stop()
+    results["load_average_after"] = os.getloadavg()
+    results["ours_transfers"] = transfers  # summed over the run: every load and save of our connector
+    if transfers.get("load_s"):
+        results["ours_load_gbps"] = transfers.get("loaded_bytes", 0) / transfers["load_s"] / 1e9
+    results["ttft"] = {
+        str(n): {"cold_s": ours[n]["cold_s"], "cold_example_s": example.get(n, {}).get("cold_s"),
+                 "hit_tokens": {"ours": ours[n]["hit_tokens"], "ours_after_restart": ours[n]["after_restart_tokens"],
+                                "example": example.get(n, {}).get("hit_tokens")},
+                 "hit_s": {"ours": ours[n]["hit_s"], "ours_after_restart": ours[n]["after_restart_s"],
+                           "example": example.get(n, {}).get("hit_s"), "lmcache": None}}
+        for n in lengths}
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def format_table(r: dict) -> str:
+    def cell(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = ["| tokens | cold s | ours (host RAM) s | ours after restart (disk) s | ExampleConnector s | "
+             "hit/cold ours | loaded tokens ours / example |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for n, f in r["ttft"].items():
+        h = f["hit_s"]
+        lines.append(f"| {n} | {cell(f['cold_s'])} | {cell(h['ours'])} | {cell(h['ours_after_restart'])} | "
+                     f"{cell(h['example'])} | {h['ours'] / f['cold_s']:.2f} | "
+                     f"{f['hit_tokens']['ours']} / {f['hit_tokens']['example']} |")
+    starts = ", ".join(f"{k} {v:.0f} s" for k, v in r["engine_start_s"].items())
+    lines.append(f"engine starts: {starts}; load average before {r['load_average_before'][0]:.1f}, "
+                 f"after {r['load_average_after'][0]:.1f}")
+    t = r["ours_transfers"]
+    if t.get("load_s"):
+        lines.append(f"our loads: {t.get('loaded_bytes', 0) / 1e6:.0f} MB in {t['load_s']:.3f} s "
+                     f"({r['ours_load_gbps']:.2f} GB/s, first read to KV in vLLM's blocks), {t.get('loads', 0):.0f} loads")
+    return "\n".join(lines)
