@@ -18,6 +18,27 @@ from connector.metadata import ChunkLoad
 from kernels.block_copy import gather_blocks, scatter_blocks, scatter_layer_blocks
 
 
+class CopyStreams:
+    """Each loader thread's own CUDA stream for host -> device copies, waited for before the
+    thread reports its chunk loaded; on a CPU, copies just run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._streams = threading.local()
+
+    def run(self, fn) -> None:
+        """Run ``fn`` on this thread's copy stream and wait for it (CUDA), or just run it."""
+        if self.device.type != "cuda":
+            fn()
+            return
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            fn()
+        stream.synchronize()
+
+
 class ChunkMover:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         """``kv_cache``: the engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
@@ -25,7 +46,7 @@ class ChunkMover:
         self.block_size = kv_cache.shape[3]
         self.num_layers = kv_cache.shape[0]
         self.cuda = kv_cache.is_cuda
-        self._streams = threading.local()
+        self._on_device = CopyStreams(kv_cache.device).run
 
     def _ids(self, block_ids) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
@@ -35,18 +56,6 @@ class ChunkMover:
         fills fewer blocks than a chunk has)."""
         start = load.skip_blocks * self.block_size
         return buf[:, :, start:start + len(load.block_ids) * self.block_size]
-
-    def _on_device(self, fn) -> None:
-        """Run ``fn`` on this thread's copy stream and wait for it (CUDA), or just run it."""
-        if not self.cuda:
-            fn()
-            return
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(self.kv_cache.device)
-        with torch.cuda.stream(stream):
-            fn()
-        stream.synchronize()
 
     def scatter(self, buf: torch.Tensor, load: ChunkLoad) -> None:
         """All layers of one staged chunk into its destination blocks."""

@@ -18,11 +18,10 @@ backend wrote them. The layout is read from the tensor's shape (``layout_of``):
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from connector.metadata import ChunkLoad
+from connector.transfer import CopyStreams
 from kernels.block_copy import block_runs
 
 LAYOUTS = ("cpu", "flash", "flashinfer")
@@ -72,19 +71,7 @@ class PagedLayers:
         self.num_layers = len(layers)
         self.dtype = layers[0].dtype
         self.cuda = layers[0].is_cuda
-        self._streams = threading.local()
-
-    def _on_device(self, fn) -> None:
-        """Run ``fn`` on this thread's copy stream and wait for it (CUDA), or just run it."""
-        if not self.cuda:
-            fn()
-            return
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(self.layers[0].device)
-        with torch.cuda.stream(stream):
-            fn()
-        stream.synchronize()
+        self._on_device = CopyStreams(layers[0].device).run
 
     def _runs(self, block_ids) -> list[tuple[int, int, int]]:
         return block_runs(torch.as_tensor(block_ids, dtype=torch.int64))
