@@ -368,13 +368,15 @@ def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(
     keys, values = chunks(48)
     with store:
         hang = pfs.gates["write"] = Gate()
-        Call(lambda: [store.put(k, v) for k, v in zip(keys, values)]).outcome(timeout_s=30)
-        wait_until(lambda: all(disk.contains(k.id) for k in keys), what="every copy on disk")
-        assert all(loads(store, k, v) for k, v in zip(keys, values))
-        assert store.stats().write_behind_dropped > 0
-        with pytest.raises(TierUnavailable, match="pfs: write-behind is stalled"):
-            store.put(keys[0], values[0], durable=True)
-        hang.open()
+        try:  # a failed check must not leave the store's close waiting on the hung tier
+            Call(lambda: [store.put(k, v) for k, v in zip(keys, values)]).outcome(timeout_s=30)
+            wait_until(lambda: all(disk.contains(k.id) for k in keys), what="every copy on disk")
+            assert all(loads(store, k, v) for k, v in zip(keys, values))
+            assert store.stats().write_behind_dropped > 0
+            with pytest.raises(TierUnavailable, match="pfs: write-behind is stalled"):
+                store.put(keys[0], values[0], durable=True)
+        finally:
+            hang.open()
         assert store.flush(timeout_s=30)
 
 
