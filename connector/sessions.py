@@ -143,7 +143,7 @@ class PausedSessions:
             pinned = self._each_namespace("pin", keys, lambda ks: store.pause(session, ks, ttl_s=ttl_s), len(keys))
         else:
             pinned = self._each_namespace("pin", keys, lambda ks: self.store.pin(ks, ttl_s), len(keys))
-        return SessionPins(self._nbytes(session), len(keys) - pinned, applied=True)
+        return SessionPins(self._nbytes(session), max(0, len(keys) - pinned), applied=True)
 
     def save_tail(self, session: str, token_ids: Sequence[int], block_table: Sequence[int]) -> bool:
         """Save the blocks past the session's last full chunk as its tail; a tail it replaces

@@ -294,7 +294,6 @@ class SessionManager:
         self._release_hold(s)
         if self.connector is not None:
             self.connector.end_session(s.id)
-        s.pinned_bytes = 0
         self.predictor.forget(s.id)
         del self.sessions[s.id]
 
