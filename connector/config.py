@@ -1,13 +1,14 @@
 """The connector's configuration: one typed dataclass tree, loadable from TOML like the
-store's (``kvstore.config.load_config(path, ConnectorConfig)``; the ``[store]`` table is a
-full ``StoreConfig``). Mistakes are one-line ``ConnectorConfigError``s at start, naming the key.
+store's (``load_connector_config(path)``; the ``[store]`` table is a full ``StoreConfig``).
+Mistakes are one-line ``ConnectorConfigError``s at start, naming the key.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from kvstore.config import ConfigError, StoreConfig
+from kvstore.config import ConfigError, StoreConfig, load_config
 
 BACKENDS = ("auto", "store", "daemon")
 LOAD_MODES = ("sync", "async", "layerwise")
@@ -138,3 +139,8 @@ class ConnectorConfig:
         if self.chunk_tokens % block_size:
             raise ConnectorConfigError(f"connector.chunk_tokens {self.chunk_tokens} is not a multiple of the "
                                        f"engine block size {block_size}")
+
+
+def load_connector_config(path: str | os.PathLike) -> ConnectorConfig:
+    """A ``ConnectorConfig`` from a TOML file, read as the store reads its own."""
+    return load_config(path, ConnectorConfig)

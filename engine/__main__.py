@@ -7,12 +7,11 @@ import json
 import logging
 import sys
 
-from connector.config import ConnectorConfig
+from connector import ConnectorConfig, load_connector_config
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.policies import POLICIES
 from engine.sampling import SamplingParams
-from kvstore.config import load_config
 from tiers.base import TierError
 
 
@@ -46,7 +45,7 @@ def generate(args) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     connector = None
     if args.connector is not None:
-        connector = load_config(args.connector, ConnectorConfig) if args.connector else ConnectorConfig()
+        connector = load_connector_config(args.connector) if args.connector else ConnectorConfig()
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
                           threads=args.threads, connector=connector)
     with LLM(args.model, config) as llm:

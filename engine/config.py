@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connector.config import ConnectorConfig
+from connector import ConnectorConfig
 from engine.agent_config import AgentConfig
 
 # HF architecture name -> (model family, q/k/v carry a bias, per-head q/k RMSNorm)

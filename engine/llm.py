@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from connector import KVConnector
-from connector.backend import open_store, resolve_backend
+from connector import KVConnector, open_store, resolve_backend
 from engine.block_manager import BlockManager
 from engine import threads
 from engine.config import EngineConfig
@@ -117,7 +116,7 @@ class LLM:
         policy = ResumePriority(make_policy(cfg.policy), lambda seq: self.sessions.staged(seq),
                                 agents.resume_priority_bound)
         self.scheduler = Scheduler(self.block_manager, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.connector and self.connector.scheduler,
+                                   self.connector,
                                    int(agents.critical_reserve_fraction * cfg.num_blocks))
         mc = self.model_config
         kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * self.runner.kv_cache.element_size()
@@ -161,7 +160,7 @@ class LLM:
 
     def flush_saves(self, timeout_s: float = 60.0) -> bool:
         """Wait until every chunk saved so far is in the store; False if ``timeout_s`` passed first."""
-        return self.connector is None or self.connector.worker.flush_saves(timeout_s)
+        return self.connector is None or self.connector.flush_saves(timeout_s)
 
     def pause(self, session: str, expected_s: float | None = None, tool: str = "") -> bool:
         """Advisory: ``session``'s agent waits on a tool for about ``expected_s`` seconds (None:
@@ -245,7 +244,7 @@ class LLM:
         now = time.perf_counter()
         self.sessions.before_step(now)
         batch = self.scheduler.schedule(now)
-        plan = self.connector.scheduler.build_connector_meta(batch.items) if self.connector else None
+        plan = self.connector.build_connector_meta(batch.items) if self.connector else None
         if not batch.items:
             if self.scheduler.loading:  # nothing to compute until some KV arrives
                 self._wait_for_kv(plan)
@@ -259,7 +258,7 @@ class LLM:
         if plan is None:
             results = self.runner.run(batch)
         else:
-            results, output = self.runner.run_with_connector(batch, self.connector.worker, plan)
+            results, output = self.runner.run_with_connector(batch, self.connector, plan)
             voided = self.scheduler.on_connector_output(output)
         self.sessions.observe_forward(batch.num_tokens, time.perf_counter() - now)
         for seq, n in batch.items:
@@ -275,10 +274,9 @@ class LLM:
 
     def _wait_for_kv(self, plan) -> None:
         """A step without a forward: start the planned loads, wait (bounded) until one settles."""
-        worker = self.connector.worker
-        worker.start_load_kv(plan)
-        worker.wait_for_loads(self.config.connector.load_timeout_s)
-        self.scheduler.on_connector_output(worker.get_finished())
+        self.connector.start_load_kv(plan)
+        self.connector.wait_for_loads(self.config.connector.load_timeout_s)
+        self.scheduler.on_connector_output(self.connector.get_finished())
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         metrics = seq.metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from connector.stats import ConnectorStats
+from connector import ConnectorStats
 
 
 @dataclass

@@ -15,10 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from connector.roles import PromisedChunks, TransferParams
+from connector import PromisedChunks, TransferParams
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from kvstore.keys import chunk_keys
 
 ROLES = {"prefill": "producer", "decode": "consumer", "colocated": None}
 
@@ -98,9 +97,7 @@ class RoleEngine:
         else:
             if transfer and transfer.first_token is not None and params.max_tokens < 2:
                 raise ValueError("the producer's first token was the whole output: nothing to decode")
-            conn = self.llm.connector
-            own = chunk_keys(prompt, conn.namespace)
-            promise = PromisedChunks(self.llm.kv_store, own, transfer, conn.config.transfer.wait_s)
+            promise = self.llm.connector.promised_chunks(prompt, transfer)
             self._pending.append(_Pending(request_id, prompt, params, transfer, promise, time.monotonic()))
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams, state: _Running) -> None:
@@ -111,8 +108,7 @@ class RoleEngine:
         """Idle bookkeeping (``Scheduler.check_integrity``: no request tracked, no pin held) and
         the staging buffers still out (nothing in flight: 0), for tests after faults."""
         self.llm.scheduler.check_integrity()
-        worker = self.llm.connector.worker if self.llm.connector else None
-        staged = worker.load_staging.outstanding + worker.save_staging.outstanding if worker else 0
+        staged = self.llm.connector.staging_out() if self.llm.connector else 0
         return {"pending": len(self._pending), "running": len(self._running), "staged": staged}
 
     def _admit_ready(self) -> None:
@@ -159,16 +155,7 @@ class RoleEngine:
     def _promise(self, request_id: str, prompt: list[int], first_token: int) -> TransferParams:
         """Once this request's puts returned: the leading chunks the store holds durably."""
         self.llm.flush_saves()
-        conn = self.llm.connector
-        keys = chunk_keys(prompt, conn.namespace)
-        try:
-            n = conn.worker.saver.promised(keys)
-        except (ValueError, TypeError):
-            raise
-        except Exception:  # the store went away after the puts: promise nothing
-            n = 0
-        return TransferParams(request_id, [k.id.hex() for k in keys[:n]], n * conn.namespace.chunk_tokens,
-                              first_token, conn.config.transfer.codec)
+        return self.llm.connector.transfer_params(request_id, prompt, first_token)
 
 
 @dataclass

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from connector.metadata import ConnectorMetadata, ConnectorOutput
-from connector.worker import WorkerConnector
+from connector import ConnectorMetadata, ConnectorOutput, KVConnector
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.config import DTYPES
 from engine.models.llama import LlamaForCausalLM
@@ -86,16 +85,16 @@ class ModelRunner:
         return self._forward(batch)
 
     @torch.inference_mode()
-    def run_with_connector(self, batch: ScheduledBatch, worker: WorkerConnector,
+    def run_with_connector(self, batch: ScheduledBatch, connector: KVConnector,
                            plan: ConnectorMetadata) -> tuple[list[tuple[Sequence, torch.Tensor]], ConnectorOutput]:
         """``run`` with the connector's step around the forward; also returns what it finished."""
-        worker.start_load_kv(plan)
-        hook = worker.wait_for_layer_load if plan.loads and worker.mode == "layerwise" else None
-        results = self._forward(batch, hook)
+        connector.start_load_kv(plan)
+        layerwise = plan.loads and connector.config.load_mode == "layerwise"
+        results = self._forward(batch, connector.wait_for_layer_load if layerwise else None)
         if self._observed:
-            worker.set_attention_mass(self._observed)
-        worker.wait_for_save()
-        return results, worker.get_finished()
+            connector.set_attention_mass(self._observed)
+        connector.wait_for_save()
+        return results, connector.get_finished()
 
     def _forward(self, batch: ScheduledBatch, before_layer=None) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids, positions, meta, sample_rows = self.prepare(batch)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connector.metadata import ConnectorOutput
-from connector.scheduler import SchedulerConnector
-from connector.sessions import SESSION_HOLDER
+from connector import ConnectorOutput, KVConnector
 from engine.block_manager import BlockManager
 from engine.policies import SchedulingPolicy
 from engine.sequence import Sequence, Status
@@ -40,7 +38,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: SchedulingPolicy,
-                 max_num_seqs: int, max_num_batched_tokens: int, connector: SchedulerConnector | None = None,
+                 max_num_seqs: int, max_num_batched_tokens: int, connector: KVConnector | None = None,
                  critical_reserve_blocks: int = 0):
         self.bm = block_manager
         self.policy = policy
@@ -174,9 +172,7 @@ class Scheduler:
             assert not seq.block_table, f"waiting {seq.request_id} holds blocks"
         self.bm.check_integrity(self.running + self.loading + self.held)
         if self.connector is not None and not self.has_unfinished():
-            assert self.connector.num_tracked == 0, "the connector still tracks finished requests"
-            assert all(h.startswith(SESSION_HOLDER) for h in self.connector.pins.holders()), \
-                "the connector still holds pins"
+            self.connector.check_idle()
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

@@ -8,10 +8,10 @@ decision (engine/stall_policy.py) is one of:
 
 - keep: the blocks stay held on the device; with the ``auto`` policy they are released
   (offloaded) as soon as a waiting request cannot be admitted without them;
-- offload: the session's last partial chunk is saved under a session-scoped key
-  (connector/sessions.py), every chunk of it is pinned in the store for
-  ``clamp(4 x stall, 60 s, 1 h)``, and the blocks are released. The full chunks were saved
-  as they were computed; the next turn finds them by the connector's ordinary lookup;
+- offload: the session's last partial chunk is saved under a session-scoped key, every
+  chunk of it is pinned in the store for ``clamp(4 x stall, 60 s, 1 h)`` (the connector's
+  ``pause_session``: connector/sessions.py), and the blocks are released. The full chunks
+  were saved as they were computed; the next turn finds them by the connector's ordinary lookup;
 - drop: the blocks are released and nothing is pinned.
 
 ``resume_soon(session, eta_s)`` prefetches the session's chunks into host RAM, stretches
@@ -28,18 +28,15 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from connector import KVConnector
-from connector.sessions import by_namespace, session_holder
-from connector.tails import TailChunk
+from connector import KVConnector, valid_duration
 from engine.agent_config import AgentConfig
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
 from engine.stall_policy import Costs, Decision, decide, pin_ttl
 from engine.stall_predictor import StallPredictor
-from kvstore.api import PausesSessions
-from kvstore.keys import ChunkKey, chunk_keys
-from kvstore.sessions import valid_duration
+
+HOLDER = "\x1fsession\x1f"  # + the session id: a held session's request id in the block manager's books
 
 
 class Residency(enum.Enum):
@@ -70,8 +67,7 @@ class Session:
     turn: Sequence | None = None  # the latest request
     token_ids: list[int] = field(default_factory=list)  # tokens with KV when the last turn finished
     hold: BlockHold | None = None
-    keys: list[ChunkKey] = field(default_factory=list)  # chunks pinned under the session's holder id
-    tail: TailChunk | None = None
+    pinned_bytes: int = 0  # of the session's chunks the connector holds pinned for it
     pin_until: float = 0.0
     pin_pending_until: float = 0.0  # retry pins of chunks the saver had not put yet, until then
     finished_at: float | None = None
@@ -123,7 +119,7 @@ class SessionManager:
         blocks = seq.block_table[:self.bm.blocks_needed(n)]
         if blocks:
             self.bm.share(blocks)
-            s.hold = BlockHold(session_holder(s.id), list(blocks), n, s.critical, self.config.policy == "keep")
+            s.hold = BlockHold(HOLDER + s.id, list(blocks), n, s.critical, self.config.policy == "keep")
             self.scheduler.held.append(s.hold)
 
     # -- events -------------------------------------------------------------------------------
@@ -149,11 +145,10 @@ class SessionManager:
             return False
         eta = valid_duration(eta_s) or 0.0
         s.staged = True
-        keys = self._all_keys(s)
-        if keys and self.connector is not None:
+        if self.connector is not None:
             ttl = pin_ttl(eta, self.config.pin_factor, self.config.min_pin_s, self.config.max_pin_s)
             self._pin(s, self.clock(), ttl)
-            self._each_namespace("prefetch", keys, lambda ks: len(self.connector.store.prefetch(ks)))
+            self.connector.resume_session(s.id, s.token_ids)
         return True
 
     def end(self, session: str) -> bool:
@@ -174,7 +169,7 @@ class SessionManager:
                 if s.turn is not None and s.turn.status is not Status.WAITING:
                     self._took_over(s)  # admitted: its own blocks and lookup pins hold the KV now
                 continue
-            if s.keys and s.pin_pending_until > now:
+            if s.pinned_bytes and s.pin_pending_until > now:
                 self._pin(s, now, s.pin_until - now)
             if s.pin_until <= now:  # the lease is over: held blocks and pins alike go
                 self._forget(s)
@@ -219,27 +214,9 @@ class SessionManager:
 
     def _offload(self, s: Session, now: float, ttl: float) -> None:
         s.state = Residency.OFFLOADED
-        if self.config.save_tail and s.hold is not None:
-            self._save_tail(s)
-        self._pin(s, now, ttl)
+        tail_from = s.hold.block_table if self.config.save_tail and s.hold is not None else None
+        self._pin(s, now, ttl, tail_from)
         self._release_hold(s)
-
-    def _save_tail(self, s: Session) -> None:
-        conn = self.connector
-        keys = self._chunk_keys(s)
-        tail = conn.scheduler.tails.plan(s.id, s.token_ids, len(s.token_ids), keys)
-        if tail is None:
-            return
-        bpc = conn.scheduler.blocks_per_chunk
-        blocks = s.hold.block_table[tail.chunk * bpc:tail.chunk * bpc + tail.num_blocks]
-        if not conn.worker.save_tail(tail.key, blocks):
-            return
-        self.counts["tails_saved"] += 1
-        replaced = conn.scheduler.tails.remember(s.id, tail)
-        if replaced is not None:
-            self._unpin_session(s)
-            self._store("delete", lambda: conn.store.delete([replaced.key]), None)
-        s.tail = tail
 
     def _relieve_pressure(self) -> None:
         """A waiting request that does not fit while sessions hold blocks: release soft holds
@@ -276,35 +253,17 @@ class SessionManager:
             self.bm.release(s.hold.block_table)
             s.hold = None
 
-    def _chunk_keys(self, s: Session) -> list[ChunkKey]:
-        """Keys of the session's full chunks (the connector's own, so its lookups match)."""
-        return chunk_keys(s.token_ids, self.connector.namespace)
-
-    def _all_keys(self, s: Session) -> list[ChunkKey]:
-        if self.connector is None:
-            return []
-        return self._chunk_keys(s) + ([s.tail.key] if s.tail is not None else [])
-
-    def _pin(self, s: Session, now: float, ttl: float) -> None:
-        """Pin the session's chunks for ``ttl`` (extends, never shortens); chunks still in the
-        saver's queue are pinned on a later step, for a short while."""
-        keys = self._all_keys(s)
-        if not keys or ttl <= 0:
+    def _pin(self, s: Session, now: float, ttl: float, tail_from: list[int] | None = None) -> None:
+        """Pin the session's chunks for ``ttl`` (extends, never shortens), after saving its
+        tail from ``tail_from`` (its device blocks) if given; chunks still in the saver's queue
+        are pinned on a later step, for a short while."""
+        pins = self.connector.pause_session(s.id, s.token_ids, ttl, tail_from)
+        self.counts["tails_saved"] += pins.tail_saved
+        s.pinned_bytes = pins.nbytes
+        if not pins.applied:
             return
-        ledger = self.connector.scheduler.pins
-        holder = session_holder(s.id)
-        if not s.keys:
-            ledger.hold(holder, keys)
-        elif len(keys) > len(s.keys):
-            ledger.hold(holder, [k for k in keys if k not in set(s.keys)])
-        s.keys = keys
-        store = self.connector.store
-        if isinstance(store, PausesSessions):  # the daemon also learns the session, for resume_soon by id
-            pinned = self._each_namespace("pin", keys, lambda ks: store.pause(s.id, ks, ttl_s=ttl), len(keys))
-        else:
-            pinned = self._each_namespace("pin", keys, lambda ks: store.pin(ks, ttl), len(keys))
         s.pin_until = max(s.pin_until, now + ttl)
-        if pinned < len(keys):
+        if pins.missing:
             s.pin_pending_until = s.pin_pending_until or now + self.PIN_RETRY_S
         else:
             s.pin_pending_until = 0.0
@@ -316,50 +275,27 @@ class SessionManager:
         evictable to lower tiers."""
         if self.pin_budget_bytes is None:
             return
-        chunk = self.connector.namespace.chunk_bytes
-        pinned = [s for s in self.sessions.values() if s.keys and s.state is not Residency.ACTIVE]
-        total = sum(len(s.keys) for s in pinned) * chunk
+        pinned = [s for s in self.sessions.values() if s.pinned_bytes and s.state is not Residency.ACTIVE]
+        total = sum(s.pinned_bytes for s in pinned)
         for s in sorted(pinned, key=lambda x: (x.staged, x is newest, -((x.finished_at or 0) + x.stall_s))):
             if total <= self.pin_budget_bytes or s.staged:
                 return
-            total -= len(s.keys) * chunk
+            total -= s.pinned_bytes
             self._unpin_session(s)
             s.pin_pending_until = 0.0
             self.counts["unpinned_over_budget"] += 1
 
     def _unpin_session(self, s: Session) -> None:
-        if self.connector is None or not s.keys:
-            return
-        free = self.connector.scheduler.pins.release(session_holder(s.id))
-        self._each_namespace("unpin", free, self.connector.store.unpin)
-        s.keys = []
+        if self.connector is not None:
+            self.connector.unpin_session(s.id)
+        s.pinned_bytes = 0
 
     def _forget(self, s: Session) -> None:
         self._release_hold(s)
-        self._unpin_session(s)
         if self.connector is not None:
-            tail = self.connector.scheduler.tails.forget(s.id)
-            if tail is not None:
-                self._store("delete", lambda: self.connector.store.delete([tail.key]), None)
+            self.connector.end_session(s.id)
         self.predictor.forget(s.id)
         del self.sessions[s.id]
-
-    def _each_namespace(self, what: str, keys: list[ChunkKey], fn, default: int = 0) -> int:
-        """``fn`` over ``keys`` one namespace at a time (the tail's is its own); the sum of its counts."""
-        return sum(self._store(what, lambda: fn(group), default and len(group)) for group in by_namespace(keys))
-
-    def _store(self, what: str, fn, default):
-        """A store call from an event: a failure is the connector's outage, never the caller's."""
-        availability = self.connector.availability
-        if not availability.available():
-            return default
-        try:
-            return fn()
-        except (ValueError, TypeError):
-            raise
-        except Exception as exc:
-            availability.failed(what, exc)
-            return default
 
     def load_bytes_per_s(self) -> float:
         stats = self.connector.stats() if self.connector is not None else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvstore.sessions import pin_ttl  # one lease rule for the engine's pauses and the daemon's
+from connector import pin_ttl  # one lease rule for the engine's pauses and the daemon's
 
 __all__ = ["Costs", "Decision", "decide", "pin_ttl"]
 

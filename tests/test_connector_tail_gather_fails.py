@@ -12,6 +12,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.agent_config import AgentConfig
 from engine.testing import make_tiny_checkpoint
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
+from kvstore.keys import chunk_keys
 from kvstore.store import Store
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -52,7 +53,7 @@ def test_a_failed_tail_gather_leaves_no_claim_and_no_buffer_behind(llm, tmp_path
         assert worker.save_staging.outstanding == 0, "the tail's save buffer was never given back"
         session = e.sessions.sessions["a"]
         key = e.connector.scheduler.tails.plan("a", session.token_ids, len(session.token_ids),
-                                               e.sessions._chunk_keys(session)).key
+                                               chunk_keys(session.token_ids, e.connector.namespace)).key
         save = ChunkSave(key, None, ())
         assert worker.saver.claim(save), "the tail stayed claimed: it can never be saved again"
         worker.saver.unclaim(save)
