@@ -367,7 +367,9 @@ def _summary(replies: list[dict], chunk_bytes: int, prefix_chunks: int, meter: C
         raise RuntimeError(f"a burst found {chunks} of {sum(len(r['chunks']) for r in replies) * prefix_chunks} chunks")
     makespan = max(ends) - start
     cpu = meter.use(start, max(ends))
-    return {"makespan_s": makespan, "gbps": chunks * chunk_bytes / makespan / GB, "cpu": cpu and cpu.as_dict(),
+    if cpu is not None:  # what reading costs this machine: core-seconds of this run's processes per GB read
+        cpu = {**cpu.as_dict(), "core_s_per_gb": round(cpu.ours * cpu.cores * makespan / (chunks * chunk_bytes / GB), 3)}
+    return {"makespan_s": makespan, "gbps": chunks * chunk_bytes / makespan / GB, "cpu": cpu,
             "ttft_mean_s": sum(d - r["start"] for r in replies for d in r["done"]) / len(ends)}
 
 
@@ -381,7 +383,8 @@ def _print_one(n: int, r: dict) -> None:
     cpu = r["bursts"]["ours"]["cpu"]
     if cpu:
         print(f"     cores busy during ours: {cpu['machine_busy']:.0%} of {cpu['cores']} "
-              f"(this run {cpu['ours']:.0%}, other work {cpu['others']:.0%})")
+              f"(this run {cpu['ours']:.0%}, other work {cpu['others']:.0%}); this run's processes spent "
+              f"{cpu['core_s_per_gb']:.2f} core-s per GB read")
     if r["conditions"]["hold"] is not True:
         print(f"     CONDITIONS DO NOT HOLD at N={n}: {r['conditions']['why']}; the figures above are not a "
               "measure of free-tier fetching")
