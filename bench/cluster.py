@@ -23,6 +23,12 @@ as one node's link to that medium; the PFS and Redis have no aggregate cap. Aggr
 GB/s = bytes every node read / the burst's makespan (first request sent to last chunk
 in, over all nodes); TTFT here is the load part only (no model runs): the time from the
 burst to a request's last chunk. The best of ``--rounds`` bursts is kept.
+
+The caps are meant to be the bottleneck. N daemons, N clients and three Redis servers share
+this machine's cores, so each burst also measures how busy the cores were (bench/cpu_busy.py):
+where they were saturated during a kept burst, the run says its conditions do not hold for
+that N (the figure then measures the CPU, not free-tier fetching) and ``kvbench cluster-sim
+--validate`` does not compare its model with it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 from pathlib import Path
 
 from bench.cli import UsageError
+from bench.cpu_busy import SATURATED, CpuMeter
 from bench.redis_local import REDIS_CLI, REDIS_SERVER, start_cluster
 from kvstore.config import parse_size
 
@@ -306,15 +313,16 @@ def _measure(args, root: Path, redis_url: str, n: int, caps: dict[str, int]) -> 
             daemons.stop()
         others = [(i + 1) % n for i in range(n)]
         results = {}
-        for variant in VARIANTS:
-            writers = list(range(n)) if variant == "local_only" else others
-            daemons = _Daemons(root, n, variant, redis_url, caps, budget)
-            try:
-                bursts = [_summary(workers.all("burst", daemons.addrs, writers), chunk_bytes, args.prefix_chunks)
-                          for _ in range(args.rounds)]
-            finally:
-                daemons.stop()
-            results[variant] = min(bursts, key=lambda b: b["makespan_s"])
+        with CpuMeter() as meter:
+            for variant in VARIANTS:
+                writers = list(range(n)) if variant == "local_only" else others
+                daemons = _Daemons(root, n, variant, redis_url, caps, budget)
+                try:
+                    bursts = [_summary(workers.all("burst", daemons.addrs, writers), chunk_bytes,
+                                       args.prefix_chunks, meter) for _ in range(args.rounds)]
+                finally:
+                    daemons.stop()
+                results[variant] = min(bursts, key=lambda b: b["makespan_s"])
     finally:
         workers.close()
     # where N = 1 the disk holds the prefixes too; else only the shared tiers are reachable
@@ -332,18 +340,36 @@ def _measure(args, root: Path, redis_url: str, n: int, caps: dict[str, int]) -> 
         "burst_ttft_mean_s": {"ours": results["ours"]["ttft_mean_s"], "local_only": modeled,
                               "local_only_own_prefixes": results["local_only"]["ttft_mean_s"]},
         "local_only_ttft_is_modeled": True,
+        "conditions": _conditions(results),
         "bursts": results,
     }
 
 
-def _summary(replies: list[dict], chunk_bytes: int, prefix_chunks: int) -> dict:
+def _conditions(results: dict) -> dict:
+    """Whether the caps, not the cores, limited every kept burst."""
+    saturated = {v: r["cpu"]["machine_busy"] for v, r in results.items() if r["cpu"] and r["cpu"]["saturated"]}
+    unknown = [v for v, r in results.items() if not r["cpu"]]
+    if saturated:
+        worst = max(saturated, key=saturated.get)
+        return {"hold": False, "why": f"CPU-bound: the cores were {saturated[worst]:.0%} busy during the "
+                f"{worst!r} burst (saturated at {SATURATED:.0%}; {', '.join(saturated)}), so the caps did not "
+                "limit it"}
+    if unknown:
+        return {"hold": None, "why": f"CPU use not measured (no /proc) for {', '.join(unknown)}"}
+    return {"hold": True, "why": f"the cores stayed under {SATURATED:.0%} busy in every kept burst"}
+
+
+def _summary(replies: list[dict], chunk_bytes: int, prefix_chunks: int, meter: CpuMeter) -> dict:
     start = min(r["start"] for r in replies)
     ends = [d for r in replies for d in r["done"]]
     chunks = sum(sum(r["chunks"]) for r in replies)
     if chunks != sum(len(r["chunks"]) for r in replies) * prefix_chunks:
         raise RuntimeError(f"a burst found {chunks} of {sum(len(r['chunks']) for r in replies) * prefix_chunks} chunks")
     makespan = max(ends) - start
-    return {"makespan_s": makespan, "gbps": chunks * chunk_bytes / makespan / GB,
+    cpu = meter.use(start, max(ends))
+    if cpu is not None:  # what reading costs this machine: core-seconds of this run's processes per GB read
+        cpu = {**cpu.as_dict(), "core_s_per_gb": round(cpu.ours * cpu.cores * makespan / (chunks * chunk_bytes / GB), 3)}
+    return {"makespan_s": makespan, "gbps": chunks * chunk_bytes / makespan / GB, "cpu": cpu,
             "ttft_mean_s": sum(d - r["start"] for r in replies for d in r["done"]) / len(ends)}
 
 
@@ -354,4 +380,12 @@ def _print_one(n: int, r: dict) -> None:
           f"({single}: {r['sum_of_tiers_gbps']:.3f}); local-only (own prefixes, own disk) {r['local_only_gbps']:.3f} GB/s")
     print(f"     burst TTFT mean (load part): ours {t['ours']:.3f} s; local-only {t['local_only']:.3f} s (modeled "
           f"recompute of another node's prefixes), {t['local_only_own_prefixes']:.3f} s on its own prefixes")
+    cpu = r["bursts"]["ours"]["cpu"]
+    if cpu:
+        print(f"     cores busy during ours: {cpu['machine_busy']:.0%} of {cpu['cores']} "
+              f"(this run {cpu['ours']:.0%}, other work {cpu['others']:.0%}); this run's processes spent "
+              f"{cpu['core_s_per_gb']:.2f} core-s per GB read")
+    if r["conditions"]["hold"] is not True:
+        print(f"     CONDITIONS DO NOT HOLD at N={n}: {r['conditions']['why']}; the figures above are not a "
+              "measure of free-tier fetching")
     sys.stdout.flush()

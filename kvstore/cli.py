@@ -205,7 +205,7 @@ def cmd_cluster(args) -> int:
     import json
 
     from kvstore.daemon.config import DaemonConfig
-    from kvstore.ledger import Ledger
+    from kvstore.cluster.ledger import Ledger
     from tiers.redis import redact_url
 
     store = (load_config(args.config, DaemonConfig) if args.config else DaemonConfig()).store

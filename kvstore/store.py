@@ -79,7 +79,7 @@ class Store:
         self.cluster = None
         try:
             if config.cluster.enabled:  # the shared tiers keep the cluster's budget (docs/cluster.md)
-                from kvstore.cluster import ClusterMember
+                from kvstore.cluster.member import ClusterMember
 
                 self.cluster = ClusterMember(config, self._forget_shared)
                 shared_budgets = budgets(config)

@@ -26,7 +26,7 @@ from tiers.throttle import ThrottledTier
 
 log = logging.getLogger(__name__)
 
-# A shared tier's own capacity in a cluster: the cluster's budget (kvstore/budgeted_tier.py)
+# A shared tier's own capacity in a cluster: the cluster's budget (kvstore/cluster/budgeted_tier.py)
 # is the one that counts, not this daemon's view of the medium.
 UNBOUNDED = 1 << 62
 
@@ -80,7 +80,7 @@ def build_tiers(config: StoreConfig) -> list[TierSetup]:
             raise ValueError("pfs.path must be set when the pfs tier is enabled")
         from tiers.pfs import PfsTier
 
-        from kvstore.cluster import check_pfs_marker
+        from kvstore.cluster.member import check_pfs_marker
 
         pfs = PfsTier(p.path, UNBOUNDED if config.cluster.enabled else p.capacity_bytes, p.read_threads, p.fsync)
         try:
@@ -129,7 +129,7 @@ class SharedIndexClient:
             return self._index
         with self._lock:
             if self._index is None and time.monotonic() >= self._next_try:
-                from kvstore.shared_index import SharedIndex
+                from kvstore.cluster.shared_index import SharedIndex
 
                 c = self._config
                 try:

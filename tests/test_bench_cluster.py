@@ -22,6 +22,10 @@ def test_kvbench_cluster_writes_the_documented_json(tmp_path, capsys):
     assert node["sum_of_tiers_gbps"] == pytest.approx(sum(node["single_gbps"].values()))
     assert min(node["ours_gbps"], node["local_only_gbps"]) > 0
     assert set(node["burst_ttft_mean_s"]) == {"ours", "local_only", "local_only_own_prefixes"}
+    assert node["conditions"]["hold"] in (True, False) and node["conditions"]["why"]
+    for burst in node["bursts"].values():
+        assert 0 <= burst["cpu"]["ours"] <= burst["cpu"]["machine_busy"] + 0.05 <= 1.05
+        assert burst["cpu"]["core_s_per_gb"] >= 0
 
 
 def test_bad_arguments_are_usage_errors(capsys):

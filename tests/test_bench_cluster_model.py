@@ -95,6 +95,19 @@ def test_validation_recovers_a_cluster_that_behaves_like_the_model():
     assert all(abs(e) < 1e-6 for e in errors.values()), errors
 
 
+def test_validation_flags_a_run_whose_cores_were_saturated():
+    node = {"single_gbps": {"pfs": 0.2, "redis": 0.1}, "local_only_gbps": 0.2, "ours_gbps": 0.2,
+            "burst_ttft_mean_s": {"ours": 0.5, "local_only_own_prefixes": 1.0}}
+    report = {"chunk_bytes": MB, "prefixes_per_node": 4, "prefix_chunks": 16, "nodes": {
+        "1": {**node, "conditions": {"hold": True, "why": "the cores stayed under 90% busy"}},
+        "2": {**node, "conditions": {"hold": False, "why": "CPU-bound: the cores were 100% busy"}},
+        "4": node}}
+    checked = validate(report)
+    assert checked["1"]["covered"] is True
+    assert checked["2"]["covered"] is False and "CPU-bound" in checked["2"]["why"]
+    assert checked["4"]["covered"] is None and "unknown" in checked["4"]["why"]
+
+
 def test_kvbench_cluster_sim_end_to_end(tmp_path):
     out = tmp_path / "sim.json"
     png = tmp_path / "sim.png"

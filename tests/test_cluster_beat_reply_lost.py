@@ -1,6 +1,6 @@
 """A heartbeat whose reply was lost left a dead member's work evicting for good.
 
-Member d reserves a chunk and dies. b's heartbeat reaps it: ``_BEAT`` turns the entry
+Member d reserves a chunk and dies. b's heartbeat reaps it: ``beat.lua`` turns the entry
 evicting, moves the key from d's in-flight set to b's and hands it to b to delete. When that
 reply is lost, redis-py runs the script again, and before the fix the second run found d's
 set empty and answered nothing; where the retry failed too, the next beat answered nothing
@@ -17,7 +17,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 import redis  # noqa: E402
 
 from faults import wait_until  # noqa: E402
-from kvstore.ledger import Ledger  # noqa: E402
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
 from test_cluster_reaped_writer import quick  # noqa: E402

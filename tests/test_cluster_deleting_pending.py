@@ -15,7 +15,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
-from kvstore.ledger import Ledger  # noqa: E402
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 
 TIER, BLOB, KEY = "redis", 4224, b"\x5a" * 32
 BUDGETS = {TIER: 16 * BLOB}

@@ -1,7 +1,7 @@
 """Dropping a 0-byte entry failed the whole ledger script.
 
 A delete or an undo of a key the ledger has no entry for takes a 0-byte evicting one
-(``e 0 0 <member>``, ``_DELETING``, ``_UNDOING``). ``evicted`` then dropped it with a byte
+(``e 0 0 <member>``, ``deleting.lua``, ``undoing.lua``). ``evicted`` then dropped it with a byte
 count of -fp, which Lua writes as "-0", no integer to HINCRBY: the script failed after it
 had dropped that entry, before the keys after it in the call. Every such delete raised
 (logged as a failed delete), and the other entries of the call stayed evicting, their keys
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from kvstore.ledger import Ledger  # noqa: E402
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 
 TIER, BLOB = "redis", 4224
 LOST, HELD = b"\x01" * 32, b"\x02" * 32

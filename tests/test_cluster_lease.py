@@ -1,9 +1,9 @@
-"""A member's lease (kvstore/lease.py) on a clock the test drives: how long it holds after a
+"""A member's lease (kvstore/cluster/lease.py) on a clock the test drives: how long it holds after a
 beat, and the new term a beat answered after it ran out starts."""
 
 import pytest
 
-from kvstore.lease import Lease
+from kvstore.cluster.lease import Lease
 from tiers.base import TierError, TierUnavailable
 
 

@@ -6,7 +6,7 @@ Member a deletes a chunk: the ledger gives it the key's entry (``deleting``), an
 dead and reaps its work: b deletes the value and drops the entry. b then puts the chunk
 durably: reserved, written, committed, acknowledged. a wakes up and its delete goes on:
 before the fix it removed b's value, while the ledger went on counting it. Now a checks its
-lease (kvstore/lease.py) right before the medium's delete: run out, or broken since the
+lease (kvstore/cluster/lease.py) right before the medium's delete: run out, or broken since the
 ledger granted the delete (a beat on waking renews it, in a new term), the delete fails as
 the tier being unavailable and leaves the value. a's clock is driven by the test, the pause
 held at a gate right after the ledger's answer. Real Redis."""
@@ -21,7 +21,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 import redis  # noqa: E402
 
 from faults import Call, Gate, wait_until  # noqa: E402
-from kvstore.ledger import Ledger  # noqa: E402
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_reaped_writer import quick  # noqa: E402
 from test_store_shared_durable import one_chunk_cluster  # noqa: E402

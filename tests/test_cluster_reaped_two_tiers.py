@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
 from faults import unlisting_fails_once, wait_until  # noqa: E402
-from kvstore.ledger import Ledger  # noqa: E402
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_reaped_writer import quick  # noqa: E402
 from test_store_shared import daemon_config  # noqa: E402

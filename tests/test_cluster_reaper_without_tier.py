@@ -1,7 +1,7 @@
 """A member that does not mount a shared tier took a dead member's work on it, for good.
 
 Members may mount different shared tiers (the cluster needs one, and checks the budgets of
-those a member has). ``_BEAT`` reaped a dead member's unfinished work on every tier of the
+those a member has). ``beat.lua`` reaped a dead member's unfinished work on every tier of the
 ledger, moving it into the reaper's set; a reaper without the tier only logged it as "left
 to a member with that tier", but no other member was ever handed it: the keys stayed
 evicting in the reaper's set while it lived, bytes counted for good, the chunks busy to
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
 from faults import wait_until  # noqa: E402
-from kvstore.ledger import Ledger  # noqa: E402
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_cluster_reaped_writer import quick  # noqa: E402
 from test_store_shared import daemon_config  # noqa: E402

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from kvstore.shared_index import SharedIndex
+from kvstore.cluster.shared_index import SharedIndex
 from tiers.base import TierUnavailable
 
 _prefixes = itertools.count()

@@ -1,5 +1,5 @@
 """Durable puts through a shared remote tier (Redis), alone and as cluster members
-(kvstore/budgeted_tier.py, kvstore/ledger.py): a durable put returns only once its chunk is
+(kvstore/cluster/budgeted_tier.py, kvstore/cluster/ledger.py): a durable put returns only once its chunk is
 on the tier, whatever removed the value behind this index's back meanwhile. Real Redis."""
 
 import pytest

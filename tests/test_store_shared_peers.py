@@ -1,4 +1,4 @@
-"""Two daemons on one PFS mount with the shared index (kvstore/shared_index.py), configured
+"""Two daemons on one PFS mount with the shared index (kvstore/cluster/shared_index.py), configured
 with different codecs (the codec is not part of the key): a read that finds the peer's blob
 where its own copy was forgets its copy, and leaves the peer's file and listing alone, also
 where the PFS tier does not hash payloads on read (``verify_payload = false``): the blob's

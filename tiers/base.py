@@ -52,7 +52,7 @@ class Tier(ABC):
     # appear and vanish at any time, so a miss there is normal and the index is only a view.
     shared: bool = False
     # Whether the tier makes room itself, by ``make_room(need)``, for a budget kept outside this
-    # process (a cluster's shared tier: kvstore/budgeted_tier.py); the Store's policy never evicts there.
+    # process (a cluster's shared tier: kvstore/cluster/budgeted_tier.py); the Store's policy never evicts there.
     budgeted: bool = False
 
     def __init__(self, name: str, capacity_bytes: int) -> None:

@@ -3,7 +3,7 @@ renewed by its own joins and heartbeats, which it checks right before deleting a
 on a shared tier's medium (self-fencing; docs/cluster.md, "No fencing").
 
 A member is dead once the ledger's clock is ``member_ttl_s`` past its last beat's score
-(``_BEAT``), and that score is the ledger's time when the script ran, after the member sent
+(``cluster/lua/beat.lua``), and that score is the ledger's time when the script ran, after the member sent
 it. So nobody reaps the member before ``member_ttl_s`` of the ledger's time has passed since
 the send. The member counts from the send on its own monotonic clock, and stops a tenth of
 ``member_ttl_s`` short: that tenth is what the ledger's clock may gain on the member's over

@@ -1,5 +1,5 @@
 """A shared tier whose capacity is the cluster's budget for it, kept in the ledger
-(kvstore/ledger.py), not this daemon's view of the medium.
+(kvstore/cluster/ledger.py), not this daemon's view of the medium.
 
 Every write reserves its bytes in the ledger first and commits them once the value is in
 place; every delete gives them back after the value is gone. So the values on the medium
@@ -7,7 +7,7 @@ never take more than the budget, whichever daemons wrote them. Making room is th
 choice too (``make_room``): the victims may be any member's chunks, never a chunk a live
 member pins, and this daemon deletes them before their bytes count as free.
 
-Every delete on the medium is fenced by the member's lease (kvstore/lease.py): one the
+Every delete on the medium is fenced by the member's lease (kvstore/cluster/lease.py): one the
 ledger granted before a break in the lease, or with the lease run out, fails as the medium
 being unavailable, and the heartbeat settles it with the ledger again.
 """
@@ -21,8 +21,8 @@ import time
 from typing import Callable, Sequence
 
 from kvstore.blob import HEADER_BYTES, CorruptBlob, decode_header
-from kvstore.lease import Lease
-from kvstore.ledger import Ledger
+from kvstore.cluster.lease import Lease
+from kvstore.cluster.ledger import Ledger
 from tiers.base import Buffer, Tier, TierError, TierFull
 from tiers.wrapped import WrappedTier
 

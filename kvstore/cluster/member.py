@@ -1,6 +1,6 @@
 """This daemon as a member of a cluster of daemons sharing the pfs and redis tiers
 (docs/cluster.md): it wraps the shared tiers so that they keep the cluster's budget
-(kvstore/budgeted_tier.py), joins the ledger (kvstore/ledger.py), beats, publishes its
+(kvstore/cluster/budgeted_tier.py), joins the ledger (kvstore/cluster/ledger.py), beats, publishes its
 pins, and finishes the unfinished writes and deletes of members that died.
 
 A PFS directory a cluster uses carries a marker file naming the cluster's shared index
@@ -21,10 +21,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvstore.budgeted_tier import BudgetedTier
+from kvstore.cluster.budgeted_tier import BudgetedTier
 from kvstore.config import ConfigError, StoreConfig
-from kvstore.lease import Lease
-from kvstore.ledger import BudgetMismatch, Ledger
+from kvstore.cluster.lease import Lease
+from kvstore.cluster.ledger import BudgetMismatch, Ledger
 from tiers.base import TierError
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+return now_ms()
