@@ -176,8 +176,10 @@ class ClusterConfig:
 class WriteBehindConfig:
     """Copies of new chunks travel to lower tiers through a bounded queue."""
 
-    # Bytes queued for the disk at most (their host pages cannot be evicted meanwhile);
-    # unset = a quarter of the host tier. At most half of the host tier.
+    # Bytes queued for a replica tier at most (their host pages cannot be evicted meanwhile).
+    # Unset: host RAM's own room bounds the queues, and puts wait only once host RAM would
+    # fill with chunks whose copies are not done (a burst that fits returns at memory speed).
+    # At most the host tier's capacity.
     max_pending_bytes: int | None = None  # per replica tier
     workers: int = 2
     # A tier that finished no copy for this long while copies wait is stalled (a hung mount,

@@ -9,10 +9,17 @@ blob. Per tier:
 - At most one job per key waits: a re-put before it starts updates it in place, so the
   newest version is copied, once; a re-put while it runs queues a job behind it, and jobs
   of one key never run at once (they write under the key's mutation lock anyway).
-- At most ``max_pending_bytes`` of jobs: a put waits for room (backpressure keeps the
-  first tier's unevictable bytes bounded) while the tier makes progress, and skips the tier
-  (counted in ``dropped``) once it has made none for ``stall_s``: a hung tier slows only
-  its own copies, never other tiers' or reads (review #13).
+- Backpressure bounds the first tier's pages that cannot be evicted yet, not the queue's
+  length: a job's chunk is held in the first tier until its copy is done, so the first
+  tier's own room bounds every queue, and a put waits only when that room would fill with
+  such chunks (the evictor waits for copies then, kvstore/eviction.py). A fixed fraction
+  made a burst that fit in host RAM wait for the disk once the fraction was queued (issue
+  #37). ``max_pending_bytes`` (default: the first tier's capacity) caps a queue below that
+  where a user sets it: a put waits for room in it while the tier makes progress.
+- A tier that completed no copy for ``stall_s`` is stalled: puts skip it (counted in
+  ``dropped``), and when the first tier needs room that only copies waiting for it hold,
+  those copies are dropped (``shed_stalled``): a hung tier slows only its own copies,
+  never other tiers', puts or reads (review #13).
 - A durable put waits on a ``Ticket`` of its own, done when a copy of its version (or a
   later one) is written and synced on every replica tier, or failed with that tier's error.
   Nobody else's put can clear it (review #3), and a copy that cannot be made (the first
@@ -168,8 +175,10 @@ class WriteBehind:
         return Reservation(size, [name for name in tier_names if self._take(self.queues[name], size)], [])
 
     def _take(self, q: _Queue, size: int) -> bool:
-        """Room for ``size`` bytes in ``q`` if it has it (index lock held)."""
-        if q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
+        """Room for ``size`` bytes in ``q`` if it has it and its tier is not stalled (index
+        lock held)."""
+        if q.pending_bytes > 0 and (q.pending_bytes + size > self.max_pending_bytes
+                                    or self._stalled(q, time.monotonic())):
             return False
         if q.pending_bytes == 0:
             q.last_progress = time.monotonic()  # the stall clock starts with the queue
@@ -253,6 +262,32 @@ class WriteBehind:
                 running.append(name)
         self.index.changed.notify_all()
         return running
+
+    def shed_stalled(self) -> bool:
+        """Drop the copies waiting for stalled tiers (index lock held), so that their chunks'
+        first-tier pages can be evicted: the first tier needs room that only they hold, and a
+        hung tier must not stop puts (review #13). Copies already running stay (they hold
+        their chunk's pages until the tier answers). Like a copy skipped at put time, each is
+        counted in ``dropped`` and fails its durable puts. Returns whether any was dropped."""
+        now, shed = time.monotonic(), False
+        for name, q in self.queues.items():
+            if not self._stalled(q, now) or not q.waiting:
+                continue
+            error = TierUnavailable(f"{name}: write-behind is stalled (no copy done for {self.stall_s:g} s); the copy "
+                                    f"was dropped to make room in {self.first.name}")
+            for key_id, job in list(q.waiting.items()):
+                del q.waiting[key_id]
+                q.pending_bytes -= job.size
+                job.entry.copying -= 1
+                self.dropped += 1
+                for ticket in job.tickets:
+                    ticket.finish(error)
+                self.index.sync(key_id, job.entry)
+                self.index.forget_if_empty(key_id, job.entry)
+            shed = True
+        if shed:
+            self.index.changed.notify_all()
+        return shed
 
     def busy(self, key_id: bytes) -> bool:
         return any(key_id in q.waiting or key_id in q.running for q in self.queues.values())

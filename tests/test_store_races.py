@@ -382,16 +382,19 @@ def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(
 
 def test_13_a_put_into_a_first_tier_held_by_copies_to_a_hung_tier_fails_instead_of_waiting_forever(tmp_path):
     """Found by the fault campaign with placement: with host RAM full of pinned chunks and
-    chunks whose copies wait for a hung disk, a put waited for those copies with no bound."""
-    store, (disk,) = faulty_store(tmp_path, stall_s=0.5, host=8 * PAGE, pending=4 * PAGE)
+    chunks whose copies wait for a hung disk, a put waited for those copies with no bound.
+    Copies still waiting in the queue of a stalled tier are dropped to make room
+    (tests/test_write_behind_backpressure.py); these four are running on the hung disk, and
+    hold their chunks until it answers."""
+    store, (disk,) = faulty_store(tmp_path, workers=4, stall_s=0.5, host=8 * PAGE, pending=4 * PAGE)
     keys, values = chunks(9)
     with store:
         hang = disk.gates["write"] = Gate()
         for key, value in zip(keys[:4], values[:4]):
             store.put(key, value)  # each queues a copy (the queue has room for four)
-        assert hang.entered.wait(10)
+        wait_until(lambda: hang.waiting == 4, what="every copy running on the hung disk")
         for key, value in zip(keys[4:8], values[4:8]):
-            store.put(key, value)  # the queue is full: once the disk is stalled, no copy
+            store.put(key, value)  # queued behind them, or skipped once the disk is stalled
         store.pin(keys[4:8], 60.0)
         with store.index.lock:
             assert all(store.index.get(k.id).copying for k in keys[:4])
