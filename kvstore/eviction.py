@@ -51,10 +51,10 @@ class Evictor:
     def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
                   recode: bool = True) -> None:
         """Evict from ``tier`` until ``need`` more bytes fit; call without any lock held.
-        Where only chunks waiting for copies to a stalled tier (``write_behind.stall_s``
-        without progress) are left in the first tier, those copies are dropped and the chunks
-        evicted. With ``wait``, waits for queued copies when only their chunks are left in
-        the first tier, while their tiers make progress: this is write-behind's backpressure.
+        With ``wait`` (a put's room), where only chunks whose copies are not done are left in
+        the first tier: the copies still waiting for a stalled tier (``write_behind.stall_s``
+        without progress) are dropped and their chunks evicted, and otherwise the put waits
+        for the copies while their tiers make progress: this is write-behind's backpressure.
         Raises TierFull when the rest is pinned or in use, or being copied to a stalled tier.
         A budgeted tier (a cluster's shared tier) makes room itself, by its ledger's choice."""
         if tier.budgeted:
@@ -86,7 +86,7 @@ class Evictor:
                 except LookupError:
                     if deletes:
                         break  # free what was chosen, then look again
-                    if tier.name == index.first and self._shed_stalled_copies():
+                    if wait and tier.name == index.first and self._shed_stalled_copies():
                         continue  # their chunks are evictable now
                     if wait and tier.name == index.first and self._copies_progressing():
                         index.changed.wait(timeout=1.0)  # what is evictable waits for its copies

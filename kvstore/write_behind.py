@@ -16,10 +16,16 @@ blob. Per tier:
   made a burst that fit in host RAM wait for the disk once the fraction was queued (issue
   #37). ``max_pending_bytes`` (default: the first tier's capacity) caps a queue below that
   where a user sets it: a put waits for room in it while the tier makes progress.
-- A tier that completed no copy for ``stall_s`` is stalled: puts skip it (counted in
-  ``dropped``), and when the first tier needs room that only copies waiting for it hold,
-  those copies are dropped (``shed_stalled``): a hung tier slows only its own copies,
-  never other tiers', puts or reads (review #13).
+- A tier is stalled when it has copies in flight and has finished none for ``stall_s``
+  since it took them on (a hung mount, a Redis that stopped answering). The clock runs only
+  while the tier holds work: queue room a put holds while it waits elsewhere, or copies
+  waiting for a worker that the machine's load keeps off a core, are not the tier's delay,
+  and a busy tier that finishes copies is never stalled (taking those for a stall skipped
+  a working disk's copies, test_13 in tests/test_store_races.py). Puts skip a stalled tier
+  (counted in ``dropped``); the copies already waiting for it stay queued until a put needs
+  the first-tier room their chunks hold, and only then are dropped (``shed_stalled``,
+  counted and logged): a hung tier slows only its own copies, never other tiers', puts or
+  reads (review #13).
 - A durable put waits on a ``Ticket`` of its own, done when a copy of its version (or a
   later one) is written and synced on every replica tier, or failed with that tier's error.
   Nobody else's put can clear it (review #3), and a copy that cannot be made (the first
@@ -121,7 +127,7 @@ class _Queue:
     waiting: OrderedDict = field(default_factory=OrderedDict)  # key id -> CopyJob
     running: dict = field(default_factory=dict)  # key id -> CopyJob
     pending_bytes: int = 0  # waiting + running jobs + reservations
-    last_progress: float = 0.0
+    last_progress: float = 0.0  # the last copy finished, or the first taken on since none ran
 
 
 class WriteBehind:
@@ -152,7 +158,9 @@ class WriteBehind:
     # -- backpressure ---------------------------------------------------------------------
 
     def _stalled(self, q: _Queue, now: float) -> bool:
-        return q.pending_bytes > 0 and now - q.last_progress > self.stall_s
+        """Copies are in flight on ``q``'s tier and none finished for ``stall_s`` since it
+        took them on (index lock held)."""
+        return bool(q.running) and now - q.last_progress > self.stall_s
 
     def reserve(self, size: int, tier_names: Sequence[str]) -> Reservation:
         """Room for ``size`` bytes in each named queue; waits while a queue is full and its
@@ -177,11 +185,9 @@ class WriteBehind:
     def _take(self, q: _Queue, size: int) -> bool:
         """Room for ``size`` bytes in ``q`` if it has it and its tier is not stalled (index
         lock held)."""
-        if q.pending_bytes > 0 and (q.pending_bytes + size > self.max_pending_bytes
-                                    or self._stalled(q, time.monotonic())):
+        if self._stalled(q, time.monotonic()) or (q.pending_bytes > 0 and
+                                                  q.pending_bytes + size > self.max_pending_bytes):
             return False
-        if q.pending_bytes == 0:
-            q.last_progress = time.monotonic()  # the stall clock starts with the queue
         q.pending_bytes += size
         return True
 
@@ -265,16 +271,19 @@ class WriteBehind:
 
     def shed_stalled(self) -> bool:
         """Drop the copies waiting for stalled tiers (index lock held), so that their chunks'
-        first-tier pages can be evicted: the first tier needs room that only they hold, and a
-        hung tier must not stop puts (review #13). Copies already running stay (they hold
-        their chunk's pages until the tier answers). Like a copy skipped at put time, each is
-        counted in ``dropped`` and fails its durable puts. Returns whether any was dropped."""
+        first-tier pages can be evicted: call only when a put needs room in the first tier
+        that only such chunks hold, since a hung tier must not stop puts (review #13). Copies
+        already running stay (they hold their chunk's pages until the tier answers). Like a
+        copy skipped at put time, each is counted in ``dropped`` and fails its durable puts;
+        the replica is simply not made. Returns whether any was dropped."""
         now, shed = time.monotonic(), False
         for name, q in self.queues.items():
             if not self._stalled(q, now) or not q.waiting:
                 continue
             error = TierUnavailable(f"{name}: write-behind is stalled (no copy done for {self.stall_s:g} s); the copy "
                                     f"was dropped to make room in {self.first.name}")
+            log.warning("%s: write-behind is stalled (no copy done for %g s): %d waiting copies dropped to give "
+                        "%s room to a put", name, self.stall_s, len(q.waiting), self.first.name)
             for key_id, job in list(q.waiting.items()):
                 del q.waiting[key_id]
                 q.pending_bytes -= job.size
@@ -301,6 +310,8 @@ class WriteBehind:
             for key_id, job in q.waiting.items():
                 if key_id not in q.running:
                     del q.waiting[key_id]
+                    if not q.running:
+                        q.last_progress = time.monotonic()  # the stall clock runs while copies are in flight
                     q.running[key_id] = job
                     return job
             if self._closing and not q.waiting:
@@ -490,7 +501,8 @@ class WriteBehind:
 
     def progressing(self) -> bool:
         """Copies are queued on a tier that is not stalled: room held by their chunks in the
-        first tier will come free (index lock held)."""
+        first tier will come free (index lock held). Copies waiting for a worker count as
+        progressing: only a tier's own work in flight can stall it."""
         now = time.monotonic()
         return any((q.waiting or q.running) and not self._stalled(q, now) for q in self.queues.values())
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faults import Call, FaultyTier, Gate, wait_until
+import kvstore.write_behind
+from faults import Call, FaultyTier, Gate, ManualClock, wait_until
 from helpers import PAGE, chunks, same, store_config
 from kvstore.blob import HEADER_BYTES
 from kvstore.keys import Namespace
@@ -89,20 +90,25 @@ def test_a_put_waits_for_the_disk_once_host_ram_would_fill_with_chunks_waiting_f
         assert all(loads(store, k, v) for k, v in zip(keys, values))
 
 
-def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_path):
+def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_path, monkeypatch):
     """A hung disk holds host RAM full of chunks waiting for it; once it is stalled, a put that
     needs room drops those copies (counted, like a copy skipped at put time) instead of
-    failing every put while the disk hangs. The copy running on the hung disk keeps its chunk."""
+    failing every put while the disk hangs. The copy running on the hung disk keeps its chunk.
+    Write-behind's clock moves only when the test moves it: the disk stalls at that moment."""
+    clock = ManualClock()
+    monkeypatch.setattr(kvstore.write_behind, "time", clock)
     keys, values = chunks(24, NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=0.3)
+    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:
         room = host_slots(store, values[0])
         hang = disk.gates["write"] = Gate()
         try:
             Call(lambda: [store.put(k, v) for k, v in zip(keys[:room], values[:room])]).outcome(timeout_s=30)
             assert hang.entered.wait(10)
+            assert store.stats().write_behind_dropped == 0
+            clock.advance(6.0)  # the disk's copy in flight made no progress for stall_s
             Call(lambda: [store.put(k, v) for k, v in zip(keys[room:], values[room:])]).outcome(timeout_s=30)
-            assert store.stats().write_behind_dropped >= room - 1
+            assert store.stats().write_behind_dropped == len(keys) - 1  # shed, or skipped at put time
             assert all(loads(store, k, v) for k, v in zip(keys[room:], values[room:]))
             assert loads(store, keys[0], values[0])  # its copy runs: it stays
             with pytest.raises(TierUnavailable, match="disk: write-behind is stalled"):
@@ -112,3 +118,55 @@ def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_
         assert store.flush(timeout_s=30)
         wait_until(lambda: disk.contains(keys[0].id), what="the copy that ran on the hung disk")
         store.put(keys[-1], values[-1], durable=True)  # no longer stalled
+
+
+def test_copies_waiting_for_a_stalled_disk_stay_queued_while_puts_find_room(tmp_path, monkeypatch):
+    """Stalled is no reason to drop the copies already queued: only a put that needs their
+    chunks' room sheds them. While host RAM has room they wait, and a disk that goes on
+    writes them all; the copy of a put made meanwhile is skipped (the disk was stalled)."""
+    clock = ManualClock()
+    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    keys, values = chunks(6, NS)
+    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
+    with store:
+        hang = disk.gates["write"] = Gate()
+        try:
+            Call(lambda: [store.put(k, v) for k, v in zip(keys[:5], values[:5])]).outcome(timeout_s=30)
+            assert hang.entered.wait(10)
+            clock.advance(6.0)  # the disk is stalled
+            store.put(keys[5], values[5])  # host RAM has room: nothing is shed
+            assert store.stats().write_behind_dropped == 1
+            assert store.stats().write_behind_queue == 5
+        finally:
+            hang.open()
+        assert store.flush(timeout_s=30)
+        assert store.stats().write_behind_dropped == 1
+        assert all(disk.contains(k.id) for k in keys[:5])
+        assert not disk.contains(keys[5].id)
+
+
+def test_a_read_promoting_a_chunk_into_host_ram_does_not_shed_copies_waiting_for_a_stalled_disk(tmp_path, monkeypatch):
+    """Only a put may take the room of chunks whose copies wait for a stalled tier: a read's
+    promotion into host RAM is a cache's convenience, and is skipped when host RAM is full
+    of such chunks rather than dropping their copies."""
+    clock = ManualClock()
+    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    keys, values = chunks(24, NS)
+    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
+    with store:
+        room = host_slots(store, values[0])
+        store.put(keys[0], values[0])
+        assert store.flush(timeout_s=30)
+        store.drop(keys[:1], "host")
+        hang = disk.gates["write"] = Gate()
+        try:
+            Call(lambda: [store.put(k, v) for k, v in zip(keys[1:room + 1], values[1:room + 1])]).outcome(timeout_s=30)
+            assert hang.entered.wait(10)
+            clock.advance(6.0)  # the disk is stalled
+            assert loads(store, keys[0], values[0])  # read from the disk, not promoted
+            assert store.stats().write_behind_dropped == 0
+            assert store.stats().write_behind_queue == room
+        finally:
+            hang.open()
+        assert store.flush(timeout_s=30)
+        assert all(disk.contains(k.id) for k in keys[:room + 1])
