@@ -182,8 +182,11 @@ class WriteBehindConfig:
     # At most the host tier's capacity.
     max_pending_bytes: int | None = None  # per replica tier
     workers: int = 2
-    # A tier that finished no copy for this long while copies wait is stalled (a hung mount,
-    # Redis): puts stop waiting for its queue and skip it (counted in write_behind_dropped).
+    # A tier with copies in flight that finished none for this long is stalled (a hung mount,
+    # Redis): puts skip it (counted in write_behind_dropped), and the copies waiting for it
+    # give their chunks' host RAM back when a put needs it. Copies queued but not yet started
+    # (a put holding room while it waits, threads the machine's load keeps off a core) never
+    # count: a busy tier that finishes copies is not stalled.
     stall_s: float = 10.0
     # A durable put waits this long for its copies, then raises TimeoutError (they go on).
     durable_timeout_s: float = 60.0
