@@ -176,12 +176,17 @@ class ClusterConfig:
 class WriteBehindConfig:
     """Copies of new chunks travel to lower tiers through a bounded queue."""
 
-    # Bytes queued for the disk at most (their host pages cannot be evicted meanwhile);
-    # unset = a quarter of the host tier. At most half of the host tier.
+    # Bytes queued for a replica tier at most (their host pages cannot be evicted meanwhile).
+    # Unset: host RAM's own room bounds the queues, and puts wait only once host RAM would
+    # fill with chunks whose copies are not done (a burst that fits returns at memory speed).
+    # At most the host tier's capacity.
     max_pending_bytes: int | None = None  # per replica tier
     workers: int = 2
-    # A tier that finished no copy for this long while copies wait is stalled (a hung mount,
-    # Redis): puts stop waiting for its queue and skip it (counted in write_behind_dropped).
+    # A tier with copies in flight that finished none for this long is stalled (a hung mount,
+    # Redis): puts skip it (counted in write_behind_dropped), and the copies waiting for it
+    # give their chunks' host RAM back when a put needs it. Copies queued but not yet started
+    # (a put holding room while it waits, threads the machine's load keeps off a core) never
+    # count: a busy tier that finishes copies is not stalled.
     stall_s: float = 10.0
     # A durable put waits this long for its copies, then raises TimeoutError (they go on).
     durable_timeout_s: float = 60.0

@@ -38,11 +38,12 @@ class _Recode:
 class Evictor:
     def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, tiers: dict[str, Tier],
                  placement: Placement | None, placement_tiers: set[str], copies_progressing: Callable[[], bool],
-                 track_displaced: bool = False) -> None:
+                 shed_stalled_copies: Callable[[], bool], track_displaced: bool = False) -> None:
         self.index, self.locks, self.io, self.tiers = index, locks, io, tiers
         self.placement = placement
         self.placement_tiers = placement_tiers if placement is not None else set()
         self._copies_progressing = copies_progressing
+        self._shed_stalled_copies = shed_stalled_copies
         # what a new copy in each tier would displace: kept only for replication's planner
         self.displaced = DisplacedReuse() if track_displaced else None
         self.recode_failures = 0
@@ -50,11 +51,12 @@ class Evictor:
     def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
                   recode: bool = True) -> None:
         """Evict from ``tier`` until ``need`` more bytes fit; call without any lock held.
-        With ``wait``, waits for queued copies when only their chunks are left in the first
-        tier, while their tiers make progress; raises TierFull when the rest is pinned or in
-        use, or waits on copies a stalled tier (``write_behind.stall_s`` without progress)
-        holds. A budgeted tier (a cluster's shared tier) makes room itself, by its ledger's
-        choice."""
+        With ``wait`` (a put's room), where only chunks whose copies are not done are left in
+        the first tier: the copies still waiting for a stalled tier (``write_behind.stall_s``
+        without progress) are dropped and their chunks evicted, and otherwise the put waits
+        for the copies while their tiers make progress: this is write-behind's backpressure.
+        Raises TierFull when the rest is pinned or in use, or being copied to a stalled tier.
+        A budgeted tier (a cluster's shared tier) makes room itself, by its ledger's choice."""
         if tier.budgeted:
             tier.make_room(need)
             return
@@ -84,12 +86,14 @@ class Evictor:
                 except LookupError:
                     if deletes:
                         break  # free what was chosen, then look again
+                    if wait and tier.name == index.first and self._shed_stalled_copies():
+                        continue  # their chunks are evictable now
                     if wait and tier.name == index.first and self._copies_progressing():
                         index.changed.wait(timeout=1.0)  # what is evictable waits for its copies
                         index.expire_pins()
                         continue
                     raise TierFull(f"{tier.name}: cannot make room for {need} bytes (the rest is pinned, in use, "
-                                   f"or waits for copies to a stalled tier)") from None
+                                   f"or being copied to a stalled tier)") from None
                 if victim == exclude:
                     passed_over.append(victim)
                     continue

@@ -104,9 +104,11 @@ class Store:
             raise ValueError(f"tier names must be unique: {[t.name for t in self.tiers]}")
         names = config.replicate_to if config.replicate_to is not None else [t.name for t in self.tiers[1:]]
         self.replica_tiers = [t for t in self.tiers[1:] if t.name in names]
-        max_pending = config.write_behind.max_pending_bytes or config.host.capacity_bytes // 4
-        if self.replica_tiers and max_pending > config.host.capacity_bytes // 2:
-            raise ValueError("write_behind.max_pending_bytes must be at most half of host.capacity_bytes")
+        # unset: no cap of its own, since a queue's chunks are held in the first tier, whose room
+        # bounds it; puts wait once that room would fill with them (kvstore/write_behind.py)
+        max_pending = config.write_behind.max_pending_bytes or config.host.capacity_bytes
+        if self.replica_tiers and max_pending > config.host.capacity_bytes:
+            raise ValueError("write_behind.max_pending_bytes must be at most host.capacity_bytes")
         # the first tier's memory, where other processes or sockets can read it without a copy
         self.host_pool = self.first.shared_pool()
         self.codec = get_codec(config.codec)
@@ -125,6 +127,7 @@ class Store:
         self._io = TierIO(self.index, self._locks, self.shared_index)
         self._evictor = Evictor(self.index, self._locks, self._io, self._by_name, self.placement,
                                 set(config.placement.tiers), lambda: self._write_behind.progressing(),
+                                lambda: self._write_behind.shed_stalled(),
                                 track_displaced=config.replication.mode == "utility")
         # reads in flight per tier (the disk's measured where not configured): for benchmarks and logs
         self.fetch_workers = fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}

@@ -9,10 +9,23 @@ blob. Per tier:
 - At most one job per key waits: a re-put before it starts updates it in place, so the
   newest version is copied, once; a re-put while it runs queues a job behind it, and jobs
   of one key never run at once (they write under the key's mutation lock anyway).
-- At most ``max_pending_bytes`` of jobs: a put waits for room (backpressure keeps the
-  first tier's unevictable bytes bounded) while the tier makes progress, and skips the tier
-  (counted in ``dropped``) once it has made none for ``stall_s``: a hung tier slows only
-  its own copies, never other tiers' or reads (review #13).
+- Backpressure bounds the first tier's pages that cannot be evicted yet, not the queue's
+  length: a job's chunk is held in the first tier until its copy is done, so the first
+  tier's own room bounds every queue, and a put waits only when that room would fill with
+  such chunks (the evictor waits for copies then, kvstore/eviction.py). A fixed fraction
+  made a burst that fit in host RAM wait for the disk once the fraction was queued (issue
+  #37). ``max_pending_bytes`` (default: the first tier's capacity) caps a queue below that
+  where a user sets it: a put waits for room in it while the tier makes progress.
+- A tier is stalled when it has copies in flight and has finished none for ``stall_s``
+  since it took them on (a hung mount, a Redis that stopped answering). The clock runs only
+  while the tier holds work: queue room a put holds while it waits elsewhere, or copies
+  waiting for a worker that the machine's load keeps off a core, are not the tier's delay,
+  and a busy tier that finishes copies is never stalled (taking those for a stall skipped
+  a working disk's copies, test_13 in tests/test_store_races.py). Puts skip a stalled tier
+  (counted in ``dropped``); the copies already waiting for it stay queued until a put needs
+  the first-tier room their chunks hold, and only then are dropped (``shed_stalled``,
+  counted and logged): a hung tier slows only its own copies, never other tiers', puts or
+  reads (review #13).
 - A durable put waits on a ``Ticket`` of its own, done when a copy of its version (or a
   later one) is written and synced on every replica tier, or failed with that tier's error.
   Nobody else's put can clear it (review #3), and a copy that cannot be made (the first
@@ -114,7 +127,7 @@ class _Queue:
     waiting: OrderedDict = field(default_factory=OrderedDict)  # key id -> CopyJob
     running: dict = field(default_factory=dict)  # key id -> CopyJob
     pending_bytes: int = 0  # waiting + running jobs + reservations
-    last_progress: float = 0.0
+    last_progress: float = 0.0  # the last copy finished, or the first taken on since none ran
 
 
 class WriteBehind:
@@ -145,7 +158,9 @@ class WriteBehind:
     # -- backpressure ---------------------------------------------------------------------
 
     def _stalled(self, q: _Queue, now: float) -> bool:
-        return q.pending_bytes > 0 and now - q.last_progress > self.stall_s
+        """Copies are in flight on ``q``'s tier and none finished for ``stall_s`` since it
+        took them on (index lock held)."""
+        return bool(q.running) and now - q.last_progress > self.stall_s
 
     def reserve(self, size: int, tier_names: Sequence[str]) -> Reservation:
         """Room for ``size`` bytes in each named queue; waits while a queue is full and its
@@ -168,11 +183,11 @@ class WriteBehind:
         return Reservation(size, [name for name in tier_names if self._take(self.queues[name], size)], [])
 
     def _take(self, q: _Queue, size: int) -> bool:
-        """Room for ``size`` bytes in ``q`` if it has it (index lock held)."""
-        if q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
+        """Room for ``size`` bytes in ``q`` if it has it and its tier is not stalled (index
+        lock held)."""
+        if self._stalled(q, time.monotonic()) or (q.pending_bytes > 0 and
+                                                  q.pending_bytes + size > self.max_pending_bytes):
             return False
-        if q.pending_bytes == 0:
-            q.last_progress = time.monotonic()  # the stall clock starts with the queue
         q.pending_bytes += size
         return True
 
@@ -254,6 +269,35 @@ class WriteBehind:
         self.index.changed.notify_all()
         return running
 
+    def shed_stalled(self) -> bool:
+        """Drop the copies waiting for stalled tiers (index lock held), so that their chunks'
+        first-tier pages can be evicted: call only when a put needs room in the first tier
+        that only such chunks hold, since a hung tier must not stop puts (review #13). Copies
+        already running stay (they hold their chunk's pages until the tier answers). Like a
+        copy skipped at put time, each is counted in ``dropped`` and fails its durable puts;
+        the replica is simply not made. Returns whether any was dropped."""
+        now, shed = time.monotonic(), False
+        for name, q in self.queues.items():
+            if not self._stalled(q, now) or not q.waiting:
+                continue
+            error = TierUnavailable(f"{name}: write-behind is stalled (no copy done for {self.stall_s:g} s); the copy "
+                                    f"was dropped to make room in {self.first.name}")
+            log.warning("%s: write-behind is stalled (no copy done for %g s): %d waiting copies dropped to give "
+                        "%s room to a put", name, self.stall_s, len(q.waiting), self.first.name)
+            for key_id, job in list(q.waiting.items()):
+                del q.waiting[key_id]
+                q.pending_bytes -= job.size
+                job.entry.copying -= 1
+                self.dropped += 1
+                for ticket in job.tickets:
+                    ticket.finish(error)
+                self.index.sync(key_id, job.entry)
+                self.index.forget_if_empty(key_id, job.entry)
+            shed = True
+        if shed:
+            self.index.changed.notify_all()
+        return shed
+
     def busy(self, key_id: bytes) -> bool:
         return any(key_id in q.waiting or key_id in q.running for q in self.queues.values())
 
@@ -266,6 +310,8 @@ class WriteBehind:
             for key_id, job in q.waiting.items():
                 if key_id not in q.running:
                     del q.waiting[key_id]
+                    if not q.running:
+                        q.last_progress = time.monotonic()  # the stall clock runs while copies are in flight
                     q.running[key_id] = job
                     return job
             if self._closing and not q.waiting:
@@ -455,7 +501,8 @@ class WriteBehind:
 
     def progressing(self) -> bool:
         """Copies are queued on a tier that is not stalled: room held by their chunks in the
-        first tier will come free (index lock held)."""
+        first tier will come free (index lock held). Copies waiting for a worker count as
+        progressing: only a tier's own work in flight can stall it."""
         now = time.monotonic()
         return any((q.waiting or q.running) and not self._stalled(q, now) for q in self.queues.values())
 

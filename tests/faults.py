@@ -25,6 +25,24 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str
         time.sleep(0.002)
 
 
+class ManualClock:
+    """``time`` for a module whose monotonic clock moves only when the test moves it
+    (``monkeypatch.setattr(module, "time", clock)``): how long a tier has gone without
+    progress is then the test's to say, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def unlisting_fails_once(index) -> list[tuple[str, list[bytes]]]:
     """Make a shared index's next ``remove`` fail as an unreachable Redis would; returns the
     list the failed call's (tier name, key ids) land in."""

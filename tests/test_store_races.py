@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from faults import Call, FaultyTier, Gate, key_lock_waiters, wait_until
+import kvstore.write_behind
+from faults import Call, FaultyTier, Gate, ManualClock, key_lock_waiters, wait_until
 from helpers import PAGE, chunks, same, store_config
 from kvstore.blob import encode_header
 from kvstore.codecs import get_codec
@@ -362,17 +363,30 @@ def test_12_a_hung_delete_on_one_tier_blocks_no_other_call(tmp_path):
         assert delete.outcome() == 1
 
 
-def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(tmp_path):
-    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=2, stall_s=0.3, host=256 * PAGE,
+def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(tmp_path, monkeypatch):
+    """The pfs hangs: once its queue is full and it is stalled, puts skip it, and every copy
+    still reaches the disk. Write-behind's clock moves only when the test moves it, so the
+    disk can be judged stalled only by its own copies' lack of progress, never by the
+    machine's load (in CI a busy disk was taken for a stalled one in 2 runs of 6)."""
+    clock = ManualClock()
+    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=2, stall_s=5.0, host=256 * PAGE,
                                       pending=8 * PAGE)
     keys, values = chunks(48)
+    size, queued = blob_size(values[0], "raw"), 8 * PAGE // blob_size(values[0], "raw")
     with store:
         hang = pfs.gates["write"] = Gate()
         try:  # a failed check must not leave the store's close waiting on the hung tier
-            Call(lambda: [store.put(k, v) for k, v in zip(keys, values)]).outcome(timeout_s=30)
+            puts = Call(lambda: [store.put(k, v) for k, v in zip(keys, values)])
+            wait_until(lambda: all(disk.contains(k.id) for k in keys[:queued])
+                       and store.stats().write_behind_pending_bytes == (queued + 1) * size,
+                       what="the pfs's queue full, and the next put holding room on the disk while it waits")
+            assert not puts.finished.is_set()
+            clock.advance(6.0)  # the pfs's copies in flight made no progress for stall_s
+            puts.outcome(timeout_s=30)
             wait_until(lambda: all(disk.contains(k.id) for k in keys), what="every copy on disk")
             assert all(loads(store, k, v) for k, v in zip(keys, values))
-            assert store.stats().write_behind_dropped > 0
+            assert store.stats().write_behind_dropped == len(keys) - queued
             with pytest.raises(TierUnavailable, match="pfs: write-behind is stalled"):
                 store.put(keys[0], values[0], durable=True)
         finally:
@@ -380,18 +394,54 @@ def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(
         assert store.flush(timeout_s=30)
 
 
+def test_13_a_disk_holding_room_for_a_put_that_waits_on_a_stalled_tier_is_busy_not_stalled(tmp_path, monkeypatch):
+    """Found in CI through the test above: a put reserves its copies' queue room tier by
+    tier, and held the disk's while it waited for room in the hung pfs's queue. The disk,
+    with nothing to run meanwhile, counted that wait as stall_s without a copy done, so the
+    next put, while the disk wrote the waiting put's copy, skipped it. The stall clock now
+    runs only while a tier has copies in flight."""
+    clock = ManualClock()
+    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    keys, values = chunks(4)
+    size = blob_size(values[0], "raw")
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), stall_s=5.0, pending=2 * size)
+    with store:
+        hang = pfs.gates["write"] = Gate()
+        busy = disk.gates["write"] = Gate(keys[2].id)
+        try:
+            for key, value in zip(keys[:2], values[:2]):
+                store.put(key, value)  # the pfs's queue is full: one copy hangs, one waits
+            wait_until(lambda: disk.contains(keys[0].id) and disk.contains(keys[1].id), what="the disk's copies")
+            waits = Call(lambda: store.put(keys[2], values[2]))
+            wait_until(lambda: store.stats().write_behind_pending_bytes == 3 * size,
+                       what="the put holding room on the disk while it waits for the pfs")
+            clock.advance(6.0)  # the pfs is stalled; the disk had nothing in flight
+            waits.outcome(timeout_s=30)
+            assert busy.entered.wait(10)  # the disk writes the put's copy
+            store.put(keys[3], values[3])
+            assert store.stats().write_behind_dropped == 2  # the pfs's copies, not the disk's
+        finally:
+            busy.open()
+            hang.open()
+        wait_until(lambda: disk.contains(keys[3].id), what="the next put's copy on disk")
+        assert store.flush(timeout_s=30)
+
+
 def test_13_a_put_into_a_first_tier_held_by_copies_to_a_hung_tier_fails_instead_of_waiting_forever(tmp_path):
     """Found by the fault campaign with placement: with host RAM full of pinned chunks and
-    chunks whose copies wait for a hung disk, a put waited for those copies with no bound."""
-    store, (disk,) = faulty_store(tmp_path, stall_s=0.5, host=8 * PAGE, pending=4 * PAGE)
+    chunks whose copies wait for a hung disk, a put waited for those copies with no bound.
+    Copies still waiting in the queue of a stalled tier are dropped to make room
+    (tests/test_write_behind_backpressure.py); these four are running on the hung disk, and
+    hold their chunks until it answers."""
+    store, (disk,) = faulty_store(tmp_path, workers=4, stall_s=0.5, host=8 * PAGE, pending=4 * PAGE)
     keys, values = chunks(9)
     with store:
         hang = disk.gates["write"] = Gate()
         for key, value in zip(keys[:4], values[:4]):
             store.put(key, value)  # each queues a copy (the queue has room for four)
-        assert hang.entered.wait(10)
+        wait_until(lambda: hang.waiting == 4, what="every copy running on the hung disk")
         for key, value in zip(keys[4:8], values[4:8]):
-            store.put(key, value)  # the queue is full: once the disk is stalled, no copy
+            store.put(key, value)  # queued behind them, or skipped once the disk is stalled
         store.pin(keys[4:8], 60.0)
         with store.index.lock:
             assert all(store.index.get(k.id).copying for k in keys[:4])
