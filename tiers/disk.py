@@ -185,7 +185,7 @@ class DiskTier(Tier):
             direct = self.direct_writes
             tmp = self.temp_path(final)
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
+                self._make_dirs(final.parent)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
             except OSError as exc:
                 if direct and exc.errno == errno.EINVAL:
@@ -225,6 +225,22 @@ class DiskTier(Tier):
         except OSError as exc:
             unlink_quietly(tmp)
             raise self._error(exc) from exc
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create a value's fan-out directories, each synced into its parent: ``sync`` fsyncs
+        a value's file and its own directory, and before, a new directory's entry in its
+        parent was left to the file system's ordering (a power loss could lose it, and with
+        it a durable put's file). Once per directory: there are at most 65,536."""
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for new in reversed(missing):
+            try:
+                new.mkdir()
+            except FileExistsError:  # another writer's: synced by it, or by us now
+                pass
+            self._sync_dir(new.parent)
 
     @staticmethod
     def _sync_dir(path: Path) -> None:
