@@ -437,18 +437,41 @@ def test_13_a_read_that_finds_a_corrupt_copy_does_not_wait_for_a_hung_writer_of_
 
 
 def test_15_a_durable_put_syncs_its_files_and_a_write_behind_copy_does_not(tmp_path, monkeypatch):
-    synced = []
+    """A write-behind copy syncs nothing, neither its file nor the fan-out directories it
+    created. A durable put syncs its file, the directory holding it and, the first time, each
+    new fan-out directory's entry in its parent, including the directories a write-behind
+    copy of the same chunk created unsynced before."""
+    files, dirs = [], []
     fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd)))
+
+    def counted(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        (dirs if os.path.isdir(path) else files).append(path)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
     keys, values = chunks(2)
     with Store(store_config(tmp_path)) as store:
+        disk = store.tier("disk")
+        root = str(disk.root.resolve())
+
+        def durable_dirs(key):  # the file's directory, then each fan-out level's parent
+            inner = disk.path_of(key.id).parent.resolve()
+            return [str(inner), str(inner.parent), root]
+
         store.put(keys[0], values[0])
         store.flush()
-        assert synced == []
+        assert files == [] and dirs == []
         store.put(keys[1], values[1], durable=True)
-        assert len(synced) == 2  # the file, then its directory
+        assert files == [str(disk.path_of(keys[1].id).resolve())]
+        assert dirs == durable_dirs(keys[1])
+        files.clear(), dirs.clear()
         store.put(keys[0], values[0], durable=True)  # already on disk: now synced too
-        assert len(synced) == 4
+        assert files == [str(disk.path_of(keys[0].id).resolve())]
+        assert dirs == durable_dirs(keys[0])  # the write-behind copy's new directories too
+        files.clear(), dirs.clear()
+        store.put(keys[0], values[0], durable=True)  # synced already: nothing again
+        assert files == [] and dirs == []
 
 
 def test_15_zero_length_and_truncated_files_at_start_are_removed_never_reported_present(tmp_path):
