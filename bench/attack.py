@@ -11,7 +11,8 @@ ending with the daemon alive and the victim tenant's chunks checked byte for byt
   sampled (``--seconds``, ``--workers``);
 - fairness: a well-behaved tenant's latency and refusals alone, then beside each abusive
   pattern of another (idle streams, withheld bulk frames, tiny chunks pinned, promote and pin,
-  Pause floods, one-byte pieces), the health check asked throughout (``--seconds`` in all).
+  Pause and Contains floods, one-byte pieces), the health check asked throughout
+  (``--seconds`` in all).
 
 Exit status 1 if any attack found something (a bug status, a leak, a wrong byte, a lost
 durable chunk, a daemon that did not recover); re-puts lost to the Store's finding #2 are

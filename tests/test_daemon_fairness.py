@@ -372,3 +372,45 @@ def test_a_tenant_at_its_host_quota_cannot_pin_other_tenants_out_of_host_ram(tmp
             assert bob.lookup(keys) == 40
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("rpc", ["Pause", "Contains"])
+def test_a_flood_of_keys_is_refused_at_its_tenants_rate_and_the_others_are_served(tmp_path, rpc):
+    """The fairness run's Pause flood: back-to-back Pauses of 4,096 random keys took most of
+    the daemon's interpreter (each key is bound and looked up in Python), and another tenant's
+    P99 latency grew 42-fold, with nothing refused (a Lookup or Contains flood costs the same).
+    Now the keys a tenant's requests name are counted against ``limits.max_keys_per_s_per_tenant``
+    (default 65,536 a second after a burst of 16,384) before any per-key work: the flood is
+    refused, naming the limit, and never gets more than that rate, while another tenant's
+    Lookups are answered throughout."""
+    rate, burst = 65536, 16384
+    with start(tmp_path) as daemon:
+        bob_ch = grpc.insecure_channel(daemon.addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        stub = pb_grpc.KVStoreStub(bob_ch)
+        spec = ns_to_proto(NS)
+        hashes = [hashlib.sha256(i.to_bytes(4, "little")).digest()[:16] for i in range(4096)]
+        if rpc == "Pause":
+            request = pb.PauseRequest(namespace=spec, prefix_hashes=hashes, session="flood", ttl_s=60.0)
+        else:
+            request = pb.KeysRequest(namespace=spec, prefix_hashes=hashes)
+        keys = chunk_keys(list(range(4 * 32)), NS)
+        try:
+            with Client(daemon.addr, token=TOKENS["alice"], retries=0, timeout_s=10) as alice:
+                alice.put(keys[0], torch.ones(NS.chunk_shape, dtype=torch.float16))
+                served, refused, answered = 0, [], 0
+                start_s = time.monotonic()
+                while not refused or time.monotonic() - start_s < 2.0:
+                    assert time.monotonic() - start_s < 20, f"{served} {rpc} calls of 4,096 keys, none refused"
+                    try:
+                        getattr(stub, rpc)(request, metadata=auth("bob"), timeout=10)
+                        served += 1
+                    except grpc.RpcError as exc:
+                        refused.append(exc)
+                    answered += alice.lookup(keys[:4]) == 1  # her keys are hers to name
+                elapsed = time.monotonic() - start_s
+        finally:
+            bob_ch.close()
+    assert answered == served + len(refused), "alice's Lookups were not all answered during the flood"
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused), refused[:3]
+    assert f"limits.max_keys_per_s_per_tenant = {rate}" in refused[0].details(), refused[0].details()
+    assert served * 4096 <= burst + rate * elapsed + 4096, f"{served} {rpc} calls of 4,096 keys in {elapsed:.1f} s"

@@ -4,10 +4,10 @@ tenant (issue 36), with the health check asked throughout.
 The victim puts and gets its own 16 KiB chunks in a loop (a put, then a get of it: P50/P99
 latency of each, operations per second, refusals). The attacker, with a host quota of 1 MiB,
 meanwhile runs one pattern: idle Put streams, bulk frames whose body it withholds, tiny chunks
-it pins, its disk chunks read back and pinned, Pause floods of random keys, Gets and Puts in
-one-byte pieces. Each pattern's report says the victim's slowdown (its P99 against its P99
-alone), its refusals, the health checks that failed, the attacker's requests refused, and
-the daemon's RSS before and after.
+it pins, its disk chunks read back and pinned, Pause floods and Contains floods of random
+keys, Gets and Puts in one-byte pieces. Each pattern's report says the victim's slowdown
+(its P99 against its P99 alone), its refusals, the health checks that failed, the
+attacker's requests refused, and the daemon's RSS before and after.
 """
 
 from __future__ import annotations
@@ -278,6 +278,16 @@ def _pause_flood(target, stub, stop, phase) -> None:
         n += 1
 
 
+def _contains_flood(target, stub, stop, phase) -> None:
+    """Contains of 4,096 random keys, back to back: each key is bound and looked up apart."""
+    rng = np.random.default_rng(2)
+    spec = ns_to_proto(NS)
+    while not stop.is_set():
+        hashes = [bytes(h) for h in rng.integers(0, 256, (4096, 16), dtype=np.uint8)]
+        request = pb.KeysRequest(namespace=spec, prefix_hashes=hashes)
+        _count(phase, lambda: stub.Contains(request, metadata=_auth("attacker"), timeout=30))
+
+
 def _one_byte_pieces(target, stub, stop, phase) -> None:
     key = keys(30_000, 1)[0]
     with target.client("attacker", retries=0, timeout_s=30) as attacker:
@@ -293,4 +303,5 @@ def _one_byte_pieces(target, stub, stop, phase) -> None:
 
 
 PATTERNS = {"idle_streams": _idle_streams, "withheld_frames": _withheld_frames, "tiny_pinned": _tiny_pinned,
-            "promote_and_pin": _promote_and_pin, "pause_flood": _pause_flood, "one_byte_pieces": _one_byte_pieces}
+            "promote_and_pin": _promote_and_pin, "pause_flood": _pause_flood, "contains_flood": _contains_flood,
+            "one_byte_pieces": _one_byte_pieces}

@@ -96,6 +96,11 @@ class BulkConfig:
 class LimitsConfig:
     max_chunk_bytes: int = 64 << 20
     max_keys_per_request: int = 4096
+    # Keys per second one tenant's requests may name (every RPC that names keys: Lookup,
+    # Contains, Get, Prefetch, Pin, Unpin, Pause, Delete), after a burst of a quarter of a
+    # second of them (one max_keys_per_request at least). Each key costs ~1 us of the daemon's
+    # interpreter; an engine names a few thousand a second (kvstore/daemon/key_rate.py).
+    max_keys_per_s_per_tenant: int = 65536
     # KVStore RPCs at once, counted from the moment each opens (kvstore/daemon/rpc_budget.py):
     # a tenant at its share of them (this divided among the tenants) gets more only while
     # more than reserved_streams stay free. The health service is not counted.
@@ -137,9 +142,9 @@ class LimitsConfig:
     max_session_id_bytes: int = 256
 
     def validate(self) -> None:
-        _at_least(self, 1, "max_chunk_bytes", "max_keys_per_request", "max_concurrent_streams", "max_connections",
-                  "inline_piece_bytes", "get_read_ahead", "max_requests_per_tenant", "max_model_id_bytes",
-                  "max_session_id_bytes")
+        _at_least(self, 1, "max_chunk_bytes", "max_keys_per_request", "max_keys_per_s_per_tenant",
+                  "max_concurrent_streams", "max_connections", "inline_piece_bytes", "get_read_ahead",
+                  "max_requests_per_tenant", "max_model_id_bytes", "max_session_id_bytes")
         _at_least(self, 0, "max_prefetches", "max_prefetches_per_tenant", "max_paused_sessions_per_tenant",
                   "max_paused_namespaces_per_session")
         if self.max_message_bytes <= 1024:  # a Get's pieces are this less 1 KiB

@@ -35,6 +35,7 @@ from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
 from kvstore.daemon.fair_share import FairShare
 from kvstore.daemon.identity import Credentials, Tenant
+from kvstore.daemon.key_rate import KeyRate
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
 from kvstore.daemon.quotas import Quotas
@@ -88,6 +89,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.receiving = FairShare(receive, receive // 4, len(credentials.tenants), metrics, what="bytes of bulk frames",
                                    setting="bulk.max_receive_bytes", reserve="a quarter of it",
                                    shed_label="bulk_receive_bytes")
+        self.key_rate = KeyRate(self.limits.max_keys_per_s_per_tenant, self.limits.max_keys_per_request, metrics)
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
                                     max_groups=self.limits.max_paused_namespaces_per_session,
@@ -134,6 +136,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(hashes) > self.limits.max_keys_per_request:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"{len(hashes)} keys in one request; the limit is {self.limits.max_keys_per_request}")
+        self.key_rate.take(caller, len(hashes))  # before any per-key work
         keys = bound.keys(hashes)
         if keys:  # what the namespace's chunks occupy is its owner's, read or written
             self.quotas.charge(keys[0], bound.owner)
