@@ -566,3 +566,30 @@ def test_a_durable_put_of_a_present_chunk_deleted_while_it_waits_for_queue_room_
         durable.outcome()
         assert store.flush(timeout_s=30), "copies never finished: the queue's books leaked"
         assert store.lookup(keys) == 8 and loads(store, keys[0], values[0])
+
+
+def test_13_a_drop_of_host_copies_does_not_wait_for_a_hung_replica_tier(tmp_path):
+    """Suspected in issue 36, confirmed: ``Store.drop`` (a daemon's quota eviction from host
+    RAM) waited for every queued copy of its keys with no bound, so a replica tier that hung
+    held each eviction, and in a daemon every executor thread in turn, for as long as it
+    hung. Now it waits only while those copies' tiers make progress (``write_behind.stall_s``),
+    and keeps the host copy of a chunk whose copy still waits on a stalled tier (dropped, its
+    copy there could never be made: the first tier's copy is its source)."""
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=1, stall_s=0.3)
+    keys, values = chunks(3)
+    with store:
+        store.put(keys[2], values[2])
+        assert store.flush(timeout_s=30)  # copied everywhere before the tier hangs
+        hang = pfs.gates["write"] = Gate()
+        try:
+            for key, value in zip(keys[:2], values[:2]):
+                store.put(key, value)
+            wait_until(lambda: all(disk.contains(k.id) for k in keys[:2]), what="the disk's copies")
+            assert Call(lambda: store.drop(keys, "host")).outcome(timeout_s=10) == 1
+            assert not store.first.contains(keys[2].id)
+            assert all(store.first.contains(k.id) for k in keys[:2])  # their pfs copies still need them
+            assert all(loads(store, k, v) for k, v in zip(keys, values))
+        finally:
+            hang.open()
+        assert store.flush(timeout_s=30)
+        assert all(pfs.contains(k.id) for k in keys)

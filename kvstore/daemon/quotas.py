@@ -11,7 +11,8 @@ by the same (``enforce``): before, promotions counted but nothing made room, and
 read its disk chunks back and pinned them until other tenants' puts were refused. So a
 tenant at its quota replaces its own chunks and never pushes out anybody else's, and what it
 pins in host RAM is within its quota. Limits of the guarantee: puts and reads of one tenant
-in flight at once may overshoot by their sizes until they end.
+in flight at once may overshoot by their sizes until they end, and a chunk whose copy waits
+on a stalled replica tier stays in host RAM (its copy's source) until the tier moves again.
 """
 
 from __future__ import annotations
