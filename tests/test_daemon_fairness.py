@@ -433,3 +433,26 @@ def test_a_flood_of_keys_is_held_to_its_tenants_rate_and_the_others_are_served(t
     assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused), refused[:3]
     assert f"limits.max_keys_per_s_per_tenant = {rate}" in refused[0].details(), refused[0].details()
     assert len(served) * 4096 <= burst + rate * (elapsed + wait_s), f"{len(served)} {rpc} calls in {elapsed:.1f} s"
+
+
+def test_resume_soon_counts_its_sessions_keys_against_the_tenants_rate(tmp_path):
+    """ResumeSoon names no key, but pins and prefetches every key its session's record holds:
+    uncounted, a tenant that paused its chunks once could have them pinned and looked up again
+    as fast as it could call, past ``limits.max_keys_per_s_per_tenant``. Now a record's keys
+    are counted as a request naming them would be: one call after another is slowed to the
+    rate."""
+    rate, burst = 256, 64
+    extra = f'[limits]\nmax_keys_per_request = 64\nmax_keys_per_s_per_tenant = {rate}\n'
+    with start(tmp_path, extra) as daemon:
+        keys = chunk_keys(list(range(64 * 32)), NS)
+        with Client(daemon.addr, token=TOKENS["bob"], retries=0, timeout_s=10) as bob:
+            for i, k in enumerate(keys):
+                bob.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+            assert bob.pause("agent", keys, ttl_s=60.0) == 64
+            time.sleep(burst / rate)  # the Pause's keys come back
+            calls, began = 0, time.monotonic()
+            while time.monotonic() - began < 2.0:
+                bob.resume_soon("agent", eta_s=1.0)
+                calls += 1
+            elapsed = time.monotonic() - began
+    assert calls * 64 <= burst + rate * elapsed + 64, f"{calls} ResumeSoon calls of 64 keys in {elapsed:.1f} s"

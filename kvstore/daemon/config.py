@@ -97,10 +97,10 @@ class LimitsConfig:
     max_chunk_bytes: int = 64 << 20
     max_keys_per_request: int = 4096
     # Keys per second one tenant's requests may name (every RPC that names keys: Lookup,
-    # Contains, Get, Prefetch, Pin, Unpin, Pause, Delete), after a burst of a quarter of a
-    # second of them (one max_keys_per_request at least); past it a request waits up to a
-    # second, then is refused. Each key costs ~1 us of the daemon's interpreter; an engine
-    # names a few thousand a second (kvstore/daemon/key_rate.py).
+    # Contains, Get, Prefetch, Pin, Unpin, Pause, Delete; ResumeSoon's recorded keys), after
+    # a burst of a quarter of a second of them (one max_keys_per_request at least); past it a
+    # request waits up to a second, then is refused. Each key costs ~1 us of the daemon's
+    # interpreter; an engine names a few thousand a second (kvstore/daemon/key_rate.py).
     max_keys_per_s_per_tenant: int = 65536
     # KVStore RPCs at once, counted from the moment each opens (kvstore/daemon/rpc_budget.py):
     # a tenant at its share of them (this divided among the tenants) gets more only while

@@ -557,6 +557,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         for keys in self.sessions.resume(caller.name, session, lease):
             shared = self.credentials.shared  # a record's keys are bound: the shared tenant's say so
             owner = shared if shared is not None and keys[0].namespace.tenant == shared.name else caller
+            await self.key_rate.take(caller, len(keys))  # as a request naming them would be
             await self._served(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
                 futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
