@@ -8,7 +8,11 @@ ending with the daemon alive and the victim tenant's chunks checked byte for byt
   chunk checked (``--rounds``);
 - tenants: one tenant trying every RPC on every path against another's keys;
 - soak: client processes of three tenants mixing every RPC, reads checked, the daemon's RSS
-  sampled (``--seconds``, ``--workers``).
+  sampled (``--seconds``, ``--workers``);
+- fairness: a well-behaved tenant's latency and refusals alone, then beside each abusive
+  pattern of another (idle streams, withheld bulk frames, tiny chunks pinned, promote and pin,
+  Pause and Contains floods, one-byte pieces), the health check asked throughout
+  (``--seconds`` in all).
 
 Exit status 1 if any attack found something (a bug status, a leak, a wrong byte, a lost
 durable chunk, a daemon that did not recover); re-puts lost to the Store's finding #2 are
@@ -23,7 +27,7 @@ import tempfile
 
 from bench.cli import UsageError
 
-MODES = ("fuzz", "flood", "dying", "kill9", "tenants", "soak")
+MODES = ("fuzz", "flood", "dying", "kill9", "tenants", "soak", "fairness")
 
 
 def add_parser(subparsers) -> None:
@@ -57,16 +61,27 @@ def _found(mode: str, report: dict) -> list[str]:
         problems.append(f"{report['lost_count']} acknowledged durable chunks lost: {report['lost']}")
     if mode == "tenants" and report["leaks"]:
         problems.append(f"leaks: {report['leaks'][:3]}")
+    if mode == "fairness":
+        for pattern, phase in report.items():
+            if not isinstance(phase, dict):
+                continue
+            if phase["victim_refused"] or phase["health_failed"]:
+                problems.append(f"{pattern}: {phase['victim_refused']} victim requests refused, "
+                                f"{phase['health_failed']} health checks failed")
+            if (phase.get("p99_slowdown") or 0) > 2:
+                problems.append(f"{pattern}: the victim's P99 {phase['p99_slowdown']}x its P99 alone")
     return problems
 
 
 def _one(mode: str, args, root: str) -> dict:
-    from bench.attacks import dying, flood, fuzz, kill9, soak, tenants  # here, not at the top: they import torch
+    from bench.attacks import dying, fairness, flood, fuzz, kill9, soak, tenants  # here: they import torch
     from bench.attacks.target import start
 
     if mode == "kill9":
         return kill9.run(root, args.rounds).as_dict()
-    target = start(root, max_open_files=512 if mode == "flood" else None, prefault=mode == "soak")
+    fair = mode == "fairness"
+    target = start(root, max_open_files=512 if mode == "flood" else None, prefault=mode == "soak",
+                   extra=fairness.LIMITS if fair else "", tenant_extra=fairness.TENANT_EXTRA if fair else None)
     try:
         if mode == "fuzz":
             report = fuzz.run(target, args.messages, args.seed).as_dict()
@@ -76,6 +91,8 @@ def _one(mode: str, args, root: str) -> dict:
             report = dying.run(target, args.rounds, args.seed).as_dict()
         elif mode == "tenants":
             report = tenants.run(target).as_dict()
+        elif fair:  # the victim alone, then beside each pattern
+            report = fairness.run(target, args.seconds / (1 + len(fairness.PATTERNS)))
         else:
             report = soak.run(target, args.seconds, args.workers).as_dict()
         report["daemon_serving"] = target.serving()

@@ -336,7 +336,10 @@ class StoreConfig:
 
 
 def _is_size_field(f: dataclasses.Field) -> bool:
-    return f.name.endswith(("_bytes", "_bytes_per_s"))
+    """Sizes (and rates) take ``"8GiB"``: every field with the word ``bytes`` in its name.
+    Before, only names ending in ``_bytes`` did, and the documented
+    ``max_bytes_in_flight_per_tenant = "1GiB"`` was refused at start."""
+    return "bytes" in f.name.split("_")
 
 
 def _build(cls, data: dict, where: str):

@@ -10,6 +10,11 @@ into it; chunks recovered from disk before that count from then on). It imports 
 the Store and never calls back into it: the daemon enforces a quota itself, evicting the
 ``oldest`` chunks of a tenant over it before storing more.
 
+A replica counts what it occupies in its tier once the tiers' footprints are known
+(``measure``: host-RAM pages, disk blocks), not its blob bytes: before, a 192-byte blob
+counted 192 bytes of a tenant's host quota while it held a 256 KiB page, and a tenant with
+a 1 MiB quota filled a 16 MiB host tier.
+
 Order is the order replicas were recorded (a re-put moves a chunk to the end): quotas evict
 a tenant's oldest chunks first, whatever their reads. Thread-safe; the hooks take only this
 ledger's lock, so they may be called under the Store's.
@@ -22,14 +27,14 @@ import itertools
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 
 
 @dataclass
 class _Replica:
-    size: int
+    size: int  # blob bytes
     seq: int
 
 
@@ -44,6 +49,20 @@ class ReplicaUsage:
         self._bytes: dict[str, Counter[bytes]] = {t: Counter() for t in self._replicas}  # per fingerprint
         self._owner: dict[bytes, str] = {}
         self._namespaces: dict[bytes, Namespace] = {}
+        self._footprint: dict[str, Callable[[int], int]] = {}  # tier -> bytes a blob occupies there
+
+    def measure(self, footprints: dict[str, Callable[[int], int]]) -> None:
+        """Count each tier's replicas by ``footprints[tier](blob bytes)`` (page or block
+        rounding) from now on, those recorded already included."""
+        with self._lock:
+            self._footprint.update(footprints)
+            for tier, by_fp in self._replicas.items():
+                for fp, replicas in by_fp.items():
+                    self._bytes[tier][fp] = sum(self._cost(tier, r.size) for r in replicas.values())
+
+    def _cost(self, tier: str, size: int) -> int:
+        footprint = self._footprint.get(tier)
+        return size if footprint is None else footprint(size)
 
     # -- hooks: the Store's replicas ---------------------------------------------------------
 
@@ -57,7 +76,7 @@ class ReplicaUsage:
             replicas = by_fp.setdefault(fp, OrderedDict())
             old = replicas.pop(key_id, None)
             replicas[key_id] = _Replica(nbytes, next(self._seq))
-            self._bytes[tier][fp] += nbytes - (old.size if old else 0)
+            self._bytes[tier][fp] += self._cost(tier, nbytes) - (self._cost(tier, old.size) if old else 0)
 
     def removed(self, tier: str, key_id: bytes) -> None:
         by_fp = self._replicas.get(tier)
@@ -68,7 +87,7 @@ class ReplicaUsage:
             replicas = by_fp.get(fp)
             old = replicas.pop(key_id, None) if replicas is not None else None
             if old is not None:
-                self._bytes[tier][fp] -= old.size
+                self._bytes[tier][fp] -= self._cost(tier, old.size)
                 if not replicas:
                     del by_fp[fp]
                     del self._bytes[tier][fp]
@@ -86,11 +105,16 @@ class ReplicaUsage:
             return sum(n for fp, n in self._bytes[tier].items() if self._owner.get(fp) == owner)
 
     def held(self, tier: str, key_id: bytes) -> int:
-        """The bytes ``tier`` holds for the key (0: none)."""
+        """The bytes ``tier`` holds for the key, as counted (0: none)."""
         with self._lock:
             replicas = self._replicas[tier].get(key_id[:HASH_BYTES])
             replica = replicas.get(key_id) if replicas is not None else None
-            return replica.size if replica is not None else 0
+            return self._cost(tier, replica.size) if replica is not None else 0
+
+    def footprint(self, tier: str, nbytes: int) -> int:
+        """What a blob of ``nbytes`` would count in ``tier``."""
+        with self._lock:
+            return self._cost(tier, nbytes)
 
     def holds(self, tier: str, key_id: bytes) -> bool:
         with self._lock:
@@ -110,7 +134,7 @@ class ReplicaUsage:
                 if key_id in skip:
                     continue
                 out.append(ChunkKey(self._namespaces[key_id[:HASH_BYTES]], key_id[HASH_BYTES:]))
-                total += size
+                total += self._cost(tier, size)
             return out
 
 

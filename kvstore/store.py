@@ -535,14 +535,16 @@ class Store:
 
     def drop(self, keys: Sequence[ChunkKey], tier_name: str) -> int:
         """Remove one tier's copies of ``keys`` (other replicas stay), after their queued
-        copies are done; returns how many were there."""
+        copies are done; returns how many were removed. A chunk whose copy still waits on a
+        stalled tier keeps its copy here (the copy's source): before, the drop waited for it
+        with no bound, and a hung tier held every quota eviction's thread."""
         tier = self.tier(tier_name)
-        self._write_behind.wait_idle([k.id for k in keys])
+        self._write_behind.wait_moving([k.id for k in keys])
         deletes = []
         with self.index.lock:
             for key in keys:
                 entry = self.index.get(key.id)
-                if entry is not None and tier_name in entry.replicas:
+                if entry is not None and tier_name in entry.replicas and not self._write_behind.busy(key.id):
                     self.index.remove_replica(key.id, entry, tier_name)
                     self._io.doom(tier_name, key.id)
                     deletes.append(key.id)

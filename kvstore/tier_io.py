@@ -120,7 +120,8 @@ class TierIO:
         it (counted and logged, not raised). A private tier that still holds the value after a
         failed delete (its medium refused the unlink) keeps it doomed (the tier holds it, the
         index does not: not an orphan), and its error is returned: it would come back at the
-        next start, so ``Store.delete`` must not report it gone."""
+        next start, so ``Store.delete`` must not report it gone. So is a shared tier's that
+        still holds it (a PFS mount that refused the unlink), which stays discoverable."""
         unlisted = None
         if tier.shared and self.shared_index is not None:
             # before the value goes, not after: a daemon may write the chunk again once it is
@@ -138,7 +139,8 @@ class TierIO:
         except TierError as exc:
             error = exc
             log.warning("%s: delete of %s failed: %s", tier.name, key_id.hex(), exc)
-        kept = error is not None and not tier.shared and tier.contains(key_id)
+        held = error is not None and self._still_holds(tier, key_id)
+        kept = held and not tier.shared  # a shared tier's value stays discoverable: it is there
         with self.index.lock:
             if error is not None:
                 self.index.stats[tier.name].errors += 1
@@ -149,7 +151,16 @@ class TierIO:
                 self._removed[tier.name, key_id] = self._serial
         if unlisted is not None:
             raise unlisted
-        return error if kept else None
+        return error if held else None
+
+    @staticmethod
+    def _still_holds(tier: Tier, key_id: bytes) -> bool:
+        """Whether ``tier`` still holds the value after its delete failed; a shared tier that
+        cannot be reached cannot say, and its error is only counted and logged, as before."""
+        try:
+            return tier.contains(key_id)
+        except TierError:
+            return False
 
     def _spared(self, tier_name: str, key_id: bytes) -> None:
         """The doomed value's delete ran, or was called off (index lock held)."""

@@ -506,6 +506,18 @@ class WriteBehind:
         now = time.monotonic()
         return any((q.waiting or q.running) and not self._stalled(q, now) for q in self.queues.values())
 
+    def wait_moving(self, key_ids: Sequence[bytes]) -> None:
+        """Wait until no copy of ``key_ids`` is queued or running on a tier that makes progress:
+        a copy on a stalled tier (none done for ``stall_s``) is not waited for, so a hung tier
+        holds a caller for ``stall_s`` at most."""
+        with self.index.lock:
+            while True:
+                now = time.monotonic()
+                if not any((k in q.waiting or k in q.running) and not self._stalled(q, now)
+                           for q in self.queues.values() for k in key_ids):
+                    return
+                self.index.changed.wait(timeout=max(self.stall_s / 4, 0.01))
+
     def wait_idle(self, key_ids: Sequence[bytes] | None = None, timeout_s: float | None = None) -> bool:
         """Wait until no copy is queued or running (of ``key_ids``, or at all); False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -21,7 +21,7 @@ from faults import FaultyTier  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from test_store_shared import chunks  # noqa: E402
 from test_store_shared_durable import redis_member  # noqa: E402
-from tiers.base import TierError  # noqa: E402
+from tiers.base import TierError, TierUnavailable  # noqa: E402
 
 
 def quick(cfg):
@@ -53,8 +53,11 @@ def test_a_delete_the_medium_refused_once_is_finished_and_the_chunk_can_be_put_a
         budgeted = a.tier("redis")
         faulty = budgeted.inner = FaultyTier(budgeted.inner)
         faulty.failures["delete"] = 1  # one timeout; Redis answers again right after
-        a.delete([key])  # a shared tier's failed delete is logged, not raised (kvstore/tier_io.py)
-        assert raw.exists(rkey)  # the value outlived the delete, as documented
+        with pytest.raises(TierUnavailable, match="injected delete failure"):
+            a.delete([key])  # reported: Redis still holds the value (kvstore/tier_io.py)
+        assert raw.exists(rkey)  # the value outlived the delete
+        stuck = a.cluster.ledger.state(10.0).tiers["redis"]
+        assert stuck.chunks == 1 and stuck.in_flight == 1  # still counted, this member's to finish
         done = settled(a)  # 50 heartbeats later
         try:
             b.put(key, value, durable=True)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from bench.attacks import dying, flood, fuzz, kill9, soak, tenants
+from bench.attacks import dying, fairness, flood, fuzz, kill9, soak, tenants
 from bench.attacks.target import start
 from bench.cli import main as kvbench
 
@@ -69,3 +69,20 @@ def test_kvbench_attack_writes_its_reports(tmp_path, capsys):
     assert kvbench(["attack", "--mode", "tenants", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["tenants"]["leaks"] == []
     assert "tenants  ok" in capsys.readouterr().out
+
+
+def test_a_well_behaved_tenant_is_served_beside_every_abusive_pattern(tmp_path):
+    """Issue 36: beside each abusive pattern of another tenant, the well-behaved tenant sees
+    no refusal, the health check answers throughout, and the abuser's excess is refused.
+    (Its latency figures are the benchmark's: `kvbench attack --mode fairness`.)"""
+    target = start(str(tmp_path), victims=8, extra=fairness.LIMITS, tenant_extra=fairness.TENANT_EXTRA)
+    try:
+        report = fairness.run(target, 1.0)
+    finally:
+        target.process.stop()
+    assert report["victim_bad"] == 0
+    for pattern, phase in report.items():
+        if isinstance(phase, dict):
+            assert phase["victim_refused"] == 0 and phase["health_failed"] == 0, (pattern, phase)
+    for pattern in ("idle_streams", "withheld_frames", "one_byte_pieces"):
+        assert report[pattern]["attacker_refused"] > 0, (pattern, report[pattern])

@@ -182,7 +182,7 @@ def test_client_disconnecting_mid_get(daemon, stub, client):
     keys, value = keys_and_value(5)
     for k in keys:
         client.put(k, value)
-    request = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys], piece_bytes=1024)
+    request = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys], piece_bytes=64 << 10)
     stream = stub.Get(request)
     next(stream)
     stream.cancel()

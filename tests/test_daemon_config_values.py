@@ -50,3 +50,26 @@ def test_serve_with_a_bulk_port_out_of_range_is_one_line_and_exit_code_2(tmp_pat
     assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert proc.returncode == 2 and "bulk.port" in proc.stderr, (proc.returncode, proc.stderr[-1500:])
     assert os.listdir(shm) == []
+
+
+def test_every_size_setting_takes_a_size_with_a_unit(tmp_path):
+    """Finding 8 of issue 36: sizes were parsed only for names ending in ``_bytes``, so the
+    documented ``max_bytes_in_flight_per_tenant = "1GiB"`` was refused at start."""
+    config = tmp_path / "daemon.toml"
+    config.write_text('[limits]\nmax_bytes_in_flight_per_tenant = "3GiB"\n')
+    proc = run("config", "--daemon", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"max_bytes_in_flight_per_tenant = {3 << 30}" in proc.stdout
+
+
+def test_the_documented_daemon_configuration_loads(tmp_path):
+    """docs/daemon.md's configuration example is a file `kvstore serve --config` takes: it
+    said ``max_bytes_in_flight_per_tenant = "1GiB"``, which was refused (finding 8 of issue 36)."""
+    text = (ROOT / "docs" / "daemon.md").read_text()
+    example = text.split("### Configuration", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    config = tmp_path / "daemon.toml"
+    config.write_text(example)
+    proc = run("config", "--daemon", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"max_bytes_in_flight_per_tenant = {1 << 30}" in proc.stdout
+    assert f"max_receive_bytes = {1 << 30}" in proc.stdout

@@ -156,3 +156,29 @@ def test_a_daemon_in_another_pid_namespace_keeps_its_shared_memory_files(tmp_pat
     while shm_files(shm):  # the inner daemon cleaned up on SIGTERM
         assert time.monotonic() < deadline, shm_files(shm)
         time.sleep(0.05)
+
+
+def test_a_daemon_that_gives_up_on_its_flush_still_removes_its_shared_memory_files(tmp_path):
+    """Finding 6 of issue 36: a SIGTERM whose write-behind flush took longer than
+    ``flush_timeout_s`` exited 1 through ``os._exit`` and left the slot arena and the host
+    pool (as large as host RAM) in /dev/shm. Here the disk writes 20 KB/s, so the queued
+    copies cannot be flushed in time."""
+    cfg, shm = config(tmp_path)
+    with open(cfg, "a") as f:
+        f.write("read_bytes_per_s = 20000\n")  # [store.disk]: its reads and writes share the cap
+    with open(cfg) as f:
+        text = f.read()
+    with open(cfg, "w") as f:
+        f.write("flush_timeout_s = 0.5\n" + text)
+    keys = chunk_keys(list(range(8 * NS.chunk_tokens)), NS)
+    daemon = DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "data")])
+    try:
+        assert len(shm_files(shm)) == 2
+        with Client(daemon.addr) as client:
+            for i, k in enumerate(keys):  # 128 KiB of copies to the disk queued: ~6 s at 20 KB/s
+                client.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+        code = daemon.stop()
+    finally:
+        daemon.kill()
+    assert code == 1 and "write-behind not flushed" in daemon.text, (code, daemon.text[-2000:])
+    assert shm_files(shm) == set(), "the daemon that gave up on its flush left its /dev/shm files"

@@ -175,7 +175,7 @@ def test_unauthenticated_mode_is_for_loopback_and_says_so(tmp_path, capsys):
 
 
 def test_a_tenant_at_its_quota_replaces_its_own_chunks_never_anothers(tmp_path):
-    chunk = 128 + 16 * 1024  # one blob
+    chunk = 5 * 4096  # what one blob of 128 + 16 KiB occupies: five 4 KiB pages, five 4 KiB disk blocks
     quotas = {"alice": f"host_bytes = {10 * chunk}\ndisk_bytes = {20 * chunk}\n"}
     (tmp_path / "daemon.toml").write_text('[shm]\nenabled = false\n[store.host]\ncapacity_bytes = "8MiB"\n'
                                           'page_bytes = 4096\nprefault = false\n[store.disk]\ncapacity_bytes = "64MiB"\n')

@@ -71,3 +71,19 @@ def test_one_session_paused_in_ever_new_namespaces_stays_bounded():
     assert len(book) == 1
     assert len(groups) == 64, f"one session's record holds {len(groups)} namespaces"
     assert groups[-1] == [f"key-999-{j}" for j in range(4)]  # the latest pause is kept
+
+
+def test_an_owners_records_hold_at_most_max_keys_the_ones_expiring_first_go():
+    """Issue 36, finding 4: records were bounded only by sessions x namespaces x keys per
+    request (~1e9 keys per tenant); now by ``max_keys`` per owner."""
+    book = SessionBook(clock=Clock(), max_keys=4)
+    book.pause("t", "old", "ns", ["a", "b"], 5.0)
+    book.pause("t", "new", "ns", ["c", "d"], 50.0)
+    book.pause("u", "other", "ns", ["x", "y", "z"], 1.0)  # another owner's book is its own
+    book.pause("t", "s", "full", ["e"], 10.0)  # one too many: "old" expires first and goes
+    assert book.resume("t", "old", 1.0) == [] and book.resume("t", "new", 1.0) == [["c", "d"]]
+    book.pause("t", "s", "tail", ["f", "g", "h"], 100.0)  # then "new"
+    assert book.resume("t", "new", 1.0) == [] and book.resume("t", "s", 1.0) == [["e"], ["f", "g", "h"]]
+    book.pause("t", "s", "tail", list("ijklmn"), 100.0)  # the last 4, and its own "full" goes
+    assert book.resume("t", "s", 1.0) == [list("klmn")]
+    assert book.resume("u", "other", 1.0) == [["x", "y", "z"]]

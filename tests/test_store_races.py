@@ -487,18 +487,41 @@ def test_13_a_read_that_finds_a_corrupt_copy_does_not_wait_for_a_hung_writer_of_
 
 
 def test_15_a_durable_put_syncs_its_files_and_a_write_behind_copy_does_not(tmp_path, monkeypatch):
-    synced = []
+    """A write-behind copy syncs nothing, neither its file nor the fan-out directories it
+    created. A durable put syncs its file, the directory holding it and, the first time, each
+    new fan-out directory's entry in its parent, including the directories a write-behind
+    copy of the same chunk created unsynced before."""
+    files, dirs = [], []
     fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd)))
+
+    def counted(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        (dirs if os.path.isdir(path) else files).append(path)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
     keys, values = chunks(2)
     with Store(store_config(tmp_path)) as store:
+        disk = store.tier("disk")
+        root = str(disk.root.resolve())
+
+        def durable_dirs(key):  # the file's directory, then each fan-out level's parent
+            inner = disk.path_of(key.id).parent.resolve()
+            return [str(inner), str(inner.parent), root]
+
         store.put(keys[0], values[0])
         store.flush()
-        assert synced == []
+        assert files == [] and dirs == []
         store.put(keys[1], values[1], durable=True)
-        assert len(synced) == 2  # the file, then its directory
+        assert files == [str(disk.path_of(keys[1].id).resolve())]
+        assert dirs == durable_dirs(keys[1])
+        files.clear(), dirs.clear()
         store.put(keys[0], values[0], durable=True)  # already on disk: now synced too
-        assert len(synced) == 4
+        assert files == [str(disk.path_of(keys[0].id).resolve())]
+        assert dirs == durable_dirs(keys[0])  # the write-behind copy's new directories too
+        files.clear(), dirs.clear()
+        store.put(keys[0], values[0], durable=True)  # synced already: nothing again
+        assert files == [] and dirs == []
 
 
 def test_15_zero_length_and_truncated_files_at_start_are_removed_never_reported_present(tmp_path):
@@ -593,3 +616,30 @@ def test_a_durable_put_of_a_present_chunk_deleted_while_it_waits_for_queue_room_
         durable.outcome()
         assert store.flush(timeout_s=30), "copies never finished: the queue's books leaked"
         assert store.lookup(keys) == 8 and loads(store, keys[0], values[0])
+
+
+def test_13_a_drop_of_host_copies_does_not_wait_for_a_hung_replica_tier(tmp_path):
+    """Suspected in issue 36, confirmed: ``Store.drop`` (a daemon's quota eviction from host
+    RAM) waited for every queued copy of its keys with no bound, so a replica tier that hung
+    held each eviction, and in a daemon every executor thread in turn, for as long as it
+    hung. Now it waits only while those copies' tiers make progress (``write_behind.stall_s``),
+    and keeps the host copy of a chunk whose copy still waits on a stalled tier (dropped, its
+    copy there could never be made: the first tier's copy is its source)."""
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=1, stall_s=0.3)
+    keys, values = chunks(3)
+    with store:
+        store.put(keys[2], values[2])
+        assert store.flush(timeout_s=30)  # copied everywhere before the tier hangs
+        hang = pfs.gates["write"] = Gate()
+        try:
+            for key, value in zip(keys[:2], values[:2]):
+                store.put(key, value)
+            wait_until(lambda: all(disk.contains(k.id) for k in keys[:2]), what="the disk's copies")
+            assert Call(lambda: store.drop(keys, "host")).outcome(timeout_s=10) == 1
+            assert not store.first.contains(keys[2].id)
+            assert all(store.first.contains(k.id) for k in keys[:2])  # their pfs copies still need them
+            assert all(loads(store, k, v) for k, v in zip(keys, values))
+        finally:
+            hang.open()
+        assert store.flush(timeout_s=30)
+        assert all(pfs.contains(k.id) for k in keys)

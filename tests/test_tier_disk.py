@@ -222,3 +222,33 @@ def test_read_into_hashing_digests_exactly_the_bytes_past_the_head(tmp_path, o_d
     assert digest.intdigest() == xxhash.xxh3_64_intdigest(value[128:])
     assert tier.read_into_hashing(b"absent", [head, body], 128, xxhash.xxh3_64()) is None
     tier.close()
+
+
+def test_a_synced_value_in_a_new_fan_out_directory_has_that_directory_synced_into_its_parent(tmp_path, monkeypatch):
+    """Suspected in issue 36, confirmed: a value's first write into a fan-out directory created
+    the directory (two levels) and ``sync`` fsynced the file and its own directory only, never
+    the directories the new ones were entered in. A power loss could then lose the new
+    directory's entry, and with it the durable put's file. Every directory a write creates
+    must be synced into its parent before ``sync`` returns."""
+    tier = DiskTier(tmp_path / "data", 1 << 20)
+    created, synced = [], []
+    real_mkdir, real_fsync = os.mkdir, os.fsync
+
+    def mkdir(path, *a, **kw):
+        real_mkdir(path, *a, **kw)
+        created.append(os.path.realpath(path))
+
+    def fsync(fd):
+        real_fsync(fd)
+        synced.append((os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")), len(created)))
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "fsync", fsync)
+    key = bytes(range(32))
+    tier.write(key, [np.arange(1000, dtype=np.uint8)])
+    tier.sync(key)
+    assert created, "the write created no fan-out directory"
+    for i, directory in enumerate(created):
+        parent = os.path.dirname(directory)
+        assert any(path == parent and after > i for path, after in synced), (
+            f"{directory} was created and its parent {parent} never synced after it")

@@ -61,6 +61,8 @@ class DiskTier(Tier):
         # between the rename and the caller's ``sync`` leaves the old whole file or the new
         # whole one under the name, never an empty one in place of a durable put's
         self._synced: set[bytes] = set()
+        # fan-out directories created here whose entries in their parents are not synced yet
+        self._unsynced_dirs: set[Path] = set()
         self._used = 0
         self._reserved = 0
         self._lock = threading.Lock()
@@ -185,7 +187,7 @@ class DiskTier(Tier):
             direct = self.direct_writes
             tmp = self.temp_path(final)
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
+                self._make_dirs(final.parent)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
             except OSError as exc:
                 if direct and exc.errno == errno.EINVAL:
@@ -222,9 +224,39 @@ class DiskTier(Tier):
             os.replace(tmp, final)
             if self.fsync:
                 self._sync_dir(final.parent)
+                self._sync_new_dirs(final.parent)
         except OSError as exc:
             unlink_quietly(tmp)
             raise self._error(exc) from exc
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create a value's missing fan-out directories (at most 65,536, once each). Their
+        entries in their parents are synced only when a value in them must be durable
+        (``_sync_new_dirs``): a write-behind copy syncs nothing, and the first durable value
+        in a directory one created must not then depend on the file system's ordering."""
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        with self._lock:  # noted before the mkdir: a durable write beside it sees it as new
+            self._unsynced_dirs.update(missing)
+        for new in reversed(missing):
+            try:
+                new.mkdir()
+            except FileExistsError:  # another writer's
+                pass
+
+    def _sync_new_dirs(self, directory: Path) -> None:
+        """fsync, innermost first, the parents of ``directory`` and of its ancestors that this
+        tier created and nobody synced into their parents yet."""
+        while directory != self.root:
+            with self._lock:
+                new = directory in self._unsynced_dirs
+            if new:
+                self._sync_dir(directory.parent)
+                with self._lock:
+                    self._unsynced_dirs.discard(directory)
+            directory = directory.parent
 
     @staticmethod
     def _sync_dir(path: Path) -> None:
@@ -270,6 +302,7 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
             self._sync_dir(path.parent)
+            self._sync_new_dirs(path.parent)
         except OSError as exc:
             raise self._error(exc) from exc
         with self._stripe(key):  # the file synced is still the one under the name

@@ -216,18 +216,25 @@ class PfsTier(DiskTier):
     # -- the rest ---------------------------------------------------------------------------------
 
     def delete(self, key: bytes) -> bool:
-        """Remove the file; other daemons then miss cleanly. False if neither view nor mount had it."""
+        """Remove the file; other daemons then miss cleanly. False if neither view nor mount
+        had it. A mount that refuses the unlink (EIO, EROFS, EACCES, ...) raises, and the view
+        still counts the file: before, the view forgot it first and the delete was reported
+        done, the very next lookup found the chunk again, and in a cluster its budget bytes
+        were freed while the file stayed."""
         with self._stripe(key):
+            try:
+                os.unlink(self.path_of(key))
+                found = True
+            except FileNotFoundError:  # gone already (another daemon's delete)
+                found = False
+            except OSError as exc:
+                raise self._error(exc) from exc
             with self._lock:
                 self._synced.discard(key)
                 size = self._sizes.pop(key, None)
                 if size is not None:
                     self._used -= round_up(size)
-            try:
-                os.unlink(self.path_of(key))
-            except OSError:
-                return size is not None
-        return True
+        return found or size is not None
 
     def keys(self) -> Iterator[bytes]:
         """Every value on the mount now, whoever wrote it (a full rescan)."""

@@ -72,22 +72,24 @@ class Target:
             return client.ping()[0] == "SERVING"
 
 
-def tenants_toml() -> str:
+def tenants_toml(tenant_extra: dict[str, str] | None = None) -> str:
+    """The tenants file; ``tenant_extra[name]`` is appended to that tenant's table (quotas)."""
     text = f'[shared]\nname = "{SHARED}"\n'
     for name, access in (("attacker", "read"), ("victim", "read"), ("writer", "write")):
         text += (f'\n[tenants.{name}]\ntoken_sha256 = "{hashlib.sha256(TOKENS[name].encode()).hexdigest()}"\n'
-                 f'shared = "{access}"\n')
+                 f'shared = "{access}"\n{(tenant_extra or {}).get(name, "")}')
     return text
 
 
 def start(root: str | None = None, victims: int = 32, extra: str = "", data_dir: str | None = None,
-          prefault: bool = False, **spawn) -> Target:
+          prefault: bool = False, tenant_extra: dict[str, str] | None = None, **spawn) -> Target:
     """Start a target daemon (in ``root``, or a new temporary directory) holding ``victims``
     victim chunks, durable, its host pool ``prefault``ed or not. ``extra`` is appended to its
-    TOML config (tables other than [shm], [bulk], [store.host] and [store.disk])."""
+    TOML config (tables other than [shm], [bulk], [store.host] and [store.disk]);
+    ``tenant_extra`` to tenants' tables of the tenants file."""
     root = root or tempfile.mkdtemp(prefix="kvbench-attack-")
     with open(os.path.join(root, "tenants.toml"), "w") as f:
-        f.write(tenants_toml())
+        f.write(tenants_toml(tenant_extra))
     config = os.path.join(root, "daemon.toml")
     with open(config, "w") as f:
         f.write(f'listen = "127.0.0.1:0"\ntenants_file = "{os.path.join(root, "tenants.toml")}"\n'

@@ -148,10 +148,22 @@ class ClientCore:
         return ChunkKey(ns, bytes(key[HASH_BYTES:]))
 
     def _pieces(self, header: pb.PutHeader, views):
+        """The header, then the blob in pieces of ``piece_bytes`` across its parts (header and
+        payload): the daemon refuses a piece below its ``limits.min_piece_bytes`` that is not
+        the last, and a part per piece sent the blob's small header part as one."""
         yield pb.PutRequest(header=header)
+        piece, room = [], self.options.piece_bytes
         for v in views:
-            for off in range(0, v.nbytes, self.options.piece_bytes):
-                yield pb.PutRequest(data=bytes(v[off : off + self.options.piece_bytes]))
+            off = 0
+            while off < v.nbytes:
+                take = min(room, v.nbytes - off)
+                piece.append(v[off : off + take])
+                off, room = off + take, room - take
+                if not room:
+                    yield pb.PutRequest(data=b"".join(piece))
+                    piece, room = [], self.options.piece_bytes
+        if piece:
+            yield pb.PutRequest(data=b"".join(piece))
 
     # -- retries ----------------------------------------------------------------------------
 

@@ -29,16 +29,27 @@ class Admission:
         key = tenant.label
         if self._requests[key] >= self.max_requests:
             self._shed("requests_per_tenant", f"{self._requests[key]} requests of this tenant in flight "
-                       f"(limit {self.max_requests}); retry later")
+                       f"(limits.max_requests_per_tenant = {self.max_requests}); retry later")
+        with self.add_bytes(tenant, nbytes):
+            self._requests[key] += 1
+            try:
+                yield
+            finally:
+                self._requests[key] -= 1
+
+    @contextmanager
+    def add_bytes(self, tenant: Tenant, nbytes: int):
+        """Hold ``nbytes`` more of ``tenant``'s in-flight budget for the block (for a request
+        already admitted that learns its size later: a Put stream's header). A request alone
+        may exceed the limit by itself (one chunk is at most ``max_chunk_bytes``)."""
+        key = tenant.label
         if self._bytes[key] and self._bytes[key] + nbytes > self.max_bytes:
-            self._shed("bytes_per_tenant", f"{self._bytes[key]} bytes of this tenant in flight "
-                       f"(limit {self.max_bytes}); retry later")
-        self._requests[key] += 1
+            self._shed("bytes_per_tenant", f"{self._bytes[key]} bytes of this tenant in flight, {nbytes} more asked "
+                       f"(limits.max_bytes_in_flight_per_tenant = {self.max_bytes}); retry later")
         self._bytes[key] += nbytes
         try:
             yield
         finally:
-            self._requests[key] -= 1
             self._bytes[key] -= nbytes
 
     def in_flight(self, tenant: Tenant) -> tuple[int, int]:

@@ -37,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -265,9 +266,14 @@ class Channel:
         return views
 
 
-# handler(channel, kind, meta, data): answer one request; data is a pool buffer or None and
-# belongs to the handler (give it back to the pool)
-Handler = Callable[[Channel, int, bytes, "np.ndarray | None"], Awaitable[None]]
+# handler(channel, kind, meta, data, refused): answer one request; data is a pool buffer or
+# None and belongs to the handler (give it back to the pool). ``refused``: the error ``admit``
+# raised for the frame, to answer with (no meta nor data then: its body is dropped after).
+Handler = Callable[[Channel, int, bytes, "np.ndarray | None", "Exception | None"], Awaitable[None]]
+# admit(owner, meta_bytes, data_bytes): a context manager holding what a frame announced
+# against its tenant's and the daemon's limits while the request runs; raises if refused.
+Admit = Callable[[Tenant, int, int], AbstractContextManager]
+DISCARD_BYTES = 64 << 10  # the scratch a refused frame's body is read into and dropped
 
 
 class BulkServer:
@@ -296,13 +302,14 @@ class BulkServer:
         self.port = self._listener.getsockname()[1]
         self._accept_task: asyncio.Task | None = None
         self._handler: Handler | None = None
+        self._admit: Admit | None = None
 
     @property
     def sessions(self) -> int:
         return sum(1 for s in self._sessions.values() if s.sock is not None)
 
-    def start(self, handler: Handler) -> None:
-        self._handler = handler
+    def start(self, handler: Handler, admit: Admit) -> None:
+        self._handler, self._admit = handler, admit
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     def issue(self, owner: Tenant) -> Session:
@@ -414,22 +421,13 @@ class BulkServer:
                 await self._recv_exactly(conn, header)  # an idle connection may wait (keepalive watches it)
                 del self._idle[task]
                 kind, meta_len, data_len = FRAME.unpack(header)
-                if kind not in REQUEST_KINDS or meta_len > MAX_META_BYTES or data_len > self.max_frame_bytes:
+                if (kind not in REQUEST_KINDS or meta_len > MAX_META_BYTES or data_len > self.max_frame_bytes
+                        or kind == RELEASE and (meta_len or data_len)):
                     log.warning("bulk: bad frame (kind %d, meta %d B, data %d B); closing", kind, meta_len, data_len)
                     return
-                meta = bytearray(meta_len)
-                data = self.pool.take(data_len) if data_len else None
-                try:
-                    await asyncio.wait_for(self._recv_body(conn, meta, data), self.frame_timeout_s)
-                except BaseException:
-                    if data is not None:
-                        self.pool.give(data)
-                    raise
                 channel.release()
                 if kind != RELEASE:
-                    await self._handler(channel, kind, bytes(meta), data)
-                elif data is not None:
-                    self.pool.give(data)
+                    await self._request(conn, channel, kind, meta_len, data_len)
         except (ConnectionError, OSError, asyncio.TimeoutError):
             pass
         finally:
@@ -444,6 +442,35 @@ class BulkServer:
                 await channel.close()
             else:
                 conn.close()
+
+    async def _request(self, conn: socket.socket, channel: Channel, kind: int, meta_len: int, data_len: int) -> None:
+        """Admit a request frame by the sizes it announced, before any buffer is taken for
+        its body: before, a PUT's body was received whole into a buffer of its size and only
+        then checked against the tenant's in-flight bytes, so sessions withholding their
+        last byte held gigabytes. A refused frame is answered at once, and its body is read
+        into a small scratch buffer and dropped (the connection stays usable)."""
+        with ExitStack() as held:
+            try:
+                held.enter_context(self._admit(channel.owner, meta_len, data_len))
+            except Exception as refused:  # a status for the client (the handler answers it)
+                await self._handler(channel, kind, b"", None, refused)
+                await asyncio.wait_for(self._discard(conn, meta_len + data_len), self.frame_timeout_s)
+                return
+            meta = bytearray(meta_len)
+            data = self.pool.take(data_len) if data_len else None
+            try:
+                await asyncio.wait_for(self._recv_body(conn, meta, data), self.frame_timeout_s)
+            except BaseException:
+                if data is not None:
+                    self.pool.give(data)
+                raise
+            await self._handler(channel, kind, bytes(meta), data, None)
+
+    async def _discard(self, conn: socket.socket, nbytes: int) -> None:
+        scratch = bytearray(min(nbytes, DISCARD_BYTES))
+        while nbytes:
+            await self._recv_exactly(conn, memoryview(scratch)[: min(nbytes, len(scratch))])
+            nbytes -= min(nbytes, len(scratch))
 
     async def _recv_body(self, conn: socket.socket, meta: bytearray, data) -> None:
         if meta:

@@ -75,6 +75,10 @@ class BulkConfig:
     # and a channel pins at most max_pinned_bytes at once (further chunks go into slots).
     pin_ttl_s: float = 30.0
     max_pinned_bytes: int = 256 << 20
+    # Bytes of request frames (meta and data) all bulk sessions hold at once, counted when a
+    # frame announces its size, before any buffer is taken; a tenant past its share of them
+    # (this divided among the tenants) is refused while less than a quarter is free.
+    max_receive_bytes: int = 1 << 30
     # TCP keepalive: a peer that vanished without a FIN is noticed after about
     # keepalive_idle_s + 3 * keepalive_interval_s.
     keepalive_idle_s: int = 10
@@ -83,7 +87,7 @@ class BulkConfig:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be 0 (any free port) to 65535, got {self.port}")
-        _at_least(self, 1, "max_sessions", "max_sessions_per_tenant", "max_unauthenticated",
+        _at_least(self, 1, "max_sessions", "max_sessions_per_tenant", "max_unauthenticated", "max_receive_bytes",
                   "keepalive_idle_s", "keepalive_interval_s")
         _positive(self, "frame_timeout_s", "hello_timeout_s", "pin_ttl_s")
 
@@ -92,7 +96,20 @@ class BulkConfig:
 class LimitsConfig:
     max_chunk_bytes: int = 64 << 20
     max_keys_per_request: int = 4096
+    # Keys per second one tenant's requests may name (every RPC that names keys: Lookup,
+    # Contains, Get, Prefetch, Pin, Unpin, Pause, Delete; ResumeSoon's recorded keys), after
+    # a burst of a quarter of a second of them (one max_keys_per_request at least); past it a
+    # request waits up to a second, then is refused. Each key costs ~1 us of the daemon's
+    # interpreter; an engine names a few thousand a second (kvstore/daemon/key_rate.py).
+    max_keys_per_s_per_tenant: int = 65536
+    # KVStore RPCs at once, counted from the moment each opens (kvstore/daemon/rpc_budget.py):
+    # a tenant at its share of them (this divided among the tenants) gets more only while
+    # more than reserved_streams stay free. The health service is not counted.
     max_concurrent_streams: int = 256
+    reserved_streams: int = 64
+    # How long a Put stream may wait for each of its messages, the first one included (an
+    # idle stream holds one of its tenant's requests and of the RPC budget).
+    stream_idle_timeout_s: float = 10.0
     # TCP connections to the gRPC port at once (grpc refuses more before any handshake), and
     # how long a new one may take to complete its handshake.
     max_connections: int = 1024
@@ -100,6 +117,10 @@ class LimitsConfig:
     # Largest gRPC message either way (inline pieces are smaller than this).
     max_message_bytes: int = 16 << 20
     inline_piece_bytes: int = 4 << 20
+    # Smallest piece of a chunk a gRPC Get may ask for (GetRequest.piece_bytes), and a Put
+    # stream may send but as its last: each message costs the daemon ~1 ms of event-loop
+    # time, and 1-byte pieces took 16.7 s of it for one 64 KiB chunk.
+    min_piece_bytes: int = 64 << 10
     # Chunks of one Get read at once (in executor threads) while earlier ones travel.
     get_read_ahead: int = 3
     # Per tenant (every caller with one credential): requests being served at once, and the
@@ -116,17 +137,29 @@ class LimitsConfig:
     # Paused agent sessions remembered per tenant (Pause / ResumeSoon), and a session id's length.
     max_paused_sessions_per_tenant: int = 4096
     max_paused_namespaces_per_session: int = 64
+    # Keys all of a tenant's paused-session records hold (~170 B each); past it the records
+    # expiring first go. At least max_keys_per_request, so one Pause is always recorded whole.
+    max_paused_keys_per_tenant: int = 262144
     max_session_id_bytes: int = 256
 
     def validate(self) -> None:
-        _at_least(self, 1, "max_chunk_bytes", "max_keys_per_request", "max_concurrent_streams", "max_connections",
-                  "inline_piece_bytes", "get_read_ahead", "max_requests_per_tenant", "max_model_id_bytes",
-                  "max_session_id_bytes")
+        _at_least(self, 1, "max_chunk_bytes", "max_keys_per_request", "max_keys_per_s_per_tenant",
+                  "max_concurrent_streams", "max_connections", "inline_piece_bytes", "get_read_ahead",
+                  "max_requests_per_tenant", "max_model_id_bytes", "max_session_id_bytes")
         _at_least(self, 0, "max_prefetches", "max_prefetches_per_tenant", "max_paused_sessions_per_tenant",
                   "max_paused_namespaces_per_session")
         if self.max_message_bytes <= 1024:  # a Get's pieces are this less 1 KiB
             raise ConfigError(f"max_message_bytes: must be more than 1024, got {self.max_message_bytes}")
-        _positive(self, "handshake_timeout_s", "max_pin_ttl_s")
+        _positive(self, "handshake_timeout_s", "max_pin_ttl_s", "stream_idle_timeout_s")
+        if self.max_paused_keys_per_tenant < self.max_keys_per_request:
+            raise ConfigError(f"max_paused_keys_per_tenant: must be at least max_keys_per_request "
+                              f"({self.max_keys_per_request}), got {self.max_paused_keys_per_tenant}")
+        if not 1 <= self.min_piece_bytes <= self.inline_piece_bytes:
+            raise ConfigError(f"min_piece_bytes: must be 1 to inline_piece_bytes ({self.inline_piece_bytes}), "
+                              f"got {self.min_piece_bytes}")
+        if not 0 <= self.reserved_streams < self.max_concurrent_streams:
+            raise ConfigError(f"reserved_streams: must be at least 0 and below max_concurrent_streams "
+                              f"({self.max_concurrent_streams}), got {self.reserved_streams}")
 
 
 def io_workers(config: DaemonConfig) -> int:

@@ -51,6 +51,11 @@ log = logging.getLogger("kvstore.daemon")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
+# RPCs grpc admits beyond the daemon's own KVStore budget (kvstore/daemon/fair_share.py): the
+# health and reflection services, which it does not count and an orchestrator's probe needs
+# answered whatever tenants do, and KVStore RPCs while the budget refuses them.
+HEALTH_ROOM = 32
+
 
 class StartupError(Exception):
     """The daemon cannot start as configured; the message says why, in one line."""
@@ -128,14 +133,14 @@ class Daemon:
         self._server = grpc.aio.server(
             interceptors=[TokenAuth(credentials)] if credentials.authenticated and cfg.tls_client_ca is None else None,
             options=options,
-            maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams,
+            maximum_concurrent_rpcs=cfg.limits.max_concurrent_streams + HEALTH_ROOM,
         )
         self.service = KVStoreService(self.store, cfg, self._executor, self.arena, self.bulk, self.metrics,
                                       self.pool, credentials, quotas)
         register(self.service, self._server)
         metrics_at = self._serve_metrics()  # before the gRPC port: a start that fails binds nothing
         if self.bulk is not None:
-            self.bulk.start(self.service.bulk_request)
+            self.bulk.start(self.service.bulk_request, self.service.bulk_admit)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
@@ -249,15 +254,23 @@ class Daemon:
                 left = self.store.stats().write_behind_pending_bytes
                 log.error("write-behind not flushed after %.0f s (%d bytes unwritten); exiting anyway",
                           self.config.flush_timeout_s, left)
+                self._remove_shared_files()  # before, they stayed in /dev/shm (the pool as large as host RAM)
                 logging.shutdown()
                 os._exit(1)
+        self._remove_shared_files()
+        if self.metrics is not None:
+            self.metrics.close()
+        say("stopped")
+
+
+    def _remove_shared_files(self) -> None:
+        """Remove the slot arena and the host pool file from /dev/shm. The Store's close thread
+        may still write into the pool's mapping when the flush was given up: the file's name
+        goes, its mapping stays valid until the process exits."""
         if self.arena is not None:
             self.arena.close()
         if self._pool_file is not None:
             self._pool_file.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        say("stopped")
 
 
 async def serve(config: DaemonConfig) -> None:

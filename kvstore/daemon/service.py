@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, aclosing
+from contextlib import ExitStack, aclosing, contextmanager
 from copy import deepcopy
 
 import grpc
@@ -32,7 +33,9 @@ from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
 from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
+from kvstore.daemon.fair_share import FairShare
 from kvstore.daemon.identity import Credentials, Tenant
+from kvstore.daemon.key_rate import KeyRate
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
 from kvstore.daemon.quotas import Quotas
@@ -48,6 +51,11 @@ from kvstore.wire.auth import METADATA_KEY
 from kvstore.wire.convert import stats_to_proto
 from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
 from tiers.redis import redact_url
+
+log = logging.getLogger("kvstore.daemon")
+# keys bound at a time on the event loop (~1 us each): a request of 4,096 bound at once held
+# the loop for ~4 ms, and every other tenant's requests waited for it
+BIND_BATCH = 512
 
 
 def _copy(dst, src) -> None:
@@ -74,9 +82,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.boundary = RpcBoundary(metrics)
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
+        # KVStore RPCs at once, counted from the moment each opens (the health service is not)
+        self.rpcs = FairShare(self.limits.max_concurrent_streams, self.limits.reserved_streams,
+                              len(credentials.tenants), metrics, what="RPCs", setting="limits.max_concurrent_streams",
+                              reserve="limits.reserved_streams", shed_label="streams")
+        # bytes of bulk frames being received or served, all sessions together; a quarter is kept
+        # for tenants under their share
+        receive = config.bulk.max_receive_bytes
+        self.receiving = FairShare(receive, receive // 4, len(credentials.tenants), metrics, what="bytes of bulk frames",
+                                   setting="bulk.max_receive_bytes", reserve="a quarter of it",
+                                   shed_label="bulk_receive_bytes")
+        self.key_rate = KeyRate(self.limits.max_keys_per_s_per_tenant, self.limits.max_keys_per_request, metrics)
         self.prefetches = Prefetches(self.limits.max_prefetches, self.limits.max_prefetches_per_tenant)
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
-                                    max_groups=self.limits.max_paused_namespaces_per_session)
+                                    max_groups=self.limits.max_paused_namespaces_per_session,
+                                    max_keys=self.limits.max_paused_keys_per_tenant)
+        self._background: set[asyncio.Task] = set()  # quota enforcement after prefetches
         self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
@@ -112,13 +133,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _bind(self, spec: pb.NamespaceSpec, caller: Tenant, access: str) -> Bound:
         return bind(spec, caller, access, self.credentials.shared, self.limits)
 
-    def _keys(self, request, caller: Tenant, access: str) -> tuple[Bound, list[ChunkKey]]:
+    async def _keys(self, request, caller: Tenant, access: str) -> tuple[Bound, list[ChunkKey]]:
         bound = self._bind(request.namespace, caller, access)
         hashes = request.prefix_hashes
         if len(hashes) > self.limits.max_keys_per_request:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"{len(hashes)} keys in one request; the limit is {self.limits.max_keys_per_request}")
-        return bound, bound.keys(hashes)
+        await self.key_rate.take(caller, len(hashes))  # before any per-key work
+        keys = []
+        for first in range(0, len(hashes), BIND_BATCH):  # others' requests run in between
+            if first:
+                await asyncio.sleep(0)
+            keys += bound.keys(hashes[first : first + BIND_BATCH], first)
+        if keys:  # what the namespace's chunks occupy is its owner's, read or written
+            self.quotas.charge(keys[0], bound.owner)
+        return bound, keys
 
     def _check_size(self, nbytes: int) -> None:
         if nbytes <= HEADER_BYTES:
@@ -151,19 +180,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store.put_blob(key, parts, parent=parent, durable=durable)
 
     async def _store(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
-        """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame),
-        or arriving as the ``inline`` pieces of a Put stream."""
+        """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame,
+        whose bytes the bulk server admitted when the frame announced them), or arriving as
+        the ``inline`` pieces of a Put stream. The caller holds one of ``caller``'s requests."""
         bound = self._bind(h.namespace, caller, WRITE)
         key = bound.keys([h.prefix_hash])[0]
         parent = bound.keys([h.parent_hash])[0].id if h.parent_hash else None
         size = h.blob_bytes
         self._check_size(size)
-        with self.admission.admit(caller, size):
-            if blob is not None:
-                if blob.nbytes != size:
-                    raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
-                await self._run(self._verify_and_put, bound, key, blob, parent, h.durable)
-            else:
+        if blob is not None:
+            if blob.nbytes != size:
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
+            await self._run(self._verify_and_put, bound, key, blob, parent, h.durable)
+        else:
+            with self.admission.add_bytes(caller, size):
                 buf = self.pool.take(size)
                 try:
                     if h.HasField("slot"):  # copied out first: the client may still write into its slot
@@ -178,14 +208,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.metrics.wrote(caller.label, size)
 
     async def Put(self, messages, caller: Tenant):
-        first = await anext(messages, None)
-        if first is None or not first.HasField("header"):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
-        await self._store(first.header, caller, inline=functools.partial(self._put_inline, first, messages))
+        """A Put stream is one of its tenant's requests from the moment it opens, and each of
+        its messages, the first included, must come within ``stream_idle_timeout_s``: before,
+        a stream that sent nothing held a place of the daemon-wide RPC limit, uncounted."""
+        with self.admission.admit(caller):
+            first = await self._next(messages)
+            if first is None or not first.HasField("header"):
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
+            await self._store(first.header, caller, inline=functools.partial(self._put_inline, first, messages))
         return pb.PutReply()
 
-    @staticmethod
-    async def _put_inline(first, messages, view: memoryview, size: int) -> None:
+    async def _next(self, messages):
+        """The next message of a Put stream (None at its end), within ``stream_idle_timeout_s``."""
+        limit = self.limits.stream_idle_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await anext(messages, None)
+        except TimeoutError:
+            raise Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the Put stream sent nothing for {limit:g} s "
+                       f"(limits.stream_idle_timeout_s = {limit:g})") from None
+
+    async def _put_inline(self, first, messages, view: memoryview, size: int) -> None:
         got = 0
         piece = first.data  # every access copies: read each message's data once
         while True:
@@ -193,12 +236,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream carries more than blob_bytes={size}")
             view[got : got + len(piece)] = piece
             got += len(piece)
-            msg = await anext(messages, None)
+            msg = await self._next(messages)
             if msg is None:
                 break
             if msg.HasField("header"):
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Put carries a header")
             piece = msg.data
+            if len(piece) < self.limits.min_piece_bytes and got + len(piece) < size:  # only the last may be small
+                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"a Put piece of {len(piece)} bytes that is not the "
+                           f"last; pieces are at least limits.min_piece_bytes = {self.limits.min_piece_bytes}")
         if got != size:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream ended after {got} of {size} bytes")
 
@@ -283,7 +329,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         a client that copies them out itself (pool views) until its RELEASE. Anything else a
         chunk holds is released when the consumer asks for the next, unless the consumer took
         it over (``handover``)."""
-        bound, keys = self._keys(request, caller, READ)
+        bound, keys = await self._keys(request, caller, READ)
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {payload}")
@@ -310,7 +356,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, slot_bytes, hold,
                                             caller.name)
 
-        with self.admission.admit(caller, min(len(keys), depth) * chunk_bytes):
+        with self.admission.add_bytes(caller, min(len(keys), depth) * chunk_bytes):
             ready = []
             if holdable:  # the leading chunks raw in host RAM: pinned in one executor call, not one each
                 room = channel.max_pinned_bytes - channel.pinned_bytes
@@ -322,7 +368,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     read = await reads.next()
                     if read is None:
                         self.metrics.miss(caller.label)
-                        return
+                        break
                     read.index = i
                     self.metrics.hit(caller.label, read.nbytes)
                     if read.pool_runs is not None and request.pool_views:
@@ -334,32 +380,51 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         self._done(read)
             finally:
                 await reads.close()
+                if self.quotas.bounded(bound.owner):  # the reads may have promoted chunks
+                    await self._run(self.quotas.enforce, bound.owner)
 
     async def Get(self, request, caller: Tenant):
+        least = self.limits.min_piece_bytes
+        if 0 < request.piece_bytes < least:
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"piece_bytes {request.piece_bytes} is below limits.min_piece_bytes = {least}")
         piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
-        async with aclosing(self._chunks(request, caller)) as chunks:
-            async for read in chunks:
-                if read.data is None:
-                    yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
-                    continue
-                data = read.data if isinstance(read.data, list) else [read.data]
-                view = memoryview(b"".join(data) if len(data) > 1 else data[0]).cast("B")
-                for off in range(0, read.nbytes, piece):
-                    yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes if off == 0 else 0,
-                                      data=bytes(view[off : off + piece]), last=off + piece >= read.nbytes)
+        with self.admission.admit(caller):
+            async with aclosing(self._chunks(request, caller)) as chunks:
+                async for read in chunks:
+                    if read.data is None:
+                        yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
+                        continue
+                    data = read.data if isinstance(read.data, list) else [read.data]
+                    view = memoryview(b"".join(data) if len(data) > 1 else data[0]).cast("B")
+                    for off in range(0, read.nbytes, piece):
+                        yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes if off == 0 else 0,
+                                          data=bytes(view[off : off + piece]), last=off + piece >= read.nbytes)
 
     # -- the bulk channel -------------------------------------------------------------------
 
-    async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None) -> None:
+    @contextmanager
+    def bulk_admit(self, owner: Tenant, meta_bytes: int, data_bytes: int):
+        """What a bulk frame announced, held while its request runs: one of its tenant's
+        requests and its data bytes of the tenant's in-flight bytes, and meta and data of the
+        bytes all bulk sessions receive at once (``bulk.max_receive_bytes``)."""
+        with self.admission.admit(owner, data_bytes), self.receiving.hold(owner, meta_bytes + data_bytes):
+            yield
+
+    async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None,
+                           refused: Exception | None) -> None:
         """Answer one request of a bulk channel (see kvstore/daemon/bulk.py): the same work
         as the Get and Put RPCs, with replies as frames. Connection errors propagate (the
-        channel closes); request errors become an ERROR frame."""
+        channel closes); request errors, and ``refused`` (the frame's admission failed),
+        become an ERROR frame."""
 
         async def answer(fail: Fail) -> None:
             await channel.send(ERROR, pb.ErrorReply(code=fail.code.value[0], message=str(fail)).SerializeToString())
 
         try:
             async with self.boundary.scope("Get" if kind == GET else "Put", answer, passthrough=(ConnectionError,)):
+                if refused is not None:
+                    raise refused
                 if kind == GET:
                     await self._bulk_get(channel, parsed(safe_parser(pb.GetRequest)(meta)))
                 else:
@@ -400,11 +465,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- index operations -----------------------------------------------------------------
 
     async def Lookup(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, READ)
+        _, keys = await self._keys(request, caller, READ)
         return pb.CountReply(count=await self._served(caller, self.store.lookup, keys))
 
     async def Contains(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, READ)
+        _, keys = await self._keys(request, caller, READ)
         present = await self._served(caller, lambda: [self.store.contains(k) for k in keys])
         return pb.ContainsReply(present=present)
 
@@ -412,15 +477,37 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return [next(iter(self.store.prefetch([k])), None) for k in keys]
 
     async def Prefetch(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, READ)
+        bound, keys = await self._keys(request, caller, READ)
         with self.admission.admit(caller):
             futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
             if request.wait:
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+                await self._enforce_after(futures, bound.owner)
+            else:
+                self._enforce_later(futures, bound.owner)
         return pb.CountReply(count=len(futures))
 
+    async def _enforce_after(self, futures: list, owner: Tenant) -> None:
+        """Wait for ``futures`` (promotions into host RAM), then enforce ``owner``'s quotas:
+        a promotion must not leave a tenant over its quota."""
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        if futures and self.quotas.bounded(owner):
+            await self._run(self.quotas.enforce, owner)
+
+    def _enforce_later(self, futures: list, owner: Tenant) -> None:
+        """``_enforce_after`` in the background (a Prefetch that does not wait)."""
+        if not (futures and self.quotas.bounded(owner)):
+            return
+        task = asyncio.get_running_loop().create_task(self._enforce_after(futures, owner))
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("enforcing a quota after prefetches failed: %s", task.exception())
+
     async def Pin(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, READ)
+        _, keys = await self._keys(request, caller, READ)
         ttl = request.ttl_s
         if not (math.isfinite(ttl) and 0 < ttl <= self.limits.max_pin_ttl_s):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
@@ -440,15 +527,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Pause(self, request, caller: Tenant):
         """Pin a paused session's chunks for its lease and remember them under its id."""
-        _, keys = self._keys(request, caller, READ)
+        _, keys = await self._keys(request, caller, READ)
         session = self._session(request.session)
         ttl, expected = valid_duration(request.ttl_s), valid_duration(request.expected_s)
         lease = self._lease(ttl if ttl else pin_ttl(expected) if expected else MIN_PIN_S)
         if not keys:
             return pb.CountReply(count=0)
-        pinned = await self._served(caller, self.store.pin, keys, lease)
-        self.sessions.pause(caller.name, session, keys[0].namespace, keys, lease)
+        present, pinned = await self._served(caller, self._pin_present, keys, lease)
+        if present:
+            self.sessions.pause(caller.name, session, keys[0].namespace, present, lease)
         return pb.CountReply(count=pinned)
+
+    def _pin_present(self, keys: list[ChunkKey], lease: float) -> tuple[list[ChunkKey], int]:
+        """Pin ``keys`` for ``lease`` seconds (in an executor thread): the keys that exist, and
+        how many were pinned. A pause records only those that exist: before, keys that did not
+        were recorded too, and a tenant could fill the daemon's memory with random keys. Each
+        key is looked up apart only when some but not all were pinned: a pause of a session's
+        chunks pins all, a flood of random keys none."""
+        pinned = self.store.pin(keys, lease)
+        if pinned == len(keys):
+            return keys, pinned
+        return ([k for k in keys if self.store.contains(k)] if pinned else []), pinned
 
     async def ResumeSoon(self, request, caller: Tenant):
         """Bring a paused session's chunks up to host RAM, pinned past its ETA; 0 if unknown."""
@@ -456,17 +555,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(pin_ttl(valid_duration(request.eta_s) or 0.0))
         started = 0
         for keys in self.sessions.resume(caller.name, session, lease):
+            shared = self.credentials.shared  # a record's keys are bound: the shared tenant's say so
+            owner = shared if shared is not None and keys[0].namespace.tenant == shared.name else caller
+            await self.key_rate.take(caller, len(keys))  # as a request naming them would be
             await self._served(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
-                started += len(await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo)))
+                futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+            self._enforce_later(futures, owner)
+            started += len(futures)
         return pb.CountReply(count=started)
 
     async def Unpin(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, WRITE)
+        _, keys = await self._keys(request, caller, WRITE)
         return pb.CountReply(count=await self._served(caller, self.store.unpin, keys))
 
     async def Delete(self, request, caller: Tenant):
-        _, keys = self._keys(request, caller, WRITE)
+        _, keys = await self._keys(request, caller, WRITE)
         return pb.CountReply(count=await self._served(caller, self.store.delete, keys))
 
     async def Stats(self, request, caller: Tenant):
@@ -566,7 +670,8 @@ def _unary(service: KVStoreService, name: str, body, stream: bool):
     async def handle(request, context):
         async with service.boundary.scope(name, _aborter(context)):
             caller = service.caller(context)
-            return await body(_messages(request) if stream else parsed(request), caller)
+            with service.rpcs.hold(caller):
+                return await body(_messages(request) if stream else parsed(request), caller)
 
     return handle
 
@@ -575,8 +680,9 @@ def _streaming(service: KVStoreService, name: str, body):
     async def handle(request, context):
         async with service.boundary.scope(name, _aborter(context)):
             caller = service.caller(context)
-            async with aclosing(body(parsed(request), caller)) as replies:
-                async for reply in replies:
-                    yield reply
+            with service.rpcs.hold(caller):
+                async with aclosing(body(parsed(request), caller)) as replies:
+                    async for reply in replies:
+                        yield reply
 
     return handle

@@ -53,9 +53,10 @@ class Bound:
     def chunk_bytes(self) -> int:
         return math.prod(self.ns.chunk_shape) * _ELEMENT_BYTES[self.ns.dtype]
 
-    def keys(self, hashes) -> list[ChunkKey]:
+    def keys(self, hashes, first: int = 0) -> list[ChunkKey]:
+        """``hashes`` bound as keys; ``first`` is the index of the first in its request."""
         out = []
-        for i, h in enumerate(hashes):
+        for i, h in enumerate(hashes, first):
             if len(h) != HASH_BYTES:
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"prefix_hashes[{i}] is {len(h)} bytes, expected {HASH_BYTES}")
             out.append(ChunkKey(self.ns, h))

@@ -18,8 +18,11 @@ the client, answered by frames from the daemon::
     DONE   no meta
     ERROR  meta ErrorReply (gRPC status code and message)
 
-A connection carries one request at a time; after ERROR it stays usable. A frame that
-breaks the framing (unknown kind, oversized meta or data, a body that does not arrive
+A connection carries one request at a time; after ERROR it stays usable. A request frame is
+admitted by the sizes its header announces, before its body is read: one a limit refuses
+(the tenant's requests or bytes in flight, the bytes all sessions receive) is answered ERROR
+at once, and its body is then read and dropped. A frame that breaks the framing (unknown
+kind, oversized meta or data, a RELEASE with meta or data, a body that does not arrive
 within ``frame_timeout_s``) closes the connection.
 """
 
