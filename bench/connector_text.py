@@ -57,7 +57,7 @@ def text_prompts(tokenizer, target: int, limit: int) -> dict[str, list[int]]:
     prose = "\n\n".join(_fill(_paragraphs("bench/data/probe_prose.txt", "docs/store.md"),
                               lambda t: enough("\n\n".join(t))))
     docs = "\n\n".join(_fill(_paragraphs("docs/configuration.md"), lambda t: enough("\n\n".join(t))))
-    code = "".join(_fill(_lines("kvstore/store.py"), lambda t: enough("".join(t))))
+    code = "".join(_fill(_lines("kvstore/store/facade.py"), lambda t: enough("".join(t))))
     engine_code = "".join(_fill(_lines("engine/llm.py", "engine/scheduler.py"), lambda t: enough("".join(t))))
     question = "Summarise what this document promises, in three sentences."
 

@@ -58,7 +58,7 @@ def run(args) -> int:
     from bench import probe_model
     from bench.probe_baselines import baselines
     from engine.models.loader import model_fingerprint
-    from kvstore.placement import VERDICT_SCHEMA
+    from kvstore.store.placement import VERDICT_SCHEMA
 
     path = args.model
     if path is None:

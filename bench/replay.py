@@ -20,7 +20,7 @@ kind), TTFT and the prefix hit ratio are reported per class too: a policy's hits
 what they save in prefill, and its gains on one kind of request may be losses on another.
 
 A policy name ending in ``+compress`` (e.g. ``default+compress``) runs that policy with joint
-compression and eviction (kvstore/placement.py): a victim may stay in its tier re-encoded by a
+compression and eviction (kvstore/store/placement.py): a victim may stay in its tier re-encoded by a
 codec the ``--verdicts`` file allows, valued with the same prefill cost model, and a copy
 written behind to the disk may be encoded there. ``NAME+CODEC`` (e.g. ``lru+int8``) puts every
 chunk in that codec: fixed-ratio compression. Payloads are random fp16 (lossy codecs shrink
@@ -290,7 +290,7 @@ def _ppl_bound(verdicts: str, model_id: str, variant: Variant, lossy: int, acces
     """Perplexity change to expect, at most: the share of accessed blocks served lossy times the
     worst perplexity change of the codecs the variant may have served them in (the probe's
     figure for a prefix whose every chunk is in that codec)."""
-    from kvstore.placement import load_verdicts
+    from kvstore.store.placement import load_verdicts
 
     if not lossy:
         return 0.0
@@ -303,7 +303,7 @@ def _ppl_bound(verdicts: str, model_id: str, variant: Variant, lossy: int, acces
 def _verdicts_model(verdicts: str) -> str:
     """The model the verdict file was measured on: the replayed chunks stand for its KV, so
     they are stored under its id and placement applies the verdicts to them."""
-    from kvstore.placement import load_verdicts
+    from kvstore.store.placement import load_verdicts
 
     return next(iter(load_verdicts([verdicts])))[0]
 

@@ -18,7 +18,7 @@ from connector.metadata import ConnectorMetadata, ConnectorOutput
 from connector.roles import PromisedChunks, TransferParams
 from connector.sessions import SessionPins
 from connector.stats import ConnectorStats
-from kvstore.sessions import pin_ttl, valid_duration
+from kvstore.api import pin_ttl, valid_duration
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError", "ConnectorMetadata", "ConnectorOutput", "ConnectorStats",
            "DaemonBackendConfig", "KVConnector", "PromisedChunks", "SessionPins", "TransferParams",

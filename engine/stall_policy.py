@@ -1,7 +1,7 @@
 """What a paused agent's KV becomes during its stall: kept on the device, offloaded to the
 store (pinned there, device blocks freed), or dropped (recomputed on resume).
 
-The cost model is placement's (kvstore/placement.py): recomputing costs tokens / the prefill
+The cost model is placement's (kvstore/store/placement.py): recomputing costs tokens / the prefill
 rate, loading costs bytes / the tier's read bandwidth, both in seconds the engine spends on
 the resume. Keeping costs the device memory the session holds for the stall: a fraction f of
 the KV blocks for s seconds is f x s device-seconds other requests cannot use. So

@@ -31,12 +31,33 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
+import math
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
 from kvstore.keys import ChunkKey
 from kvstore.stats import StoreStats
+
+# The lease on a paused agent session's chunks (TokenCake's rule, docs/agents.md): one rule for
+# the engine's pauses and the daemon's session book.
+PIN_FACTOR = 4.0
+MIN_PIN_S = 60.0
+MAX_PIN_S = 3600.0
+
+
+def pin_ttl(stall_s: float, factor: float = PIN_FACTOR, low_s: float = MIN_PIN_S, high_s: float = MAX_PIN_S) -> float:
+    """The lease on a paused session's chunks: ``factor`` x the stall, within [low_s, high_s]."""
+    return min(high_s, max(low_s, factor * stall_s))
+
+
+def valid_duration(seconds) -> float | None:
+    """A duration from an event: a finite non-negative number, else None (unknown)."""
+    try:
+        seconds = float(seconds)
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 @runtime_checkable
@@ -101,7 +122,7 @@ class LendsChunks(Protocol):
 @runtime_checkable
 class PausesSessions(Protocol):
     """An optional capability (the daemon's Client has it): agent-session events the store
-    keeps by session id (kvstore/sessions.py). ``pause`` pins ``keys`` (one namespace) like
+    keeps by session id (kvstore/daemon/sessions.py). ``pause`` pins ``keys`` (one namespace) like
     ``pin`` and remembers them under ``session``, so that ``resume_soon(session, eta_s)``,
     sent by whoever knows the agent is coming back (the engine, or the agent framework
     talking to the daemon directly), prefetches them without naming a key."""

@@ -10,7 +10,7 @@ Promises checked after every step:
   (a flipped read drops the replica) or it was deleted; a deleted chunk never comes back.
 - A durable chunk's file is synced: a power loss truncates only unsynced files.
 - Nothing writes into a caller's buffer after the read call returned.
-- ``check_integrity()`` holds (with copies in flight: see kvstore/integrity.py).
+- ``check_integrity()`` holds (with copies in flight: see kvstore/store/integrity.py).
 
 Faults: a write that fails, a read that returns flipped bytes, the disk tier hanging for
 a while, files truncated to zero by a power loss, and restarts between any two steps.

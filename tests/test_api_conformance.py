@@ -207,7 +207,7 @@ def test_a_daemon_client_process_imports_neither_store_nor_tiers_nor_policies():
         import sys
         import kvstore.api, kvstore.client
         heavy = sorted(m for m in sys.modules if m == "kvstore.store" or m.startswith(("tiers", "kvstore.policies",
-                       "kvstore.daemon", "kvstore.placement", "kvstore.tier_setup")))
+                       "kvstore.daemon", "kvstore.store.placement", "kvstore.store.tier_setup")))
         print(",".join(heavy))
         """
     )

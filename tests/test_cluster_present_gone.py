@@ -2,7 +2,7 @@
 
 Redis may drop a value on its own (maxmemory eviction; tiers/redis.py says so), and a
 durable put's copy to a shared tier therefore looks at the medium first and writes the value
-again when it is gone (kvstore/write_behind.py ``_there``). In a cluster that write goes
+again when it is gone (kvstore/store/write_behind.py ``_there``). In a cluster that write goes
 through BudgetedTier.write, whose reservation the ledger answers "present" (its entry for
 the chunk is resident, same size): the write returns without writing, and the durable put
 is acknowledged with no copy on the tier. Real Redis."""

@@ -54,7 +54,7 @@ def test_a_delete_the_medium_refused_once_is_finished_and_the_chunk_can_be_put_a
         faulty = budgeted.inner = FaultyTier(budgeted.inner)
         faulty.failures["delete"] = 1  # one timeout; Redis answers again right after
         with pytest.raises(TierUnavailable, match="injected delete failure"):
-            a.delete([key])  # reported: Redis still holds the value (kvstore/tier_io.py)
+            a.delete([key])  # reported: Redis still holds the value (kvstore/store/deletes.py)
         assert raw.exists(rkey)  # the value outlived the delete
         stuck = a.cluster.ledger.state(10.0).tiers["redis"]
         assert stuck.chunks == 1 and stuck.in_flight == 1  # still counted, this member's to finish

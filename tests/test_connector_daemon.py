@@ -91,7 +91,7 @@ ISOLATED = textwrap.dedent("""
         with cold.with_config() as warm:  # an empty local prefix cache: the chunks come from the daemon
             (out,) = warm.generate(list(range(5, 60)), SamplingParams(max_tokens=3, temperature=0))
     heavy = sorted(m for m in sys.modules if m == "kvstore.store" or m.startswith(
-        ("tiers", "kvstore.policies", "kvstore.daemon", "kvstore.placement", "kvstore.tier_setup")))
+        ("tiers", "kvstore.policies", "kvstore.daemon", "kvstore.store.placement", "kvstore.store.tier_setup")))
     print(json.dumps({"heavy": heavy, "loaded": out.metrics.num_loaded_tokens}))
 """)
 

@@ -2,8 +2,8 @@
 
 As vLLM's engine knows only ``KVConnectorBase_V1``, our engine may import from ``connector``
 only what ``connector/__init__.py`` exports, never a connector module (``connector.worker``,
-``connector.sessions``, ...), nor the store's insides the face stands for (``kvstore.sessions``,
-``kvstore.config``); and it may not reach through the ``KVConnector`` to its parts
+``connector.sessions``, ...), nor the store's insides the face stands for (``kvstore.store``,
+``kvstore.daemon`` with its session book, ``kvstore.cluster``, ``kvstore.config``); and it may not reach through the ``KVConnector`` to its parts
 (``connector.store``, ``connector.scheduler``, ``connector.worker``, ``connector.availability``,
 used or only named: an alias would hide the use). Checked on the source with ``ast``, so a new engine module is
 covered without being listed. A config's ``connector`` field is the ``ConnectorConfig``, not
@@ -15,7 +15,7 @@ from pathlib import Path
 import connector
 
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
-STORE_INSIDES = ("kvstore.sessions", "kvstore.config")
+STORE_INSIDES = ("kvstore.store", "kvstore.daemon", "kvstore.cluster", "kvstore.config")
 CONNECTOR_PARTS = {"store", "scheduler", "worker", "availability"}
 CONNECTOR_NAMES = {"connector", "conn"}  # what the engine calls a KVConnector
 CONFIG_NAMES = {"cfg", "config"}  # what the engine calls an EngineConfig
@@ -76,7 +76,8 @@ def test_the_check_sees_each_kind_of_crossing():
         "from connector.sessions import session_holder": "connector's module connector.sessions",
         "import connector.scheduler": "imports connector.scheduler",
         "from connector import Availability": "not on the connector's face",
-        "from kvstore.sessions import valid_duration": "imports kvstore.sessions",
+        "from kvstore.daemon.sessions import SessionBook": "imports kvstore.daemon.sessions",
+        "import kvstore.store.facade": "imports kvstore.store.facade",
         "from kvstore.config import load_config": "imports kvstore.config",
         "self.connector.store.prefetch(keys)": "self.connector.store",
         "n = llm.connector.scheduler.pins": "llm.connector.scheduler",
@@ -89,6 +90,7 @@ def test_the_check_sees_each_kind_of_crossing():
         assert len(found) == 1 and what in found[0], (line, found)
     allowed = ["from connector import KVConnector, ConnectorOutput",
                "from kvstore.keys import chunk_keys",
+               "from kvstore.api import valid_duration",
                "n = cfg.connector.store.host.capacity_bytes",
                "n = self.config.connector.store.host.capacity_bytes",
                "self.connector.pause_session(s.id, s.token_ids, ttl)",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
-from kvstore.fetch import FetchJob
+from kvstore.store.fetch import FetchJob
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 from tiers.disk import DiskTier

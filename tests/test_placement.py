@@ -12,7 +12,7 @@ from kvstore.blob import encode_header
 from kvstore.codecs import get_codec
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.placement import Placement, load_verdicts
+from kvstore.store.placement import Placement, load_verdicts
 from kvstore.store import Store
 
 PAGE = 4096

@@ -11,7 +11,7 @@ import torch
 from bench import probe_codec
 from bench.cli import main
 from engine.models.loader import model_fingerprint
-from kvstore.placement import VERDICT_SCHEMA
+from kvstore.store.placement import VERDICT_SCHEMA
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -5,7 +5,7 @@ import torch
 
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.quota import ReplicaUsage
+from kvstore.store.quota import ReplicaUsage
 from kvstore.store import Store
 
 A = Namespace("quota", 2, 2, 32, chunk_tokens=32, tenant="a")  # 16 KiB fp16

@@ -102,7 +102,7 @@ def test_the_probe_leaves_no_files_and_falls_back_where_reads_stay_cached(tmp_pa
 def test_the_disk_tier_gets_the_measured_form_and_reads_in_flight_unless_configured(
         tmp_path, monkeypatch, o_direct, fetch_workers, expected):
     from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
-    from kvstore.tier_setup import build_tiers
+    from kvstore.store.tier_setup import build_tiers
 
     calls = []
     monkeypatch.setattr(read_probe, "_probe", probed({False: {3: 1.0}, True: {8: 2.0}}, calls))

@@ -1,4 +1,4 @@
-"""The replication planner (kvstore/replication.py) and the Store's use of it."""
+"""The replication planner (kvstore/store/replication.py) and the Store's use of it."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from kvstore.config import (DiskTierConfig, HostTierConfig, PfsTierConfig, PlacementConfig, ReplicationConfig,
                             StoreConfig, WriteBehindConfig)
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.replication import DisplacedReuse, TierOption, plan
+from kvstore.store.replication import DisplacedReuse, TierOption, plan
 from kvstore.store import Store
 
 MB = 10**6

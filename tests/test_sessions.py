@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from kvstore.sessions import MAX_PIN_S, MIN_PIN_S, SessionBook, pin_ttl, valid_duration
+from kvstore.daemon.sessions import SessionBook
+from kvstore.api import MAX_PIN_S, MIN_PIN_S, pin_ttl, valid_duration
 
 
 class Clock:

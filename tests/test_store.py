@@ -458,7 +458,7 @@ def test_pinned_payload_drops_a_corrupt_header():
 
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.integers(0, 400))
 def test_split_runs_cuts_byte_ranges_at_any_point(lengths, n):
-    from kvstore.read_path import split_runs
+    from kvstore.store.read_path import split_runs
 
     runs, offset = [], 0
     for length in lengths:

@@ -7,7 +7,7 @@ import torch
 
 from helpers import PAGE, chunks, same, store_config
 from kvstore.api import LendsChunks
-from kvstore.index import StoreClosed
+from kvstore.store.index import StoreClosed
 from kvstore.keys import Namespace
 from kvstore.store import Store
 

@@ -1,5 +1,5 @@
 """A write-behind copy that is still making room on its tier when its chunk is deleted writes
-nothing afterwards (kvstore/write_behind.py ``_write`` checks, under the key lock, that the
+nothing afterwards (kvstore/store/write_behind.py ``_write`` checks, under the key lock, that the
 job's entry is still the key's). Before the fix it wrote the deleted chunk's file after
 ``Store.delete`` returned (its deleter found no copy holding the key lock to wait for), then
 removed it again: a crash in between brought the deleted chunk back at start."""

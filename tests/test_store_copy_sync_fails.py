@@ -1,5 +1,5 @@
 """A durable put whose disk copy was written but whose fsync failed.
-WriteBehind._write (kvstore/write_behind.py) runs ``tier.write`` then ``tier.sync`` in one
+WriteBehind._write (kvstore/store/write_behind.py) runs ``tier.write`` then ``tier.sync`` in one
 try: when the sync raises (EIO from fsync: a real disk error), the copy is treated as never
 written, and the index is not told of the file that ``write`` put under the chunk's name.
 The tier holds (and counts) a file the index does not list: an orphan that no eviction can

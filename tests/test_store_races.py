@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import kvstore.write_behind
+import kvstore.store.write_behind
 from faults import Call, FaultyTier, Gate, ManualClock, key_lock_waiters, wait_until
 from helpers import PAGE, chunks, same, store_config
 from kvstore.blob import encode_header
@@ -321,15 +321,15 @@ class SteppingClock:
 def test_10_stats_counts_pins_and_expires_the_heap_at_one_instant(tmp_path, monkeypatch, ttl_s):
     """A snapshot read the clock twice (expire the heap, then count pins): a pin that ran
     out between the readings was counted gone while its heap item stayed due (CI, once)."""
-    import kvstore.index
-    import kvstore.store
+    import kvstore.store.index
+    import kvstore.store.facade
 
     keys, values = chunks(1)
     with Store(store_config(tmp_path, disk=None, max_pin_ttl_s=60.0)) as store:
         store.put(keys[0], values[0])
         clock = SteppingClock()
-        monkeypatch.setattr(kvstore.store, "time", clock)
-        monkeypatch.setattr(kvstore.index, "time", clock)
+        monkeypatch.setattr(kvstore.store.facade, "time", clock)
+        monkeypatch.setattr(kvstore.store.index, "time", clock)
         assert store.pin(keys, ttl_s=ttl_s) == 1
         pinned = store.stats().pinned
         heap = store.index.pin_heap_size
@@ -369,7 +369,7 @@ def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(
     disk can be judged stalled only by its own copies' lack of progress, never by the
     machine's load (in CI a busy disk was taken for a stalled one in 2 runs of 6)."""
     clock = ManualClock()
-    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=2, stall_s=5.0, host=256 * PAGE,
                                       pending=8 * PAGE)
     keys, values = chunks(48)
@@ -401,7 +401,7 @@ def test_13_a_disk_holding_room_for_a_put_that_waits_on_a_stalled_tier_is_busy_n
     next put, while the disk wrote the waiting put's copy, skipped it. The stall clock now
     runs only while a tier has copies in flight."""
     clock = ManualClock()
-    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(4)
     size = blob_size(values[0], "raw")
     store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), stall_s=5.0, pending=2 * size)

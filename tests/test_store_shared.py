@@ -143,7 +143,7 @@ def test_redis_back_but_refusing_the_client_is_that_tier_failing(tmp_path, own_r
         assert len(got) == 2 and all(torch.equal(x, y) for x, y in zip(got, values))
         assert store.stats().tiers["redis"].errors >= 2
     refusals = [r for r in caplog.records if "no permissions to run the 'ping'" in r.getMessage()]
-    assert {r.name for r in refusals} == {"tiers.reconnecting"} | ({"kvstore.tier_setup"} if shared_index else set())
+    assert {r.name for r in refusals} == {"tiers.reconnecting"} | ({"kvstore.store.tier_setup"} if shared_index else set())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no "failed unexpectedly"
 
 
@@ -196,7 +196,7 @@ def test_20_a_stale_shared_index_removal_never_erases_a_fresh_entry(tmp_path, re
     """A copy dropped from the PFS tier is removed from the shared index while the chunk is
     put again: the removal must not land after the re-put's add (the old code applied
     removals later, on a thread of their own, and erased the fresh entry)."""
-    from kvstore.tier_setup import SharedIndexClient
+    from kvstore.store.tier_setup import SharedIndexClient
 
     keys, values = chunks(1, seed=7)
     gate = Gate(times=1)

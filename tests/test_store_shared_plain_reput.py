@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from kvstore import write_behind
+from kvstore.store import write_behind
 from kvstore.store import Store
-from kvstore.tier_io import peek_header
+from kvstore.store.deletes import peek_header
 from test_store_shared import chunks
 from test_store_shared_peers import daemon
 from test_store_shared_same_codec import two_puts

@@ -1,5 +1,5 @@
 """Before the fix, a re-put's copy that replaces a durable put's disk file renames an
-unsynced file over it and fsyncs it only afterwards (kvstore/write_behind.py ``_write``:
+unsynced file over it and fsyncs it only afterwards (kvstore/store/write_behind.py ``_write``:
 ``tier.write`` then ``tier.sync``; tiers/disk.py ``write``: temp file, rename, no fsync of
 the temp file before the rename). Between the rename and the fsync the only file under the
 chunk's name holds data no sync covered: a power loss there leaves it empty or short

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvstore.write_behind
+import kvstore.store.write_behind
 from faults import Call, FaultyTier, Gate, ManualClock, wait_until
 from helpers import PAGE, chunks, same, store_config
 from kvstore.blob import HEADER_BYTES
@@ -96,7 +96,7 @@ def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_
     failing every put while the disk hangs. The copy running on the hung disk keeps its chunk.
     Write-behind's clock moves only when the test moves it: the disk stalls at that moment."""
     clock = ManualClock()
-    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(24, NS)
     store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:
@@ -125,7 +125,7 @@ def test_copies_waiting_for_a_stalled_disk_stay_queued_while_puts_find_room(tmp_
     chunks' room sheds them. While host RAM has room they wait, and a disk that goes on
     writes them all; the copy of a put made meanwhile is skipped (the disk was stalled)."""
     clock = ManualClock()
-    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(6, NS)
     store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:
@@ -150,7 +150,7 @@ def test_a_read_promoting_a_chunk_into_host_ram_does_not_shed_copies_waiting_for
     promotion into host RAM is a cache's convenience, and is skipped when host RAM is full
     of such chunks rather than dropping their copies."""
     clock = ManualClock()
-    monkeypatch.setattr(kvstore.write_behind, "time", clock)
+    monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(24, NS)
     store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:

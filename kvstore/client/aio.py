@@ -19,7 +19,7 @@ from kvstore.client.effects import (CallsDone, CancelGet, Close, Connect, Copy, 
                                     Send, Sleep)
 from kvstore.client.errors import DaemonError
 from kvstore.client.options import ClientOptions
-from kvstore.fence import fenced
+from kvstore.wire.fence import fenced
 
 
 class _Awaiting:

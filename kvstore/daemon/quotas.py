@@ -1,7 +1,7 @@
 """Per-tenant quotas of host and disk bytes, enforced before a put is stored and after reads
 that promote chunks into host RAM.
 
-The ledger (kvstore/quota.py) knows each tenant's bytes per tier, as the tiers hold them
+The ledger (kvstore/store/quota.py) knows each tenant's bytes per tier, as the tiers hold them
 (host-RAM pages, disk blocks: not blob bytes, which let a tenant of tiny chunks hold far more
 than its quota). A put that would take its owner (the caller, or the shared tenant) over its
 host-RAM quota first makes room among that owner's own chunks, oldest first: those already on
@@ -22,7 +22,7 @@ import grpc
 from kvstore.daemon.errors import Fail
 from kvstore.daemon.identity import Tenant
 from kvstore.keys import ChunkKey
-from kvstore.quota import ReplicaUsage
+from kvstore.store.quota import ReplicaUsage
 from kvstore.store import Store
 
 HOST, DISK = "host", "disk"

@@ -2,7 +2,7 @@
 
 A read runs in an executor thread and may be writing into a client's slot, or may come back
 holding host-pool pages pinned or a pooled buffer. So nothing a read touches is let go
-before its thread is done: each read awaits its executor future through ``kvstore.fence``
+before its thread is done: each read awaits its executor future through ``kvstore.wire.fence``
 (even when the Get is cancelled: a client that hung up, a deadline), what an abandoned read
 returned is released, and ``ReadAhead.close`` waits for every read it started. Cancelling the
 task alone would leave the thread writing into a slot the client may already be reusing.

@@ -41,9 +41,9 @@ from kvstore.daemon.quotas import DISK, HOST, Quotas
 from kvstore.daemon.service import KVStoreService, register
 from kvstore.daemon.shmfiles import POOL, SharedFile, remove_orphans
 from kvstore.daemon.slots import SlotArena
-from kvstore.quota import ReplicaUsage
+from kvstore.store.quota import ReplicaUsage
 from kvstore.store import Store
-from kvstore.tier_setup import check_host_capacity
+from kvstore.store.tier_setup import check_host_capacity
 from kvstore.wire.convert import split_host_port
 from tiers.base import TierUnavailable
 

@@ -43,9 +43,10 @@ from kvstore.daemon.read_grants import ReadGrants
 from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
-from kvstore.fence import fenced
+from kvstore.wire.fence import fenced
 from kvstore.keys import ChunkKey
-from kvstore.sessions import MIN_PIN_S, SessionBook, pin_ttl, valid_duration
+from kvstore.daemon.sessions import SessionBook
+from kvstore.api import MIN_PIN_S, pin_ttl, valid_duration
 from kvstore.store import Store
 from kvstore.wire.auth import METADATA_KEY
 from kvstore.wire.convert import stats_to_proto
@@ -104,7 +105,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
 
     async def _run(self, fn, *args, abandoned=lambda result: None):
-        """Run a blocking call in the bounded executor, fenced (kvstore/fence.py);
+        """Run a blocking call in the bounded executor, fenced (kvstore/wire/fence.py);
         ``io_inflight`` counts queued + running calls."""
         loop = asyncio.get_running_loop()
         self.io_inflight += 1

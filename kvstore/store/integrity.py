@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-from kvstore.index import ChunkIndex, KeyLocks
-from kvstore.tier_io import TierIO, peek_header
-from kvstore.write_behind import WriteBehind
+from kvstore.store.index import ChunkIndex, KeyLocks
+from kvstore.store.deletes import TierIO, peek_header
+from kvstore.store.write_behind import WriteBehind
 from tiers.base import Tier
 
 

@@ -2,11 +2,11 @@
 
 Tiers are ordered fastest first; the first (host RAM) takes every put synchronously, and
 each replica tier (local disk, and the shared tiers) receives a copy written behind
-(kvstore/write_behind.py). A read is served by the fastest tier holding the chunk that
-has a fetch worker free, and verified (kvstore/read_path.py); a hit below the first tier
-is promoted into it. Lookups answer from the index (kvstore/index.py, which draws a
+(kvstore/store/write_behind.py). A read is served by the fastest tier holding the chunk that
+has a fetch worker free, and verified (kvstore/store/read_path.py); a hit below the first tier
+is promoted into it. Lookups answer from the index (kvstore/store/index.py, which draws a
 chunk's life) and never do I/O.
-Each tier has its own eviction policy (kvstore/eviction.py; with placement, a victim may
+Each tier has its own eviction policy (kvstore/store/eviction.py; with placement, a victim may
 stay re-encoded smaller). The parts share one index lock that is never held across tier
 I/O, and one mutation lock per (tier, key) under which that value is written or deleted.
 
@@ -35,21 +35,21 @@ from kernels import parallel_copy
 from kvstore.blob import HEADER_BYTES, BlobHeader, UnsealedBlob, decode_header, encode_header
 from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
-from kvstore.discovery import discover
-from kvstore.eviction import Evictor
-from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica, StoreClosed
-from kvstore.integrity import check_integrity
+from kvstore.store.discovery import discover
+from kvstore.store.eviction import Evictor
+from kvstore.store.index import ChunkIndex, Entry, KeyLocks, Replica, StoreClosed
+from kvstore.store.integrity import check_integrity
 from kvstore.keys import ChunkKey
-from kvstore.placement import Placement, planned_read_bytes_per_s
-from kvstore.replication import TierOption, plan as replication_plan
+from kvstore.store.placement import Placement, planned_read_bytes_per_s
+from kvstore.store.replication import TierOption, plan as replication_plan
 from kvstore.policies import make_policy
-from kvstore.quota import ReplicaUsage
-from kvstore.read_path import ReadPath
-from kvstore.recovery import recover
+from kvstore.store.quota import ReplicaUsage
+from kvstore.store.read_path import ReadPath
+from kvstore.store.recovery import recover
 from kvstore.stats import StoreStats, TierStats
-from kvstore.tier_io import TierIO
-from kvstore.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
-from kvstore.write_behind import Reservation, Ticket, WriteBehind
+from kvstore.store.deletes import TierIO
+from kvstore.store.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
+from kvstore.store.write_behind import Reservation, Ticket, WriteBehind
 from tiers.base import Tier, TierError, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Store:
                  extra_fetch_workers: dict[str, int] | None = None, usage: ReplicaUsage | None = None) -> None:
         """``extra_tiers`` are appended after the configured ones (slower media, tests), with
         ``extra_fetch_workers[name]`` fetch workers each (default 4); ``usage`` is told of
-        every replica recorded and removed (per-tenant quotas, kvstore/quota.py)."""
+        every replica recorded and removed (per-tenant quotas, kvstore/store/quota.py)."""
         self.config = config = config or StoreConfig()
         config.validate()
         setups = build_tiers(config) + [TierSetup(t, (extra_fetch_workers or {}).get(t.name, 4)) for t in extra_tiers]
@@ -105,7 +105,7 @@ class Store:
         names = config.replicate_to if config.replicate_to is not None else [t.name for t in self.tiers[1:]]
         self.replica_tiers = [t for t in self.tiers[1:] if t.name in names]
         # unset: no cap of its own, since a queue's chunks are held in the first tier, whose room
-        # bounds it; puts wait once that room would fill with them (kvstore/write_behind.py)
+        # bounds it; puts wait once that room would fill with them (kvstore/store/write_behind.py)
         max_pending = config.write_behind.max_pending_bytes or config.host.capacity_bytes
         if self.replica_tiers and max_pending > config.host.capacity_bytes:
             raise ValueError("write_behind.max_pending_bytes must be at most host.capacity_bytes")
@@ -282,7 +282,7 @@ class Store:
     def _planned_copies(self, key_id: bytes, entry: Entry) -> list[str] | None:
         """The replica tiers that should get a copy of ``entry`` besides those that have one
         (index lock held): None for every one (``replication.mode = "all"``), else the
-        replication planner's choice (kvstore/replication.py)."""
+        replication planner's choice (kvstore/store/replication.py)."""
         if self.config.replication.mode == "all" or entry.header is None:
             return None
         stats, placement = self.index.stats, self.config.placement

@@ -1,7 +1,7 @@
 """Deleting tier values, outside the index lock, without ever deleting a newer copy.
 
 Deletes decided under the index lock (evictions, corrupt or stale replicas, ``delete``)
-run after it is released, each under its (tier, key) mutation lock (kvstore/index.py): a
+run after it is released, each under its (tier, key) mutation lock (kvstore/store/index.py): a
 write of the same key either finished before (and the index lists it, so the delete is
 skipped) or starts after. Shared tiers also update the shared index here, in that same
 order, so a stale removal can never erase a fresh entry (review #20). Until it runs, the
@@ -16,7 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, decode_header, verify_blob
-from kvstore.index import ChunkIndex, KeyLocks
+from kvstore.store.index import ChunkIndex, KeyLocks
 from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class TierIO:
         self.locks = locks
         self.shared_index = shared_index
         self._doomed: Counter[tuple[str, bytes]] = Counter()
-        # shared tiers' values removed while a discovery (kvstore/discovery.py) looked at the
+        # shared tiers' values removed while a discovery (kvstore/store/discovery.py) looked at the
         # tiers: (tier, key) -> removal serial, kept only while a discovery begun before runs
         self._serial = 0
         self._removed: dict[tuple[str, bytes], int] = {}

@@ -3,7 +3,7 @@ hit, and hand the bytes to promotion (a callback: the read path writes nothing i
 
 Who owns the caller's buffer: a read call until it returns. ``stream`` and ``get_many_into``
 close their fetch before returning, and closing waits for every read still writing into a
-caller's buffer (kvstore/fetch.py); reads from tiers that may hang (shared ones) go into
+caller's buffer (kvstore/store/fetch.py); reads from tiers that may hang (shared ones) go into
 buffers of their own. So a checksum is only ever computed over bytes the store wrote, and a
 failure is the replica's (review #5).
 
@@ -27,11 +27,11 @@ import xxhash
 from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_digest
 from kvstore.codecs import codec_by_id
 from kvstore.codecs.raw import tensor_bytes
-from kvstore.fetch import FetchJob
-from kvstore.index import ChunkIndex, Replica
+from kvstore.store.fetch import FetchJob
+from kvstore.store.index import ChunkIndex, Replica
 from kvstore.keys import ChunkKey
 from kvstore.stats import EWMA_ALPHA
-from kvstore.tier_io import TierIO
+from kvstore.store.deletes import TierIO
 from tiers.base import SharedPool, Tier, TierError
 
 log = logging.getLogger(__name__)

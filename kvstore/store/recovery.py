@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.index import ChunkIndex, Entry, Replica
-from kvstore.tier_io import peek_header
+from kvstore.store.index import ChunkIndex, Entry, Replica
+from kvstore.store.deletes import peek_header
 from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvstore.index import ChunkIndex, Entry, Replica
-from kvstore.tier_io import TierIO
+from kvstore.store.index import ChunkIndex, Entry, Replica
+from kvstore.store.deletes import TierIO
 from tiers.base import Tier, TierError
 
 

@@ -1,8 +1,8 @@
 """Making room in a tier: eviction by the tier's policy, and placement's re-encoding of
-victims worth keeping smaller (kvstore/placement.py, docs/placement.md).
+victims worth keeping smaller (kvstore/store/placement.py, docs/placement.md).
 
 Victims are chosen under the index lock and leave the index at once; their values are
-deleted after it is released (kvstore/tier_io.py), so a slow medium never holds the lock.
+deleted after it is released (kvstore/store/deletes.py), so a slow medium never holds the lock.
 A victim placement keeps is re-encoded outside every lock and swapped in under its key
 lock, if nothing changed meanwhile.
 """
@@ -15,10 +15,10 @@ from typing import Callable
 
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
-from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
-from kvstore.placement import Placement
-from kvstore.replication import DisplacedReuse
-from kvstore.tier_io import TierIO
+from kvstore.store.index import ChunkIndex, Entry, KeyLocks, Replica
+from kvstore.store.placement import Placement
+from kvstore.store.replication import DisplacedReuse
+from kvstore.store.deletes import TierIO
 from tiers.base import Tier, TierError, TierFull
 
 log = logging.getLogger(__name__)

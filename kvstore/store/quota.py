@@ -2,7 +2,7 @@
 against.
 
 The Store's index reports every replica it records and every one it removes (``added``,
-``removed``: ``ChunkIndex.record``/``remove_replica``/``pop`` in kvstore/index.py), by key id
+``removed``: ``ChunkIndex.record``/``remove_replica``/``pop`` in kvstore/store/index.py), by key id
 and tier. This ledger files them under the
 key's namespace fingerprint (a key id's first 16 bytes) and counts them for the owner that
 fingerprint was ``assign``ed to (the daemon assigns a namespace when a tenant first puts

@@ -13,38 +13,20 @@ hold at most ``max_keys`` keys in all (past it, its other records go, the one ex
 first, then the session's own namespaces recorded first: before, 300 pauses of 4,096 random
 keys grew a daemon by 200 MiB in 19 s).
 
-The lease rule is TokenCake's (docs/agents.md): ``factor`` x the expected stall, within
-``[low_s, high_s]``. This module imports nothing of the project: keys are opaque, grouped
+The lease rule (``pin_ttl``, TokenCake's: ``factor`` x the expected stall, within
+``[low_s, high_s]``) is in kvstore/api.py. This module imports nothing of the project: keys are opaque, grouped
 by the caller (one group per namespace, since one store call names one namespace).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
-PIN_FACTOR = 4.0
-MIN_PIN_S = 60.0
-MAX_PIN_S = 3600.0
 MAX_GROUPS = 64  # namespaces one session's record keeps (full chunks, tails, TP ranks, models)
 MAX_KEYS = 262144  # keys one owner's records keep in all (~170 B each)
-
-
-def pin_ttl(stall_s: float, factor: float = PIN_FACTOR, low_s: float = MIN_PIN_S, high_s: float = MAX_PIN_S) -> float:
-    """The lease on a paused session's chunks: ``factor`` x the stall, within [low_s, high_s]."""
-    return min(high_s, max(low_s, factor * stall_s))
-
-
-def valid_duration(seconds) -> float | None:
-    """A duration from an event: a finite non-negative number, else None (unknown)."""
-    try:
-        seconds = float(seconds)
-    except (TypeError, ValueError):
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import Iterator
 
 from kvstore.blob import BlobHeader
 from kvstore.policies.base import EvictionPolicy
-from kvstore.quota import NO_USAGE, ReplicaUsage
+from kvstore.store.quota import NO_USAGE, ReplicaUsage
 from kvstore.stats import TierStats
 
 
@@ -143,7 +143,7 @@ class ChunkIndex:
     def __init__(self, policies: dict[str, EvictionPolicy], capacities: dict[str, int], first: str,
                  footprints: dict, usage: ReplicaUsage | None = None) -> None:
         self.lock = threading.RLock()
-        self.usage = usage or NO_USAGE  # told of every replica recorded and removed (kvstore/quota.py)
+        self.usage = usage or NO_USAGE  # told of every replica recorded and removed (kvstore/store/quota.py)
         self.changed = threading.Condition(self.lock)
         self.entries: dict[bytes, Entry] = {}
         self.policies = policies

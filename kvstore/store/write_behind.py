@@ -12,7 +12,7 @@ blob. Per tier:
 - Backpressure bounds the first tier's pages that cannot be evicted yet, not the queue's
   length: a job's chunk is held in the first tier until its copy is done, so the first
   tier's own room bounds every queue, and a put waits only when that room would fill with
-  such chunks (the evictor waits for copies then, kvstore/eviction.py). A fixed fraction
+  such chunks (the evictor waits for copies then, kvstore/store/eviction.py). A fixed fraction
   made a burst that fit in host RAM wait for the disk once the fraction was queued (issue
   #37). ``max_pending_bytes`` (default: the first tier's capacity) caps a queue below that
   where a user sets it: a put waits for room in it while the tier makes progress.
@@ -32,7 +32,7 @@ blob. Per tier:
   tier's copy is gone, the tier is stalled) fails it instead of passing silently (#2).
 
 With placement, a copy may be written in another encoding than the put's (``write_codec``,
-kvstore/eviction.py): the worker verifies and decodes the pinned first-tier copy and encodes
+kvstore/store/eviction.py): the worker verifies and decodes the pinned first-tier copy and encodes
 it before writing; if the codec refuses the chunk, it writes the put's encoding. A first-tier
 copy that fails verification is neither copied nor kept: ``corrupt`` drops it (the read path's
 rule), and the copy fails.
@@ -52,8 +52,8 @@ from typing import Callable, Sequence
 
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
-from kvstore.index import ChunkIndex, Entry, KeyLocks, Replica
-from kvstore.tier_io import TierIO, peek_header, verified_header
+from kvstore.store.index import ChunkIndex, Entry, KeyLocks, Replica
+from kvstore.store.deletes import TierIO, peek_header, verified_header
 from tiers.base import Tier, TierError, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)

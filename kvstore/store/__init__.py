@@ -1,0 +1,17 @@
+"""The Store wing: one process's chunk store over its tiers (docs/store.md).
+
+- ``facade``: ``Store``, the ChunkStore the connector and the daemon use;
+- ``index``: the chunk index, the one record of what is where;
+- ``read_path``, ``fetch``: reads, from whichever tier holds a chunk and is free;
+- ``write_behind``: copies of a put to the slower tiers, after the put returned;
+- ``eviction``, ``quota``: making room in a tier, per policy and per tenant;
+- ``placement``, ``replication``: which tiers and which encoding a chunk gets;
+- ``deletes``: removing a chunk's replicas from its tiers;
+- ``integrity``, ``recovery``, ``discovery``: checksums, rebuilding the index at start,
+  finding chunks a peer wrote on a shared tier;
+- ``tier_setup``: building the tiers from the configuration.
+"""
+
+from kvstore.store.facade import Store, StoreClosed
+
+__all__ = ["Store", "StoreClosed"]
