@@ -9,15 +9,19 @@ engine of our connector serves both parts. TTFT is the wall time of one ``genera
 prompt with ``max_tokens=1`` (prefill plus the first token, through vLLM's front end).
 
 TTFT part: ``--repeats`` prompts per length (each a fresh slice of text, so nothing hits across
-repeats). Our engine has prefix caching on (the multi-turn part needs it) and empties it before
-every timed send, so a repeated prompt reaches the connector; ExampleConnector's has it off.
-Cold runs are the first send of each prompt in the engine of that connector, so they include
-its save; hits are measured once every save has landed, ``--rounds`` times over every prompt
-with the two engines interleaved request by request (medians). vLLM logs our connector's
-counters ("KV Transfer metrics"), from which the load throughput is summed.
+repeats). Our engine and one without a connector have prefix caching on (the multi-turn part
+needs it) and empty it before every timed send, so a repeated prompt reaches our connector, and
+is prefilled in full without one; ExampleConnector's engine has it off. The first send of each
+prompt to a connector's engine saves it (that send's TTFT is kept as ``cold_*_first_send_s``);
+once every save has landed, ``--rounds`` rounds over every prompt time our hit, ExampleConnector's
+hit and the cold prefill without a connector (``cold_s``), interleaved request by request, so a
+change in the machine's load falls on all alike (medians). vLLM logs our connector's counters
+("KV Transfer metrics"), from which the load throughput is summed.
 
-Multi-turn part: every turn sent alone, in the trace's order, into an engine with prefix
-caching on and a KV cache of ``--kv-blocks`` blocks, too small to keep every conversation.
+Multi-turn part: every turn sent alone, in the trace's order, to our engine and to one
+without a connector, interleaved turn by turn; both have prefix caching on and a KV cache of
+``--kv-blocks`` blocks, too small to keep every conversation. Throughput is prompt tokens
+over the time each engine spent serving the turns.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 
 PROSE = Path(__file__).parent / "data" / "probe_prose.txt"
 WARMUP_TOKENS = 100  # less than a chunk: never stored
+STATS_INTERVAL_S = 11.0  # a little over vLLM's interval between two "KV Transfer metrics" lines
 # what LMCache 0.5.6's LMCacheConnectorV1 did on CPU vLLM 0.32 here (docs/vllm.md, "LMCache")
 LMCACHE_REFUSAL = ("LMCacheConnectorV1 starts on CPU vLLM, but its worker half refuses the CPU platform: "
                    "'RuntimeError: No supported cpu connector found.' (lmcache.v1.gpu_connector.CreateGPUConnector "
@@ -120,16 +125,27 @@ def summary(cold: dict[int, list[float]], hits: dict[int, list[tuple[float, int]
                 "hit_tokens": min(t for _, t in hits[n])} for n in cold}
 
 
-def run_turns(engine, turns) -> dict:
-    """The multi-turn workload, one request at a time in arrival order (bench/multi_turn.py)."""
+def run_turns(engines: dict, turns, quiet=None) -> dict[str, dict]:
+    """The multi-turn workload (bench/multi_turn.py), every turn sent alone in arrival order,
+    the engines interleaved turn by turn (a change in the machine's load falls on all alike);
+    each engine's prefix cache is emptied first. ``quiet(prompt)`` runs after each send: our
+    saves (and the daemon's copies to disk) go on after the first token, and would otherwise
+    fall on the next engine's turn."""
     from bench.multi_turn import TurnResult, summarize
 
-    engine.reset_prefix_cache()
-    results, started = [], time.monotonic()
+    results: dict[str, list] = {name: [] for name in engines}
+    busy = dict.fromkeys(engines, 0.0)
+    for engine in engines.values():
+        engine.reset_prefix_cache()
     for turn in turns:
-        answer = engine.generate([list(turn.prompt)], max_tokens=1)
-        results.append(TurnResult(answer["seconds"], len(turn.prompt), answer["cached"][0]))
-    return summarize(results, time.monotonic() - started)
+        for name, engine in engines.items():
+            started = time.monotonic()
+            answer = engine.generate([list(turn.prompt)], max_tokens=1)
+            busy[name] += time.monotonic() - started
+            results[name].append(TurnResult(answer["seconds"], len(turn.prompt), answer["cached"][0]))
+            if quiet is not None:
+                quiet(list(turn.prompt))
+    return {name: summarize(results[name], busy[name]) for name in engines}
 
 
 def transfer_totals(log: str) -> dict:
@@ -211,7 +227,11 @@ def run(args) -> int:
                         raise RuntimeError("the daemon's write-behind did not finish")
                     time.sleep(0.05)
 
-            engines = {"ours": (engine, True)}
+            progress("vLLM without a connector: starting vLLM")
+            plain = stack.enter_context(VllmEngine(model, None, **small))
+            results["engine_start_s"]["none"] = plain.start_s
+            plain.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
+            engines = {"ours": (engine, True), "none": (plain, True)}  # none: a cold prefill, interleaved
             example_engine = None
             if not args.no_example:
                 progress("vLLM's ExampleConnector: starting vLLM")
@@ -226,6 +246,7 @@ def run(args) -> int:
                 cold["example"] = measure_cold(example_engine, prompts, False)
             hits = measure_hits(engines, prompts, args.rounds)
             ours = summary(cold["ours"], hits["ours"])
+            cold_none = {n: statistics.median(s for s, _ in runs) for n, runs in hits["none"].items()}
             example = summary(cold["example"], hits["example"]) if example_engine is not None else {}
             if example_engine is not None:
                 example_engine.close()  # its cores go back to the rest of the run
@@ -237,19 +258,23 @@ def run(args) -> int:
                 runs = [ttft(engine, prompt, True) for prompt in batch]
                 ours[n]["after_restart_s"] = statistics.median(s for s, _ in runs)
                 ours[n]["after_restart_tokens"] = min(t for _, t in runs)
+            time.sleep(STATS_INTERVAL_S)  # vLLM logs the connector's counters at this interval
             engine.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
             transfers = transfer_totals(engine.text)
             if turns is not None:
-                progress(f"multi-turn workload, our connector: {len(turns)} requests")
-                multi_turn["ours"] = run_turns(engine, turns)
+                progress(f"multi-turn workload: {len(turns)} requests, with and without our connector, interleaved")
+
+                def quiet(prompt):
+                    try:
+                        settle({0: [prompt]}, timeout_s=10.0)
+                    except RuntimeError:
+                        pass  # a save dropped or still queued: go on, it is part of the workload
+
+                multi_turn = run_turns({"ours": engine, "none": plain}, turns, quiet)
+                time.sleep(STATS_INTERVAL_S)  # vLLM logs the connector's counters at this interval
                 engine.generate([prompts[min(prompts)][0][:WARMUP_TOKENS]], max_tokens=1)
-                loaded = transfer_totals(engine.text)
-                multi_turn["ours"]["loaded_tokens"] = loaded.get("loaded_tokens", 0) - transfers.get("loaded_tokens", 0)
-        if turns is not None:
-            progress(f"multi-turn workload without a connector: starting vLLM, {len(turns)} requests")
-            with VllmEngine(model, None, **small) as engine:
-                results["engine_start_s"]["none"] = engine.start_s
-                multi_turn["none"] = run_turns(engine, turns)
+                loaded = transfer_totals(engine.text).get("loaded_tokens", 0) - transfers.get("loaded_tokens", 0)
+                multi_turn["ours"]["loaded_tokens_logged"] = loaded
     finally:
         daemon.stop()
     results["load_average_after"] = os.getloadavg()
@@ -257,7 +282,8 @@ def run(args) -> int:
     if transfers.get("load_s"):
         results["ours_load_gbps"] = transfers.get("loaded_bytes", 0) / transfers["load_s"] / 1e9
     results["ttft"] = {
-        str(n): {"cold_s": ours[n]["cold_s"], "cold_example_s": example.get(n, {}).get("cold_s"),
+        str(n): {"cold_s": cold_none[n], "cold_ours_first_send_s": ours[n]["cold_s"],
+                 "cold_example_first_send_s": example.get(n, {}).get("cold_s"),
                  "hit_tokens": {"ours": ours[n]["hit_tokens"], "ours_after_restart": ours[n]["after_restart_tokens"],
                                 "example": example.get(n, {}).get("hit_tokens")},
                  "hit_s": {"ours": ours[n]["hit_s"], "ours_after_restart": ours[n]["after_restart_s"],
@@ -282,7 +308,7 @@ def format_table(r: dict) -> str:
     def cell(x):
         return "-" if x is None else f"{x:.3f}"
 
-    lines = ["| tokens | cold s | ours (host RAM) s | ours after restart (disk) s | ExampleConnector s | "
+    lines = ["| tokens | cold s (no connector) | ours (host RAM) s | ours after restart (disk) s | ExampleConnector s | "
              "hit/cold ours | loaded tokens ours / example |", "|---:|---:|---:|---:|---:|---:|---|"]
     for n, f in r["ttft"].items():
         h = f["hit_s"]
