@@ -110,13 +110,19 @@ def measure_cold(engine, prompts, fresh: bool, settle=None) -> dict[int, list[fl
 
 def measure_hits(engines: dict, prompts, rounds: int) -> dict[str, dict[int, list[tuple[float, int]]]]:
     """Hit TTFTs, the engines interleaved request by request (``engines``: name -> (engine,
-    fresh)), so a change in the machine's load falls on all of them alike."""
+    fresh)), so a change in the machine's load falls on all of them alike; the order of the
+    engines turns by one every send, so none always follows the same one (all vLLM Workers
+    share one core, and one engine's long prefill may slow whichever comes next)."""
     hits: dict[str, dict[int, list[tuple[float, int]]]] = {name: {} for name in engines}
+    names = list(engines)
+    turn = 0
     for _ in range(rounds):
         for n, batch in prompts.items():
             for prompt in batch:
-                for name, (engine, fresh) in engines.items():
+                for name in names[turn % len(names):] + names[:turn % len(names)]:
+                    engine, fresh = engines[name]
                     hits[name].setdefault(n, []).append(ttft(engine, prompt, fresh))
+                turn += 1
     return hits
 
 
