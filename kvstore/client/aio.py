@@ -157,7 +157,6 @@ class AsyncClient:
     get_into = _awaitable(ClientCore.get_into)
     get = _awaitable(ClientCore.get)
     get_many_into = _awaitable(ClientCore.get_many_into)
-    get_with = _awaitable(ClientCore.get_with)
     get_blob = _awaitable(ClientCore.get_blob)
     lookup = _awaitable(ClientCore.lookup)
     contains = _awaitable(ClientCore.contains)
