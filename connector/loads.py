@@ -6,7 +6,10 @@ returns, so reading and scattering overlap across the loader threads. Into a CPU
 chunks a store lends (``LendsChunks``: the in-process Store, for raw chunks in host RAM) are
 scattered straight from the store's pages, with no staging copy, in order on one thread
 (each copy uses every core already): the engine's own for a synchronous load, which would
-only wait, else a loader thread; what it does not lend is read as above. Layer-wise loads keep
+only wait, else a loader thread; what it does not lend is read as above. A store that hands
+chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
+pool mapped here) has each group's chunks scattered as they are handed over, again with no
+staging copy. Layer-wise loads keep
 the staged chunks until every read is in, then scatter layer by layer on a thread of their
 own, so layer ``i`` lands while the model computes layer ``i - 1``.
 
@@ -31,7 +34,7 @@ from connector.availability import Availability
 from connector.metadata import ChunkLoad, LoadResult, RequestLoad
 from connector.staging import StagingPool
 from connector.transfer import ChunkMover
-from kvstore.api import ChunkStore, LendsChunks
+from kvstore.api import ChunkStore, HandsOverChunks, LendsChunks
 
 
 class GroupState(enum.Enum):
@@ -66,6 +69,7 @@ class LoadTask:
         # Direct loads into a CPU cache borrow chunks from a store that lends them; on a GPU
         # the pinned staging buffers are the DMA path, and layer-wise loads keep staged chunks.
         self.lends = isinstance(store, LendsChunks) and not layerwise and not mover.cuda
+        self.hands_over = isinstance(store, HandsOverChunks) and not layerwise and not mover.cuda
         # one read call names one namespace (the daemon's Client refuses a mix): a session's
         # tail, in a namespace of its own, is a group of its own
         self.groups: list[_Group] = []
@@ -112,6 +116,9 @@ class LoadTask:
             if group.state is GroupState.ABANDONED:
                 return False
             group.state = GroupState.READING
+        if self.hands_over:
+            self._run_handed_over(group)
+            return False
         lent, failed = self._scatter_lent(group) if self.lends else (0, False)
         if lent is None:
             return False
@@ -179,6 +186,40 @@ class LoadTask:
                 return n, True
             n += 1
         return n, False
+
+    def _run_handed_over(self, group: _Group) -> None:
+        """One read call; each chunk is scattered while the store hands it over, straight
+        from the store's memory. Blocks are written only in state SCATTERING, which
+        ``finish`` waits out; once the load is abandoned the rest is refused."""
+
+        def scatter(index: int, src: torch.Tensor) -> bool:
+            with self.cond:
+                if group.state is GroupState.ABANDONED:
+                    return False
+                group.state = GroupState.SCATTERING
+            try:
+                self.mover.scatter(src, group.chunks[index])
+            except BaseException as exc:  # a bug, not a store failure: re-raised by finish()
+                self.error, group.got = exc, 0
+                with self.cond:
+                    group.state = GroupState.SHORT
+                    self.cond.notify_all()
+                return False
+            with self.cond:
+                group.got, group.state = index + 1, GroupState.READING
+                self.cond.notify_all()
+            return True
+
+        try:
+            self.store.get_with([c.key for c in group.chunks], scatter)
+        except (ValueError, TypeError) as exc:  # our keys do not fit the store: a bug
+            self.error = exc
+        except Exception as exc:  # the store failed: the rest is a miss, and a back-off
+            self.availability.failed("get", exc)
+        with self.cond:
+            if group.state is not GroupState.ABANDONED:
+                group.state = GroupState.DONE if group.got == len(group.chunks) else GroupState.SHORT
+            self.cond.notify_all()
 
     def _read(self, chunks: list[ChunkLoad], bufs: list[torch.Tensor]) -> int:
         keys = [c.key for c in chunks]

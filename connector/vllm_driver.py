@@ -10,6 +10,8 @@ Commands are JSON lines on stdin; each reply is one JSON line on the file descri
         (the prompts go in one call, so they are batched; ``seconds`` is the call's wall time: with
         ``max_tokens`` 1 and one prompt, its time to first token)
     {"op": "namespace"}  -> the connector's namespace fields (the test computes chunk keys)
+    {"op": "reset_prefix_cache"}  -> {"ok": bool} (vLLM's own prefix cache emptied: a prompt
+        sent again reaches the connector)
     {"op": "quit"}
 """
 
@@ -59,6 +61,8 @@ def main() -> None:
             config = llm.llm_engine.vllm_config
             ns = vllm_namespace(config, connector_config(config))
             reply({f.name: getattr(ns, f.name) for f in dataclasses.fields(ns) if f.init})
+        elif cmd["op"] == "reset_prefix_cache":
+            reply({"ok": bool(llm.reset_prefix_cache())})
         elif cmd["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True)
             t0 = time.monotonic()

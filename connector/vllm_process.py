@@ -95,6 +95,11 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> dict:
         return self.call(op="generate", prompts=prompts, max_tokens=max_tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache, so the next send of a prompt reaches the connector."""
+        if not self.call(op="reset_prefix_cache")["ok"]:
+            raise RuntimeError("vLLM refused to reset its prefix cache (a request still holds blocks)")
+
     def close(self, timeout_s: float = 120.0) -> None:
         if self.proc.poll() is None:
             try:

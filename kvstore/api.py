@@ -32,7 +32,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 import math
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -116,6 +116,18 @@ class LendsChunks(Protocol):
     that copies the chunk somewhere anyway (the connector, into its paged cache) saves a copy."""
 
     def borrow(self, key: ChunkKey) -> AbstractContextManager[torch.Tensor | None]:
+        ...
+
+
+@runtime_checkable
+class HandsOverChunks(Protocol):
+    """An optional capability (the daemon's Client has it): ``get_with(keys, consume)`` calls
+    ``consume(index, tensor)`` for each leading present chunk, with a read-only tensor valid
+    only during that call (on the daemon's host, straight over its host pool); ``consume``
+    returns False to take no more; returns how many it took. Like ``LendsChunks``, it saves a
+    copy for a caller that copies the chunk somewhere anyway, across a process boundary."""
+
+    def get_with(self, keys: Sequence[ChunkKey], consume: Callable[[int, torch.Tensor], bool]) -> int:
         ...
 
 

@@ -50,7 +50,7 @@ from kvstore.client.bulk import BulkSession
 from kvstore.client.effects import CallsDone, CancelGet, Copy, NextReply, OpenGet, Rpc, Sleep
 from kvstore.client.errors import RAISE, RENEW, DaemonError, decide, slots_reusable
 from kvstore.client.options import ClientOptions
-from kvstore.client.placing import StreamSink, check_size, copy_out, copy_parts
+from kvstore.client.placing import Lender, StreamSink, check_size, copy_out, copy_parts
 from kvstore.client.shm import ShmLease
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.malloc import keep_large_blocks_in_heap
@@ -441,6 +441,23 @@ class ClientCore:
             return 0
         return (yield from self._retrying(lambda: self._get(list(keys), pb.TENSOR, [tensor_bytes(o) for o in outs])))
 
+    def get_with(self, keys: Sequence[ChunkKey], consume):
+        """Hand each leading present chunk of ``keys`` to ``consume(index, tensor)`` as a
+        read-only tensor of the chunk's shape, valid only during the call; ``consume``
+        returns False to take no more. Returns how many it took.
+
+        Why: a caller that copies a chunk somewhere anyway (the vLLM connector, into its paged
+        cache) reads it straight out of the daemon's host pool, mapped here read-only and
+        pinned until the Get is released: one copy instead of two (pool to buffer, buffer to
+        blocks). A chunk the pool holds split over pages, or that comes in a slot or over the
+        socket, is handed over from the slot or a fresh buffer instead."""
+        ns = self._one_ns(keys)
+        if ns is None:
+            return 0
+        lender = Lender(ns, consume)
+        yield from self._retrying(lambda: self._get(list(keys), pb.TENSOR, [None] * len(keys), lender))
+        return lender.taken
+
     def get_blob(self, key: ChunkKey):
         """The verified blob (header + encoded payload) of a chunk, or None on a miss."""
         blobs: list = [None]
@@ -457,27 +474,31 @@ class ClientCore:
         verify_blob(blob, key, check_payload=False)  # the daemon checked the payload
         return blob
 
-    def _get(self, keys: list[ChunkKey], payload: int, outs: list):
-        """Fill ``outs`` (views to fill, or None entries replaced by buffers); returns hits.
-        Chunks go into slots while there are free ones, then over the socket."""
+    def _get(self, keys: list[ChunkKey], payload: int, outs: list, lender: Lender | None = None):
+        """Fill ``outs`` (views to fill, or None entries replaced by buffers), or hand the
+        chunks to ``lender``; returns hits. Chunks go into slots while there are free ones,
+        then over the socket."""
         lease = yield from self._shm()
         session = yield from self._session()
         ok = False
         try:
             got = 0
             slotted = lease is not None and self._fits(keys[0].namespace, payload, outs[0], lease.slot_bytes)
-            while slotted and got < len(keys):
+            while slotted and got < len(keys) and (lender is None or lender.wants()):
                 slots = lease.take(len(keys) - got)
                 if not slots:
                     break
                 n = yield from self._get_in_slots(keys[got : got + len(slots)], payload, outs, got, lease, slots,
-                                                  session)
+                                                  session, lender)
                 got += n
                 if n < len(slots):  # a miss ends the Get
                     ok = True
                     return got
-            if got < len(keys):
-                got += yield from self._get_stream(keys[got:], payload, outs, got, session)
+            if got < len(keys) and (lender is None or lender.wants()):
+                streamed = yield from self._get_stream(keys[got:], payload, outs, got, session)
+                if lender is not None:
+                    yield Copy(lender.lend_buffers, (outs, got, got + streamed))
+                got += streamed
             ok = True
             return got
         finally:
@@ -485,15 +506,16 @@ class ClientCore:
 
     @staticmethod
     def _fits(ns: Namespace, payload: int, out, slot_bytes: int) -> bool:
-        """Whether a chunk goes into a slot: a tensor that fits, or a blob whose raw encoding
-        does (the daemon refuses a blob larger than its slot, it does not fall back)."""
+        """Whether a chunk goes into a slot: a tensor (to fill, or handed over: None) that
+        fits, or a blob whose raw encoding does (the daemon refuses a blob larger than its slot, it does not fall back)."""
         if payload == pb.BLOB:
             from kvstore.blob import HEADER_BYTES
 
             return ns.chunk_bytes + HEADER_BYTES <= slot_bytes
-        return out.nbytes <= slot_bytes
+        return (ns.chunk_bytes if out is None else out.nbytes) <= slot_bytes
 
-    def _get_in_slots(self, keys, payload, outs, base: int, lease: ShmLease, slots, session):
+    def _get_in_slots(self, keys, payload, outs, base: int, lease: ShmLease, slots, session,
+                      lender: Lender | None = None):
         """Chunks placed in ``slots``, or (pool mapped, bulk channel) read straight out of the
         daemon's host pool, pinned there until the session sends RELEASE."""
         with self._using(lease, slots):  # every slot taken comes back, whatever fails first
@@ -509,7 +531,9 @@ class ClientCore:
                     raise ConnectionError(f"unexpected reply for slot {reply.index} with {data_len} bytes")
                 i = base + reply.index
                 slot = slots[reply.index][1]
-                if outs[i] is None:
+                if lender is not None:
+                    placed.append((i, reply, slot))
+                elif outs[i] is None:
                     if reply.chunk_bytes > slot.nbytes:
                         raise DaemonError(grpc.StatusCode.INTERNAL, "a blob larger than its slot")
                     outs[i] = bytes(slot[: reply.chunk_bytes])
@@ -520,7 +544,9 @@ class ClientCore:
                 yield from ()
 
             def copy_placed():
-                if placed:
+                if placed and lender is not None:
+                    yield Copy(lender.lend_placed, (placed, lease.pool))
+                elif placed:
                     yield Copy(copy_out, (placed, lease.pool))
 
             yield from self._each_reply(request, session, place, copy_placed)

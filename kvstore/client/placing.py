@@ -3,6 +3,8 @@ sink for chunks that arrive as bytes (gRPC pieces or bulk frames)."""
 
 from __future__ import annotations
 
+import warnings
+
 import grpc
 import numpy as np
 
@@ -41,6 +43,74 @@ def copy_out(placed, pool: memoryview | None) -> None:
             pairs.append((_bytes(dst[off : off + length]), _bytes(pool[start : start + length])))
             off += length
     copy_pairs(pairs)
+
+
+def merged_runs(runs) -> list[tuple[int, int]]:
+    """A reply's flat ``pool_runs`` (offset, length, offset, length, ...) as (offset, length)
+    pairs, adjacent ones joined: pages the pool allocated back to back are one piece."""
+    out: list[tuple[int, int]] = []
+    for start, length in zip(runs[::2], runs[1::2]):
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
+class Lender:
+    """``ClientCore.get_with``'s chunks, handed to ``consume(index, tensor)`` in order while the
+    daemon keeps them pinned; it stops at the first ``consume`` that returns False."""
+
+    def __init__(self, ns, consume) -> None:
+        self.ns, self.consume = ns, consume
+        self.taken = 0  # leading chunks consumed (a retried Get hands the same ones again)
+        self.stopped = False
+
+    def wants(self) -> bool:
+        return not self.stopped
+
+    def _lend(self, index: int, view) -> None:
+        if index < self.taken:  # a retried Get hands over what an earlier attempt did
+            return
+        if self.stopped or index > self.taken:
+            self.stopped = True  # a chunk missing in between: the rest is not a prefix
+            return
+        import torch
+
+        with warnings.catch_warnings():  # read-only by contract: consume only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(view, dtype=self.ns.torch_dtype).view(self.ns.chunk_shape)
+        if self.consume(index, tensor):
+            self.taken = max(self.taken, index + 1)
+        else:
+            self.stopped = True
+
+    def lend_placed(self, placed, pool: memoryview | None) -> None:
+        """For each (index, reply, slot): the chunk straight from the host pool when it lies
+        there in one piece, else gathered into its slot (ours again once the Get is answered)."""
+        chunk_bytes = self.ns.chunk_bytes
+        for index, reply, slot in sorted(placed, key=lambda p: p[0]):
+            if reply.chunk_bytes != chunk_bytes:
+                raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes, "
+                                                            f"{chunk_bytes} expected")
+            runs = merged_runs(reply.pool_runs)
+            if len(runs) == 1 and pool is not None and runs[0][0] + chunk_bytes <= pool.nbytes:
+                view = pool[runs[0][0]: runs[0][0] + chunk_bytes]
+            elif runs:
+                view = slot[:chunk_bytes]
+                copy_out([(view, reply, None)], pool)
+            else:
+                view = slot[:chunk_bytes]
+            self._lend(index, view)
+            if self.stopped:
+                return
+
+    def lend_buffers(self, outs, start: int, stop: int) -> None:
+        """Chunks that came over the socket, in fresh buffers."""
+        for index in range(start, stop):
+            self._lend(index, outs[index])
+            if self.stopped:
+                return
 
 
 def check_size(out: memoryview, chunk_bytes: int) -> None:

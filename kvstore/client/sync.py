@@ -130,6 +130,7 @@ class Client:
     get_into = _blocking(ClientCore.get_into)
     get = _blocking(ClientCore.get)
     get_many_into = _blocking(ClientCore.get_many_into)
+    get_with = _blocking(ClientCore.get_with)
     get_blob = _blocking(ClientCore.get_blob)
     lookup = _blocking(ClientCore.lookup)
     contains = _blocking(ClientCore.contains)
