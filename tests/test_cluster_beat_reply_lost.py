@@ -16,10 +16,10 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import lose_reply_once, quick_reaping  # noqa: E402
 from faults import wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import lose_reply_once, quick_reaping  # noqa: E402
 from shared_tiers import redis_member  # noqa: E402
 
 KEY, BLOB = b"\x6b" * 32, 4224

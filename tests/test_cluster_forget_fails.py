@@ -14,9 +14,9 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import quick_retrying  # noqa: E402
 from faults import unlisting_fails_once, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import quick_retrying  # noqa: E402
 from shared_tiers import BLOB, chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 

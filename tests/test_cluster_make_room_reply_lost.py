@@ -15,8 +15,8 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
-from kvstore.store import Store  # noqa: E402
 from cluster_faults import lose_reply_once, quick_retrying, settled  # noqa: E402
+from kvstore.store import Store  # noqa: E402
 from shared_tiers import chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 

@@ -20,10 +20,10 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import quick_reaping  # noqa: E402
 from faults import Call, Gate, wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import quick_reaping  # noqa: E402
 from shared_tiers import one_chunk_cluster  # noqa: E402
 from tiers.base import TierError, TierUnavailable  # noqa: E402
 

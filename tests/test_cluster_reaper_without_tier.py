@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import quick_reaping  # noqa: E402
 from faults import wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import quick_reaping  # noqa: E402
 from shared_tiers import daemon_config  # noqa: E402
 
 KEY, BLOB = b"\x3d" * 32, 4224

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from kvstore.store import Store  # noqa: E402
 from cluster_faults import failed_recount  # noqa: E402
+from kvstore.store import Store  # noqa: E402
 from shared_tiers import BLOB, chunks, one_chunk_cluster  # noqa: E402
 
 

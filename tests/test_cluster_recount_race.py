@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import CommitFailsOnce, failing_re_put, lose_reply_once  # noqa: E402
 from faults import Gate  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import CommitFailsOnce, failing_re_put, lose_reply_once  # noqa: E402
 from shared_tiers import BLOB, chunks, one_chunk_cluster  # noqa: E402
 
 

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import CommitFailsOnce  # noqa: E402
 from kvstore.blob import encode_header  # noqa: E402
 from kvstore.codecs import resolve_codec  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import CommitFailsOnce  # noqa: E402
 from shared_tiers import BLOB, one_chunk_cluster  # noqa: E402
 from tiers.base import TierError, TierFull  # noqa: E402
 

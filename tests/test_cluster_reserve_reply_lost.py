@@ -20,9 +20,9 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import failed_recount, lose_reply_once  # noqa: E402
 from faults import Call, FaultyTier, Gate  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import failed_recount, lose_reply_once  # noqa: E402
 from shared_tiers import BLOB, one_chunk_cluster  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 

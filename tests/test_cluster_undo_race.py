@@ -15,9 +15,9 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import HeldAfterDelete, HeldAfterWrite, lose_reply_once, watch_ledger  # noqa: E402
 from faults import Call, FaultyTier, Gate, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from cluster_faults import HeldAfterDelete, HeldAfterWrite, lose_reply_once, watch_ledger  # noqa: E402
 from shared_tiers import chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 
