@@ -1,4 +1,5 @@
-"""Test furniture the store tests share: a small namespace, chunks of random KV, bit-exact
+"""Test furniture the store tests share: the default namespace NS (1 KiB chunks) and a
+wider one (16 KiB chunks), chunks of random KV, bit-exact
 comparison, and a Store config builder on tiny pages."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from kvstore.keys import Namespace, chunk_keys
 
 PAGE = 4096
 NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16 chunks
+WIDE_NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16 chunks
 
 
 def chunks(n: int, ns: Namespace = NS, seed: int = 0):

@@ -42,7 +42,7 @@ from tiers.base import TierError
 from tiers.disk import DiskTier
 
 CODECS = ("raw", "lz4", "int8", "int4", "mixed75")
-NS = Namespace("model-ns", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=8)  # every codec encodes it
+MODEL_NS = Namespace("model-ns", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=8)  # every codec encodes it
 # With placement: chunks of 5 pages raw, so re-encoding frees pages (int8 takes 3, int4 2)
 NS_PLACED = Namespace("model-ns-placed", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)
 PLACEMENT_CODECS = ("int8", "mixed50", "mixed25", "int4")  # mixed25 cannot encode NS_PLACED: no candidate
@@ -81,7 +81,7 @@ def expected_reads(keys: int, seed: int, placement: bool) -> dict[tuple[int, str
     """``reachable`` for every (chunk, codec) of ``chunks(keys, ..., seed)``: the same for
     every model built alike, so computed once (0.2 s with placement; a hypothesis run builds
     a hundred models). Only compared against, never handed to a Store."""
-    _, values = chunks(keys, NS_PLACED if placement else NS, seed=seed)
+    _, values = chunks(keys, NS_PLACED if placement else MODEL_NS, seed=seed)
     return {(i, c): reachable(values[i], c, placement) for i in range(keys) for c in CODECS}
 
 
@@ -105,7 +105,7 @@ class StoreModel:
     def __init__(self, keys: int = 10, seed: int = 0, placement: bool = False) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="store-model-"))
         self.placement = placement
-        self.keys, values = chunks(keys, NS_PLACED if placement else NS, seed=seed)
+        self.keys, values = chunks(keys, NS_PLACED if placement else MODEL_NS, seed=seed)
         # what a read of each put may return: its roundtrip, or with placement any re-encoding chain of it
         self.expected = expected_reads(keys, seed, placement)
         self.values = values

@@ -23,7 +23,6 @@ import types
 import pytest
 
 from bench import limits
-from test_bench_limits import files  # noqa: F401 (a fixture: three cold 256 KiB files)
 from tiers import read_probe
 
 JUMP_S = 10.0
@@ -56,16 +55,16 @@ def clock(monkeypatch):
     return clock
 
 
-def test_disk_read_limit_does_not_count_buffer_setup_as_disk_time(files, clock):
-    total = sum(os.path.getsize(p) for p in files)
-    limit = limits.disk_read_limit(files, inflight=(1, 4))
+def test_disk_read_limit_does_not_count_buffer_setup_as_disk_time(cold_files, clock):
+    total = sum(os.path.getsize(p) for p in cold_files)
+    limit = limits.disk_read_limit(cold_files, inflight=(1, 4))
     slow = {config: gbps for config, gbps in limit.tried.items() if gbps < total / (JUMP_S / 2) / limits.GB}
     assert not slow, f"buffer setup timed as disk reads: {slow}"
 
 
-def test_the_read_probe_does_not_count_buffer_setup_as_disk_time(files, clock):
-    total = sum(os.path.getsize(p) for p in files)
-    speeds = read_probe.cold_speeds(files, (False, True), inflight=(1, 4))
+def test_the_read_probe_does_not_count_buffer_setup_as_disk_time(cold_files, clock):
+    total = sum(os.path.getsize(p) for p in cold_files)
+    speeds = read_probe.cold_speeds(cold_files, (False, True), inflight=(1, 4))
     slow = {(form, n): gbps for form, table in speeds.items() for n, gbps in table.items()
             if gbps < total / (JUMP_S / 2) / 1e9}
     assert not slow, f"buffer setup timed as disk reads: {slow}"

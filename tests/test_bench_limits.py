@@ -48,22 +48,8 @@ def test_memcpy_limit_reports_whichever_config_is_fastest(monkeypatch):
     _is_best(limit)
 
 
-@pytest.fixture
-def files(tmp_path):
-    paths = []
-    for i in range(3):
-        p = tmp_path / f"f{i}"
-        p.write_bytes(os.urandom(256 << 10))
-        paths.append(str(p))
-    try:
-        drop_cache(paths)
-    except RuntimeError as exc:
-        pytest.skip(f"this file system keeps pages cached: {exc}")
-    return paths
-
-
-def test_cached_bytes_sees_a_cached_file_and_its_drop(files):
-    path = files[0]
+def test_cached_bytes_sees_a_cached_file_and_its_drop(cold_files):
+    path = cold_files[0]
     with open(path, "rb") as f:
         f.read()
     assert cached_bytes(path) == os.path.getsize(path)
@@ -71,13 +57,13 @@ def test_cached_bytes_sees_a_cached_file_and_its_drop(files):
     assert cached_bytes(path) == 0
 
 
-def test_drop_cache_fails_when_pages_stay(files, monkeypatch):
+def test_drop_cache_fails_when_pages_stay(cold_files, monkeypatch):
     monkeypatch.setattr(read_probe, "cached_bytes", lambda p: 4096)
     with pytest.raises(RuntimeError, match="page cache"):
-        drop_cache(files)
+        drop_cache(cold_files)
 
 
-def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(files, monkeypatch):
+def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(cold_files, monkeypatch):
     seen = []
     real = limits.read_all
 
@@ -87,7 +73,7 @@ def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(files, monkeypatch)
         real(paths, n, direct, read_bytes, buffers)
 
     monkeypatch.setattr(limits, "read_all", read_all)
-    limit = disk_read_limit(files)
+    limit = disk_read_limit(cold_files)
     _is_best(limit)
     assert {n for n, _ in seen} == set(limits.INFLIGHT)
     assert "buffered, 8 in flight" in limit.tried and "buffered in 256 KiB reads, 1 in flight" in limit.tried

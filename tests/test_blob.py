@@ -18,12 +18,12 @@ from kvstore.blob import (
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("m", num_layers=2, num_kv_heads=1, head_dim=4, chunk_tokens=2)
-KEY, OTHER = chunk_keys([1, 2, 3, 4], NS)
+TINY_NS = Namespace("m", num_layers=2, num_kv_heads=1, head_dim=4, chunk_tokens=2)
+KEY, OTHER = chunk_keys([1, 2, 3, 4], TINY_NS)
 
 
 def make_blob(dtype=torch.float16, key=KEY) -> bytes:
-    kv = torch.arange(32, dtype=torch.float32).reshape(NS.chunk_shape).to(dtype)
+    kv = torch.arange(32, dtype=torch.float32).reshape(TINY_NS.chunk_shape).to(dtype)
     payload = bytes(tensor_bytes(kv))
     return encode_header(key, 0, dtype, kv.shape, payload) + payload
 
@@ -32,7 +32,7 @@ def make_blob(dtype=torch.float16, key=KEY) -> bytes:
 def test_round_trip(dtype):
     blob = make_blob(dtype)
     header, payload = verify_blob(blob, KEY)
-    assert header.dtype == dtype and header.shape == NS.chunk_shape
+    assert header.dtype == dtype and header.shape == TINY_NS.chunk_shape
     assert header.key_id == KEY.id and header.codec_id == 0
     assert len(blob) == HEADER_BYTES + len(payload)
 

@@ -12,7 +12,7 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import Client, DaemonError
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("client-model", 2, 2, 8, chunk_tokens=8)
+CLIENT_NS = Namespace("client-model", 2, 2, 8, chunk_tokens=8)
 
 
 class Scripted(pb_grpc.KVStoreServicer):
@@ -48,7 +48,7 @@ def scripted():
 def test_unavailable_is_retried_with_backoff(scripted):
     servicer, addr = scripted([grpc.StatusCode.UNAVAILABLE] * 2)
     with Client(addr, retries=3, backoff_s=0.01, transport="grpc") as client:
-        assert client.lookup(chunk_keys(list(range(8)), NS)) == 1
+        assert client.lookup(chunk_keys(list(range(8)), CLIENT_NS)) == 1
     assert servicer.calls == 3
 
 
@@ -56,12 +56,12 @@ def test_other_errors_and_exhausted_retries_are_raised(scripted):
     servicer, addr = scripted([grpc.StatusCode.INVALID_ARGUMENT])
     with Client(addr, retries=3, backoff_s=0.01, transport="grpc") as client:
         with pytest.raises(DaemonError) as info:
-            client.lookup(chunk_keys(list(range(8)), NS))
+            client.lookup(chunk_keys(list(range(8)), CLIENT_NS))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and servicer.calls == 1
     servicer, addr = scripted([grpc.StatusCode.UNAVAILABLE] * 5)
     with Client(addr, retries=2, backoff_s=0.01, transport="grpc") as client:
         with pytest.raises(DaemonError, match="UNAVAILABLE"):
-            client.lookup(chunk_keys(list(range(8)), NS))
+            client.lookup(chunk_keys(list(range(8)), CLIENT_NS))
     assert servicer.calls == 3
 
 
@@ -71,11 +71,11 @@ def test_arguments_are_checked_before_any_rpc():
     with pytest.raises(ValueError, match="HOST:PORT"):
         Client("no-port")
     with Client("127.0.0.1:1", retries=0) as client:
-        key = chunk_keys(list(range(8)), NS)[0]
+        key = chunk_keys(list(range(8)), CLIENT_NS)[0]
         with pytest.raises(ValueError, match="does not match"):
             client.put(key, torch.zeros(3, dtype=torch.float16))
         with pytest.raises(ValueError, match="does not match"):
-            client.get_into(key, torch.zeros(NS.chunk_shape, dtype=torch.float32))
+            client.get_into(key, torch.zeros(CLIENT_NS.chunk_shape, dtype=torch.float32))
         with pytest.raises(ValueError, match="share a namespace"):
             other = chunk_keys(list(range(8)), Namespace("other", 2, 2, 8, chunk_tokens=8))[0]
             client.lookup([key, other])

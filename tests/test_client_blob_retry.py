@@ -27,11 +27,11 @@ from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.wire.frames import END
 
-NS = Namespace("review-blob-retry", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB
+BLOB_RETRY_NS = Namespace("review-blob-retry", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB
 
 
 def value(i):
-    return torch.full(NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
+    return torch.full(BLOB_RETRY_NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
 
 
 def expected_blob(key, kv) -> bytes:
@@ -47,7 +47,7 @@ def start(tmp_path, slow: bool):
              '[store.disk]\ncapacity_bytes = "64MiB"\nread_bytes_per_s = 200000\n') if slow else ""  # 64 KiB: ~0.33 s
     cfg.write_text(f'listen = "127.0.0.1:0"\n[shm]\ndir = "{tmp_path}"\nslots = 8\nslot_bytes = "128KiB"\n{extra}')
     proc = DaemonProcess(["--config", str(cfg), "--data-dir", str(tmp_path / "data")])
-    keys = chunk_keys(list(range(4 * 64)), NS)
+    keys = chunk_keys(list(range(4 * 64)), BLOB_RETRY_NS)
     with Client(proc.addr, transport="shm") as client:
         for i, k in enumerate(keys if slow else keys[:1]):
             client.put(k, value(i), durable=True)

@@ -21,15 +21,15 @@ from kvstore.client import Client
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("review-stream-ttl", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB
+STREAM_TTL_NS = Namespace("review-stream-ttl", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB
 
 
 def value(i):
-    return torch.full(NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
+    return torch.full(STREAM_TTL_NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
 
 
 def test_a_slow_get_over_the_bulk_channel_without_pool_views_is_served(tmp_path):
-    keys = chunk_keys(list(range(6 * NS.chunk_tokens)), NS)
+    keys = chunk_keys(list(range(6 * STREAM_TTL_NS.chunk_tokens)), STREAM_TTL_NS)
     cfg = tmp_path / "daemon.toml"
     cfg.write_text('listen = "127.0.0.1:0"\n[shm]\nenabled = false\n[bulk]\npin_ttl_s = 0.3\n'
                    '[store.host]\ncapacity_bytes = "160KiB"\npage_bytes = 4096\nprefault = false\n'

@@ -23,13 +23,13 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.keys import Namespace, chunk_keys
 
 SLOTS = 4
-NS = Namespace("review-close", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB
-KEYS = chunk_keys(list(range(4 * NS.chunk_tokens)), NS)
-PUT_KEYS = chunk_keys(list(range(5000, 5000 + 4 * NS.chunk_tokens)), NS)
+CLOSE_NS = Namespace("review-close", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB
+KEYS = chunk_keys(list(range(4 * CLOSE_NS.chunk_tokens)), CLOSE_NS)
+PUT_KEYS = chunk_keys(list(range(5000, 5000 + 4 * CLOSE_NS.chunk_tokens)), CLOSE_NS)
 
 
 def value(i: int) -> torch.Tensor:
-    return torch.full(NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
+    return torch.full(CLOSE_NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -101,7 +101,7 @@ def test_close_waits_for_a_get_in_flight_and_refuses_new_calls(daemon, monkeypat
     client = Client(daemon.address, shm_slots=SLOTS)
     assert client.path == "shm"
     held, go = hold_copies(monkeypatch)
-    out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
+    out = torch.zeros(CLOSE_NS.chunk_shape, dtype=torch.float16)
     results = {}
 
     def run(name, fn):
@@ -129,7 +129,7 @@ def test_close_waits_for_a_get_in_flight_and_refuses_new_calls(daemon, monkeypat
 def test_many_calls_and_a_close_meanwhile(daemon):
     client = Client(daemon.address, shm_slots=SLOTS)
     assert client.path == "shm"
-    outs = [torch.zeros(NS.chunk_shape, dtype=torch.float16) for _ in range(4)]
+    outs = [torch.zeros(CLOSE_NS.chunk_shape, dtype=torch.float16) for _ in range(4)]
     calls, wrong, errors, put = [0], [], [], set()
     lock = threading.Lock()
 
@@ -205,7 +205,7 @@ async def close_with_a_get_held(address, out, held):
 
 def test_async_close_waits_for_a_get_in_flight_and_refuses_new_calls(daemon, monkeypatch):
     held, go = hold_copies(monkeypatch)  # the async client copies in threads of its own
-    out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
+    out = torch.zeros(CLOSE_NS.chunk_shape, dtype=torch.float16)
 
     async def scenario():
         client, reader, closer = await close_with_a_get_held(daemon.address, out, held)
@@ -225,7 +225,7 @@ def test_a_cancelled_async_close_still_gives_everything_back(daemon, monkeypatch
     session held until their TTL at the daemon, and a second close() could not release them.
     The release now outlives the cancellation, and the call in flight still ends well."""
     held, go = hold_copies(monkeypatch)
-    out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
+    out = torch.zeros(CLOSE_NS.chunk_shape, dtype=torch.float16)
 
     async def scenario():
         client, reader, closer = await close_with_a_get_held(daemon.address, out, held)
@@ -248,7 +248,7 @@ def test_an_interrupted_close_is_finished_by_the_next(daemon, monkeypatch):
     held, go = hold_copies(monkeypatch)
     client = Client(daemon.address, shm_slots=SLOTS)
     assert client.path == "shm"
-    out = torch.zeros(NS.chunk_shape, dtype=torch.float16)
+    out = torch.zeros(CLOSE_NS.chunk_shape, dtype=torch.float16)
     reader = threading.Thread(target=lambda: client.get_into(KEYS[1], out))
     reader.start()
     assert held.wait(10)

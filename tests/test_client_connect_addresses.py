@@ -21,7 +21,7 @@ from kvstore.client import AsyncClient, Client
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("review-resolve", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB
+RESOLVE_NS = Namespace("review-resolve", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB
 
 
 @pytest.fixture
@@ -46,8 +46,8 @@ def daemon(tmp_path):
 
 def test_both_clients_reach_a_daemon_named_localhost(daemon, localhost_is_v6_first):
     addr = "localhost:" + daemon.addr.rsplit(":", 1)[1]
-    key = chunk_keys(list(range(NS.chunk_tokens)), NS)[0]
-    kv = torch.arange(math.prod(NS.chunk_shape), dtype=torch.float16).view(NS.chunk_shape)
+    key = chunk_keys(list(range(RESOLVE_NS.chunk_tokens)), RESOLVE_NS)[0]
+    kv = torch.arange(math.prod(RESOLVE_NS.chunk_shape), dtype=torch.float16).view(RESOLVE_NS.chunk_shape)
 
     with Client(addr, transport="remote", retries=1) as client:
         client.put(key, kv)

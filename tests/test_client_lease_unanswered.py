@@ -21,8 +21,8 @@ from kvstore.daemon.service import KVStoreService
 from kvstore.keys import Namespace, chunk_keys
 
 SLOTS = 4
-NS = Namespace("lease-unanswered", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
-KEYS = chunk_keys(list(range(2 * NS.chunk_tokens)), NS)
+LEASE_UNANSWERED_NS = Namespace("lease-unanswered", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
+KEYS = chunk_keys(list(range(2 * LEASE_UNANSWERED_NS.chunk_tokens)), LEASE_UNANSWERED_NS)
 
 
 def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:
@@ -60,7 +60,7 @@ def daemon(tmp_path, monkeypatch):
 
 def test_a_lease_whose_reply_was_lost_is_released_by_the_clients_next_call(daemon, monkeypatch):
     monkeypatch.setattr(core, "LEASE_AGAIN_S", 0.2)
-    value = torch.randn(NS.chunk_shape).half()
+    value = torch.randn(LEASE_UNANSWERED_NS.chunk_shape).half()
     with Client(daemon.address, shm_slots=SLOTS, timeout_s=1.0) as client:
         client.put(KEYS[0], value)  # its Lease timed out: put over the bulk channel instead
         assert daemon.granted.is_set() and daemon.arena.free_slots == 0

@@ -25,12 +25,12 @@ from kvstore.keys import Namespace, chunk_keys
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_daemon import TOKEN, start_daemon  # noqa: E402
 
-NS = Namespace("review-restart", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB
+RESTART_NS = Namespace("review-restart", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB
 
 
 def test_the_async_client_takes_shared_memory_again_after_a_daemon_restart(tmp_path):
-    key = chunk_keys(list(range(NS.chunk_tokens)), NS)[0]
-    kv = torch.arange(NS.chunk_bytes // 2, dtype=torch.float16).view(NS.chunk_shape)
+    key = chunk_keys(list(range(RESTART_NS.chunk_tokens)), RESTART_NS)[0]
+    kv = torch.arange(RESTART_NS.chunk_bytes // 2, dtype=torch.float16).view(RESTART_NS.chunk_shape)
     first = start_daemon(tmp_path / "d")
     addr = first.addr
 

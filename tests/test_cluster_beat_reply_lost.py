@@ -16,12 +16,11 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import lose_reply_once, quick_reaping  # noqa: E402
 from faults import wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_cluster_reaped_writer import quick  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
+from shared_tiers import redis_member  # noqa: E402
 
 KEY, BLOB = b"\x6b" * 32, 4224
 
@@ -30,7 +29,7 @@ KEY, BLOB = b"\x6b" * 32, 4224
 def test_a_dead_members_write_handed_over_by_a_beat_whose_reply_was_lost_is_still_finished(tmp_path, redis_server,
                                                                                           retry):
     prefix = "rv-beat-lost-" + retry.split()[-1]
-    cb = quick(redis_member(tmp_path, redis_server.url, prefix, "b"))
+    cb = quick_reaping(redis_member(tmp_path, redis_server.url, prefix, "b"))
     raw = redis.Redis.from_url(redis_server.url)
     with Store(cb) as b:
         ledger = b.cluster.ledger

@@ -14,37 +14,10 @@ import pytest
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
 import redis  # noqa: E402
-import redis.exceptions as rex  # noqa: E402
 
+from cluster_faults import lose_reply_once  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
-
-
-def lose_reply_once(ledger, script: str, meanwhile=lambda: None, unreachable_after=False):
-    """The next run of ``script`` on ``ledger``'s client runs on the server, then its reply
-    is lost (a timeout reading it); ``meanwhile`` runs before the client sees the loss. With
-    ``unreachable_after``, redis-py's retry of it times out too, without reaching the server
-    (Redis went away right after running it)."""
-    client = ledger._client
-    sha = ledger._scripts[script].sha
-    real = client._send_command_parse_response
-    armed = [True]
-    retry = [unreachable_after]
-
-    def send(conn, command_name, *args, **options):
-        if not armed[0] and retry[0] and command_name == "EVALSHA" and args[1] == sha:
-            retry[0] = False
-            raise rex.TimeoutError("Timeout connecting to server (injected)")
-        result = real(conn, command_name, *args, **options)
-        if armed[0] and command_name == "EVALSHA" and args[1] == sha:
-            armed[0] = False
-            meanwhile()
-            raise rex.TimeoutError("Timeout reading from socket (injected: the script ran)")
-        return result
-
-    client._send_command_parse_response = send
-    return armed
+from shared_tiers import chunks, redis_member  # noqa: E402
 
 
 @pytest.mark.parametrize("retry", ["retried", "retry fails too"])

@@ -15,9 +15,8 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 import redis  # noqa: E402
 
 from kvstore.store import Store  # noqa: E402
+from shared_tiers import BLOB, chunks, redis_member  # noqa: E402
 from tiers.base import TierUnavailable  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import BLOB, redis_member  # noqa: E402
 
 
 def test_a_victim_whose_evicted_call_failed_leaves_the_ledger_at_the_next_settle(tmp_path, redis_server):

@@ -14,17 +14,16 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import quick_retrying  # noqa: E402
 from faults import unlisting_fails_once, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_stuck_evicting import quick  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import BLOB, redis_member  # noqa: E402
+from shared_tiers import BLOB, chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 
 
 def test_a_victim_deleted_while_the_lookup_index_was_unreachable_is_still_uncounted(tmp_path, redis_server):
     keys, values = chunks(3, seed=97)
-    cfg = quick(redis_member(tmp_path, redis_server.url, "rv-forget-fails"))
+    cfg = quick_retrying(redis_member(tmp_path, redis_server.url, "rv-forget-fails"))
     cfg.redis.capacity_bytes = 2 * BLOB  # the cluster's budget: two chunks
     raw = redis.Redis.from_url(redis_server.url)
     rkey = cfg.redis.key_prefix.encode() + keys[0].id.hex().encode()

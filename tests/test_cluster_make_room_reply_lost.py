@@ -15,11 +15,9 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import lose_reply_once, quick_retrying, settled  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_cluster_stuck_evicting import quick, settled  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
+from shared_tiers import chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 
 BLOB = 4224
@@ -28,7 +26,7 @@ BLOB = 4224
 @pytest.mark.parametrize("retry", ["retried", "retry fails too"])
 def test_the_victims_of_a_make_room_whose_reply_was_lost_are_deleted_and_uncounted(tmp_path, redis_server, retry):
     keys, values = chunks(4, seed=61)
-    ca = quick(redis_member(tmp_path, redis_server.url, "rv-room-lost-" + retry.split()[-1], "a"))
+    ca = quick_retrying(redis_member(tmp_path, redis_server.url, "rv-room-lost-" + retry.split()[-1], "a"))
     ca.redis.capacity_bytes = 3 * BLOB
     raw = redis.Redis.from_url(redis_server.url)
     with Store(ca) as a:

@@ -20,11 +20,11 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import quick_reaping  # noqa: E402
 from faults import Call, Gate, wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_reaped_writer import quick  # noqa: E402
-from test_store_shared_durable import one_chunk_cluster  # noqa: E402
+from shared_tiers import one_chunk_cluster  # noqa: E402
 from tiers.base import TierError, TierUnavailable  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def holds(lease) -> bool:
 @pytest.mark.parametrize("wakes", ["asleep", "after a beat"])
 def test_a_member_reaped_mid_delete_leaves_the_value_another_member_put_since(tmp_path, redis_server, wakes):
     key, value, members, raw, rkey = one_chunk_cluster(tmp_path, redis_server.url, "rv-paused-" + wakes[0], 97)
-    ca, cb = (quick(c) for c in members)
+    ca, cb = (quick_reaping(c) for c in members)
     with Store(ca) as a, Store(cb) as b:
         lease, ledger = a.cluster.lease, a.cluster.ledger
         now = [time.monotonic()]

@@ -14,8 +14,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 import redis  # noqa: E402
 
 from kvstore.store import Store  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
+from shared_tiers import chunks, redis_member  # noqa: E402
 
 
 @pytest.mark.parametrize("who", ["same member", "other member"])

@@ -16,7 +16,7 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 from kvstore.codecs import get_codec  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_store_shared_durable import one_chunk_cluster  # noqa: E402
+from shared_tiers import one_chunk_cluster  # noqa: E402
 
 MIXED = get_codec("mixed75")
 

@@ -11,17 +11,17 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import quick_reaping  # noqa: E402
 from faults import unlisting_fails_once, wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_reaped_writer import quick  # noqa: E402
-from test_store_shared import daemon_config  # noqa: E402
+from shared_tiers import daemon_config  # noqa: E402
 
 KEY, BLOB = b"\x7c" * 32, 4224
 
 
 def test_a_dead_members_work_on_every_tier_is_finished_when_one_tiers_removal_fails(tmp_path, redis_server):
-    cfg = quick(daemon_config(tmp_path, "b", redis_server.url, True, "rv-reap-two", pfs=True))
+    cfg = quick_reaping(daemon_config(tmp_path, "b", redis_server.url, True, "rv-reap-two", pfs=True))
     cfg.cluster.enabled, cfg.cluster.member = True, "b"
     with Store(cfg) as b:
         failed = unlisting_fails_once(b.shared_index)

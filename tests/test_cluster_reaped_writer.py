@@ -17,23 +17,17 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import quick_reaping  # noqa: E402
 from faults import Call, FaultyTier, Gate, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
-
-
-def quick(cfg):
-    cfg.cluster.heartbeat_s = 0.1
-    cfg.cluster.member_ttl_s = 0.5
-    return cfg
+from shared_tiers import chunks, redis_member  # noqa: E402
 
 
 def test_a_member_reaped_mid_write_leaves_the_value_another_member_put_durably(tmp_path, redis_server):
     keys, values = chunks(1, seed=71)
     key, value = keys[0], values[0]
-    ca = quick(redis_member(tmp_path, redis_server.url, "rv-reaped", "a"))
-    cb = quick(redis_member(tmp_path, redis_server.url, "rv-reaped", "b"))
+    ca = quick_reaping(redis_member(tmp_path, redis_server.url, "rv-reaped", "a"))
+    cb = quick_reaping(redis_member(tmp_path, redis_server.url, "rv-reaped", "b"))
     raw = redis.Redis.from_url(redis_server.url)
     rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
     with Store(ca) as a, Store(cb) as b:

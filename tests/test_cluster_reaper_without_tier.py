@@ -11,17 +11,17 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import quick_reaping  # noqa: E402
 from faults import wait_until  # noqa: E402
 from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_reaped_writer import quick  # noqa: E402
-from test_store_shared import daemon_config  # noqa: E402
+from shared_tiers import daemon_config  # noqa: E402
 
 KEY, BLOB = b"\x3d" * 32, 4224
 
 
 def test_a_dead_members_work_on_a_tier_the_reaper_lacks_is_handed_to_a_member_with_it(tmp_path, redis_server):
-    cfg = quick(daemon_config(tmp_path, "p", redis_server.url, True, "rv-reaper-tier", pfs=True))
+    cfg = quick_reaping(daemon_config(tmp_path, "p", redis_server.url, True, "rv-reaper-tier", pfs=True))
     cfg.redis.enabled = False  # p mounts the PFS directory only
     cfg.cluster.enabled, cfg.cluster.member = True, "p"
     budgets = {"pfs": cfg.pfs.capacity_bytes, "redis": 1 << 22}

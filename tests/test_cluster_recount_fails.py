@@ -18,43 +18,9 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import failed_recount  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_cluster_recount_race import failing_re_put  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import BLOB, one_chunk_cluster  # noqa: E402
-from tiers.base import TierUnavailable  # noqa: E402
-
-
-class RecountFails:
-    """A member's ledger on which the undo of a failed write goes wrong once, ``how``:
-    'unreachable' (the recount's reserve fails before it reaches Redis), 'reply lost' (it
-    runs; its reply and redis-py's retry are lost) or 'release fails' (the undo's release of
-    the write's own reservation fails before it reaches Redis: the recount waits for it)."""
-
-    def __init__(self, ledger, how):
-        self._ledger, self.how = ledger, how
-        self.released, self.failed = False, False
-
-    def __getattr__(self, name):
-        return getattr(self._ledger, name)
-
-    def release(self, member, tier, key_ids, own_only=False):
-        if own_only and not self.released:
-            self.released = True
-            if self.how == "release fails":
-                self.failed = True
-                raise TierUnavailable("cluster ledger: release: Redis unreachable (injected)")
-            if self.how == "reply lost":
-                self.failed = True
-                lose_reply_once(self._ledger, "reserve", unreachable_after=True)
-        return self._ledger.release(member, tier, key_ids, own_only)
-
-    def reserve(self, *args, **kwargs):
-        if self.how == "unreachable" and self.released and not self.failed:
-            self.failed = True
-            raise TierUnavailable("cluster ledger: reserve: Redis unreachable (injected)")
-        return self._ledger.reserve(*args, **kwargs)
+from shared_tiers import BLOB, chunks, one_chunk_cluster  # noqa: E402
 
 
 def members(tmp_path, url, how, seed):
@@ -64,16 +30,6 @@ def members(tmp_path, url, how, seed):
         cfg.redis.capacity_bytes = 2 * BLOB - 1  # one chunk fits, not two
         cfg.cluster.heartbeat_s, cfg.cluster.member_ttl_s = 3600.0, 3 * 3600.0  # the test settles by hand
     return key, value, ca, cb, raw, rkey
-
-
-def failed_recount(a, key, value, how):
-    """a's durable raw put, then a re-put (int8) whose copy fails; its recount goes wrong ``how``."""
-    a.put(key, value, durable=True)  # the older value: raw, on Redis
-    tier = failing_re_put(a)
-    tier.ledger = failing = RecountFails(tier.ledger, how)
-    a.put(key, value, codec="int8")
-    assert a.flush(30) and failing.failed
-    return tier
 
 
 @pytest.mark.parametrize("how", ["unreachable", "reply lost", "release fails"])

@@ -14,12 +14,10 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from faults import FaultyTier, Gate  # noqa: E402
+from cluster_faults import CommitFailsOnce, failing_re_put, lose_reply_once  # noqa: E402
+from faults import Gate  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import BLOB, one_chunk_cluster  # noqa: E402
-from tiers.base import TierUnavailable  # noqa: E402
+from shared_tiers import BLOB, chunks, one_chunk_cluster  # noqa: E402
 
 
 class HeldAfterRelease:
@@ -38,30 +36,6 @@ class HeldAfterRelease:
             for key_id in key_ids:
                 self.gate.pass_through(key_id)
         return used
-
-
-class CommitFailsOnce:
-    """A member's ledger whose next commit fails without reaching Redis."""
-
-    def __init__(self, ledger):
-        self._ledger, self.failed = ledger, False
-
-    def __getattr__(self, name):
-        return getattr(self._ledger, name)
-
-    def commit(self, member, tier, key_id):
-        if not self.failed:
-            self.failed = True
-            raise TierUnavailable("cluster ledger: commit: Redis unreachable (injected)")
-        return self._ledger.commit(member, tier, key_id)
-
-
-def failing_re_put(store):
-    """Arms ``store``'s Redis tier so that the copy of its next re-put fails before it lands."""
-    tier = store.tier("redis")
-    faulty = tier.inner = FaultyTier(tier.inner)
-    faulty.failures["write"] = 1
-    return tier
 
 
 def test_the_recount_of_an_older_value_leaves_a_value_another_member_put_durably_since(tmp_path, redis_server):

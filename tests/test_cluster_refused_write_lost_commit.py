@@ -15,11 +15,11 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import CommitFailsOnce  # noqa: E402
 from kvstore.blob import encode_header  # noqa: E402
 from kvstore.codecs import resolve_codec  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_recount_race import CommitFailsOnce  # noqa: E402
-from test_store_shared_durable import BLOB, one_chunk_cluster  # noqa: E402
+from shared_tiers import BLOB, one_chunk_cluster  # noqa: E402
 from tiers.base import TierError, TierFull  # noqa: E402
 
 

@@ -20,11 +20,10 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from cluster_faults import failed_recount, lose_reply_once  # noqa: E402
 from faults import Call, FaultyTier, Gate  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_cluster_recount_fails import failed_recount  # noqa: E402
-from test_store_shared_durable import BLOB, one_chunk_cluster  # noqa: E402
+from shared_tiers import BLOB, one_chunk_cluster  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 
 

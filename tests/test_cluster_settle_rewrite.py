@@ -17,13 +17,12 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import lose_reply_once  # noqa: E402
 from kvstore.blob import encode_header  # noqa: E402
 from kvstore.codecs.raw import tensor_bytes  # noqa: E402
 from kvstore.store import Store  # noqa: E402
+from shared_tiers import chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
 
 
 def test_a_settle_that_undoes_a_taken_write_keeps_a_newer_write_of_the_key(tmp_path, redis_server):

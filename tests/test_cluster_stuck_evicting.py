@@ -9,43 +9,24 @@ restart or a reaping does). Meanwhile the bytes stay counted against the cluster
 and every member's reservation of that chunk is answered "busy": after ``busy_wait_s`` the
 copy fails, so no member can put the chunk durably on that tier again, ever. Real Redis."""
 
-import time
-
 import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
 import redis  # noqa: E402
 
+from cluster_faults import quick_retrying, settled  # noqa: E402
 from faults import FaultyTier  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import redis_member  # noqa: E402
+from shared_tiers import chunks, redis_member  # noqa: E402
 from tiers.base import TierError, TierUnavailable  # noqa: E402
-
-
-def quick(cfg):
-    cfg.cluster.heartbeat_s = 0.1
-    cfg.cluster.member_ttl_s = 1.0
-    cfg.cluster.busy_wait_s = 1.0
-    return cfg
-
-
-def settled(store, timeout_s=5.0) -> bool:
-    """Whether the member's unfinished deletes are done within ``timeout_s`` (many heartbeats)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if store.cluster.ledger.state(10.0).tiers["redis"].in_flight == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_delete_the_medium_refused_once_is_finished_and_the_chunk_can_be_put_again(tmp_path, redis_server):
     keys, values = chunks(1, seed=51)
     key, value = keys[0], values[0]
-    ca = quick(redis_member(tmp_path, redis_server.url, "rv-stuck", "a"))
-    cb = quick(redis_member(tmp_path, redis_server.url, "rv-stuck", "b"))
+    ca = quick_retrying(redis_member(tmp_path, redis_server.url, "rv-stuck", "a"))
+    cb = quick_retrying(redis_member(tmp_path, redis_server.url, "rv-stuck", "b"))
     raw = redis.Redis.from_url(redis_server.url)
     rkey = ca.redis.key_prefix.encode() + key.id.hex().encode()
     with Store(ca) as a, Store(cb) as b:
@@ -75,7 +56,7 @@ def test_a_victim_the_medium_refused_to_delete_does_not_keep_its_bytes_counted(t
     """make_room's victims: the same, through ``remove``: their bytes stay counted, so the
     cluster's budget shrinks by every failed eviction until the member restarts."""
     keys, values = chunks(3, seed=52)
-    ca = quick(redis_member(tmp_path, redis_server.url, "rv-stuck-victim", "a"))
+    ca = quick_retrying(redis_member(tmp_path, redis_server.url, "rv-stuck-victim", "a"))
     ca.redis.capacity_bytes = 2 * 4224  # two chunks
     raw = redis.Redis.from_url(redis_server.url)
     with Store(ca) as a:

@@ -15,11 +15,10 @@ pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)
 
 import redis  # noqa: E402
 
+from cluster_faults import HeldAfterDelete, HeldAfterWrite, lose_reply_once, watch_ledger  # noqa: E402
 from faults import Call, FaultyTier, Gate, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_cluster_commit_reply_lost import lose_reply_once  # noqa: E402
-from test_store_shared import chunks  # noqa: E402
-from test_store_shared_durable import HeldAfterDelete, HeldAfterWrite, redis_member, watch_ledger  # noqa: E402
+from shared_tiers import chunks, redis_member  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 
 

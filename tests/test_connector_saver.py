@@ -19,12 +19,12 @@ from kvstore.client import DaemonError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 
-NS = Namespace("saver-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
+SAVER_NS = Namespace("saver-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
 
 
 def saver_on(store):
     stats, availability = StatsRecorder(), Availability(backoff_s=30.0)
-    pool = StagingPool(NS.chunk_shape, NS.torch_dtype, pin_memory=False, keep=4)
+    pool = StagingPool(SAVER_NS.chunk_shape, SAVER_NS.torch_dtype, pin_memory=False, keep=4)
     return Saver(store, pool, availability, stats), pool, availability, stats
 
 
@@ -39,8 +39,8 @@ def save(saver, pool, keys):
 
 
 def test_a_store_full_of_pinned_chunks_drops_saves_and_stays_on(tmp_path):
-    keys = chunk_keys(list(range(8 * 32)), NS)
-    with Store(store_config(tmp_path, host=4 * (NS.chunk_bytes + PAGE), disk=None)) as store:
+    keys = chunk_keys(list(range(8 * 32)), SAVER_NS)
+    with Store(store_config(tmp_path, host=4 * (SAVER_NS.chunk_bytes + PAGE), disk=None)) as store:
         saver, pool, availability, stats = saver_on(store)
         save(saver, pool, keys[:4])
         assert store.pin(keys[:4], 30.0) == 4  # host RAM, the only tier, is now all pinned
@@ -52,7 +52,7 @@ def test_a_store_full_of_pinned_chunks_drops_saves_and_stays_on(tmp_path):
 
 
 def test_a_store_that_fails_otherwise_is_an_outage(tmp_path):
-    keys = chunk_keys(list(range(2 * 32)), NS)
+    keys = chunk_keys(list(range(2 * 32)), SAVER_NS)
     with Store(store_config(tmp_path, disk=None)) as store:
         saver, pool, availability, stats = saver_on(store)
     save(saver, pool, keys)  # the store is closed
@@ -71,8 +71,8 @@ def test_a_chunk_the_codec_refuses_is_a_failed_save_and_the_saver_goes_on(tmp_pa
     ValueError for a chunk that does not fit its namespace, a bug, and kept it as its error,
     which the worker raises at every later step: one request's overflowed value stopped the
     engine for every request, for good."""
-    keys = chunk_keys(list(range(3 * 32)), NS)
-    with Store(store_config(tmp_path, host=16 * (NS.chunk_bytes + PAGE), disk=None, codec="int8")) as store:
+    keys = chunk_keys(list(range(3 * 32)), SAVER_NS)
+    with Store(store_config(tmp_path, host=16 * (SAVER_NS.chunk_bytes + PAGE), disk=None, codec="int8")) as store:
         saver, pool, _, stats = saver_on(store)
         try:
             bad = pool.take()
@@ -97,11 +97,11 @@ def test_a_staging_buffer_taken_during_a_forward_can_be_read_into_by_a_loader_th
     buffer the pool made there was an inference tensor; given back and taken by a loader
     thread (outside inference mode), a store read that decodes into it in place raised, which
     the load counts as a store outage: the connector went off for its back-off."""
-    keys = chunk_keys(list(range(32)), NS)
-    value = torch.randn(NS.chunk_shape).to(NS.torch_dtype)
-    with Store(store_config(tmp_path, host=16 * (NS.chunk_bytes + PAGE), disk=None)) as store:
+    keys = chunk_keys(list(range(32)), SAVER_NS)
+    value = torch.randn(SAVER_NS.chunk_shape).to(SAVER_NS.torch_dtype)
+    with Store(store_config(tmp_path, host=16 * (SAVER_NS.chunk_bytes + PAGE), disk=None)) as store:
         store.put(keys[0], value, codec="int8")
-        pool = StagingPool(NS.chunk_shape, NS.torch_dtype, pin_memory=False, keep=4)
+        pool = StagingPool(SAVER_NS.chunk_shape, SAVER_NS.torch_dtype, pin_memory=False, keep=4)
         with torch.inference_mode():
             pool.give(pool.take())
         errors = []

@@ -19,7 +19,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 
 BLOCK, CHUNK = 4, 16  # 4 blocks per chunk
-NS = Namespace("sched-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=CHUNK)
+FP32_NS = Namespace("sched-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=CHUNK)
 TOKENS = list(range(100, 100 + 6 * CHUNK + 5))  # 6 full chunks and a tail
 
 
@@ -31,7 +31,7 @@ def store(tmp_path):
         yield s
 
 
-def connector(store, ns=NS, **kw):
+def connector(store, ns=FP32_NS, **kw):
     return KVConnector(store, ns, BLOCK, ConnectorConfig(chunk_tokens=ns.chunk_tokens, **kw))
 
 
@@ -41,7 +41,7 @@ def request(tokens=TOKENS, request_id="r"):
     return seq
 
 
-def put_chunks(store, n, tokens=TOKENS, ns=NS):
+def put_chunks(store, n, tokens=TOKENS, ns=FP32_NS):
     keys = chunk_keys(tokens, ns)[:n]
     for i, key in enumerate(keys):
         store.put(key, torch.full(ns.chunk_shape, float(i)), parent=keys[i - 1] if i else None)
@@ -131,8 +131,8 @@ def test_saves_plan_each_newly_completed_chunk_of_prompt_and_output(store):
     (save,) = conn.build_connector_meta([(seq, 12)]).saves  # the prompt's first chunk completes, and its prefill
     full, tail = save.chunks  # ... so its tail (one full block past the chunk) is saved too
     assert full.block_ids == tuple(seq.block_table[:4]) and tail.block_ids == (seq.block_table[4],)
-    assert full.key == chunk_keys(TOKENS, NS)[0] and full.parent is None
-    assert tail.key == tail_key(NS, TOKENS, 1, BLOCK, full.key) and tail.parent == full.key
+    assert full.key == chunk_keys(TOKENS, FP32_NS)[0] and full.parent is None
+    assert tail.key == tail_key(FP32_NS, TOKENS, 1, BLOCK, full.key) and tail.parent == full.key
     seq.num_computed = len(seq)
     while len(seq) < 2 * CHUNK:  # decode: output tokens complete the second chunk
         seq.token_ids.append(7)
@@ -140,8 +140,8 @@ def test_saves_plan_each_newly_completed_chunk_of_prompt_and_output(store):
         plan = conn.build_connector_meta([(seq, 1)])
         seq.num_computed += 1
     (save,) = plan.saves
-    assert save.chunks[0].key == chunk_keys(seq.token_ids, NS)[1]
-    assert save.chunks[0].parent == chunk_keys(TOKENS, NS)[0]
+    assert save.chunks[0].key == chunk_keys(seq.token_ids, FP32_NS)[1]
+    assert save.chunks[0].parent == chunk_keys(TOKENS, FP32_NS)[0]
 
 
 def test_chunks_loaded_from_the_store_are_not_saved_again_unless_their_load_failed(store):
@@ -153,20 +153,20 @@ def test_chunks_loaded_from_the_store_are_not_saved_again_unless_their_load_fail
     (load,) = conn.build_connector_meta([]).loads
     seq.num_computed = 2 * CHUNK
     (save,) = conn.build_connector_meta([(seq, CHUNK)]).saves
-    assert [c.key for c in save.chunks] == [chunk_keys(TOKENS, NS)[2]]
+    assert [c.key for c in save.chunks] == [chunk_keys(TOKENS, FP32_NS)[2]]
     failed = tuple(b for c in load.chunks[1:] for b in c.block_ids)
     conn.update_connector_output(ConnectorOutput(loads=[LoadResult("r", 1, CHUNK, failed, 0.0, 0)]))
     seq.num_computed = CHUNK  # the engine recomputes from the first failed block
     (save,) = conn.build_connector_meta([(seq, 2 * CHUNK)]).saves
-    assert [c.key for c in save.chunks] == chunk_keys(TOKENS, NS)[1:3]
+    assert [c.key for c in save.chunks] == chunk_keys(TOKENS, FP32_NS)[1:3]
 
 
 @pytest.mark.parametrize("change", [{"dtype": "float16"}, {"model_id": "another-model"}, {"tenant": "t2"},
                                     {"chunk_tokens": 2 * CHUNK}])
 def test_another_namespace_claims_nothing(store, change):
     put_chunks(store, 4)
-    fields = dict(model_id=NS.model_id, num_layers=NS.num_layers, num_kv_heads=NS.num_kv_heads,
-                  head_dim=NS.head_dim, dtype=NS.dtype, chunk_tokens=NS.chunk_tokens)
+    fields = dict(model_id=FP32_NS.model_id, num_layers=FP32_NS.num_layers, num_kv_heads=FP32_NS.num_kv_heads,
+                  head_dim=FP32_NS.head_dim, dtype=FP32_NS.dtype, chunk_tokens=FP32_NS.chunk_tokens)
     other = Namespace(**{**fields, **change})
     assert connector(store, other).scheduler.get_num_new_matched_tokens(request(), 0) == (0, False)
 
@@ -190,7 +190,7 @@ def test_a_dead_daemon_turns_the_connector_off_with_one_log_line(caplog):
 
 def test_the_connector_comes_back_after_its_back_off(store):
     now = [0.0]
-    kv = KVConnector(store, NS, BLOCK, ConnectorConfig(chunk_tokens=CHUNK, unavailable_backoff_s=10),
+    kv = KVConnector(store, FP32_NS, BLOCK, ConnectorConfig(chunk_tokens=CHUNK, unavailable_backoff_s=10),
                      clock=lambda: now[0])
     kv.availability.failed("lookup", OSError("gone"))
     put_chunks(store, 1)
@@ -218,7 +218,7 @@ def test_a_chunk_that_is_not_whole_blocks_is_refused_at_start(store):
                                                    "block size 16$"):
         EngineConfig(block_size=16, connector=ConnectorConfig(chunk_tokens=24))
     with pytest.raises(ConnectorConfigError, match="not a multiple"):
-        KVConnector(store, NS, 5, ConnectorConfig(chunk_tokens=CHUNK))
+        KVConnector(store, FP32_NS, 5, ConnectorConfig(chunk_tokens=CHUNK))
 
 
 def test_the_configuration_loads_from_toml_with_the_store_as_a_subtree(tmp_path):
@@ -254,7 +254,7 @@ def test_chunks_pinned_past_a_chunk_that_left_before_the_pin_are_unpinned_with_t
     assert store.stats().pinned == 0 and len(conn.pins) == 0
 
 
-def put_tail(store, tokens, blocks, ns=NS):
+def put_tail(store, tokens, blocks, ns=FP32_NS):
     """The tail of ``tokens``' first ``blocks`` blocks past their last full chunk, as the worker saves it."""
     full = len(tokens) // CHUNK
     keys = chunk_keys(tokens, ns)
@@ -278,7 +278,7 @@ def test_a_hit_on_every_full_chunk_also_loads_the_longest_stored_prompt_tail(sto
     assert matched == 2 * CHUNK + stored_blocks * BLOCK
     conn.update_state_after_alloc(seq, matched)
     (load,) = conn.build_connector_meta([]).loads
-    assert [c.key for c in load.chunks] == chunk_keys(tokens, NS)[:2] + [key]
+    assert [c.key for c in load.chunks] == chunk_keys(tokens, FP32_NS)[:2] + [key]
     assert load.chunks[-1].block_ids == tuple(seq.block_table[8:8 + stored_blocks])
 
 

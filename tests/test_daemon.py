@@ -19,16 +19,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.cli import main as kvbench
+from helpers import NS
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli import main
-from kvstore.config import load_config
 from kvstore.client import AsyncClient, Client, DaemonError
-from kvstore.wire.frames import HELLO
+from kvstore.config import load_config
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.wire.frames import HELLO
 
-NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16
 BIG = Namespace("test-big", num_layers=4, num_kv_heads=2, head_dim=64, chunk_tokens=128, dtype="bfloat16")  # 256 KiB
 
 CONFIG = """

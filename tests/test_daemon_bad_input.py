@@ -20,7 +20,7 @@ from kvstore.daemon.spawn import DaemonProcess
 from kvstore.wire.convert import ns_to_proto
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("bad-input", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
+BAD_INPUT_NS = Namespace("bad-input", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
 CONFIG = """
 [limits]
 max_chunk_bytes = "64KiB"
@@ -67,8 +67,8 @@ def blob_of(key, value):
 
 
 def keys_and_value(seed):
-    keys = chunk_keys(list(range(seed * 1000, seed * 1000 + 4 * NS.chunk_tokens)), NS)
-    return keys, torch.full(NS.chunk_shape, float(seed), dtype=torch.float16)
+    keys = chunk_keys(list(range(seed * 1000, seed * 1000 + 4 * BAD_INPUT_NS.chunk_tokens)), BAD_INPUT_NS)
+    return keys, torch.full(BAD_INPUT_NS.chunk_shape, float(seed), dtype=torch.float16)
 
 
 def put_header(key, size, **kw):
@@ -107,7 +107,7 @@ def test_malformed_and_truncated_messages(daemon, stub, client):
 
 def test_wrong_namespace_and_key_length(stub, client):
     keys, value = keys_and_value(2)
-    good = ns_to_proto(NS)
+    good = ns_to_proto(BAD_INPUT_NS)
     for bad in (pb.NamespaceSpec(), pb.NamespaceSpec(**{**_fields(good), "dtype": "int8"}),
                 pb.NamespaceSpec(**{**_fields(good), "tp_rank": 3, "tp_size": 2}),
                 pb.NamespaceSpec(**{**_fields(good), "layout": "KLTHD"})):
@@ -123,7 +123,7 @@ def test_wrong_namespace_and_key_length(stub, client):
     # a blob whose shape does not match the namespace it is put under
     other = Namespace("bad-input", 2, 2, 16, chunk_tokens=32)
     small = torch.zeros(other.chunk_shape, dtype=torch.float16)
-    key = chunk_keys(list(range(32)), NS)[0]
+    key = chunk_keys(list(range(32)), BAD_INPUT_NS)[0]
     payload = tensor_bytes(small)
     mismatched = encode_header(key, 0, small.dtype, small.shape, payload) + bytes(payload)
     assert code_of(lambda: stub.Put(iter([pb.PutRequest(header=put_header(key, len(mismatched)), data=mismatched)]))) \
@@ -182,13 +182,13 @@ def test_client_disconnecting_mid_get(daemon, stub, client):
     keys, value = keys_and_value(5)
     for k in keys:
         client.put(k, value)
-    request = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys], piece_bytes=64 << 10)
+    request = pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[k.prefix_hash for k in keys], piece_bytes=64 << 10)
     stream = stub.Get(request)
     next(stream)
     stream.cancel()
     # bulk: ask for chunks on a bulk channel, then hang up without reading them
     sock = attached(stub)
-    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys])))
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[k.prefix_hash for k in keys])))
     assert sock.recv(1)
     sock.close()
     assert len(client.get(keys)) == 4
@@ -261,7 +261,7 @@ def test_bulk_channel_bad_requests_get_errors_and_the_channel_stays_usable(stub,
     assert bulk_error(sock) == Code.INVALID_ARGUMENT
     sock.sendall(frame(GET, pb.GetRequest(namespace=pb.NamespaceSpec(), prefix_hashes=[keys[0].prefix_hash])))
     assert bulk_error(sock) == Code.INVALID_ARGUMENT  # no namespace
-    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[b"x" * 15])))
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[b"x" * 15])))
     assert bulk_error(sock) == Code.INVALID_ARGUMENT  # key of the wrong length
     sock.sendall(frame(PUT, put_header(keys[0], len(blob) + 1), blob))
     assert bulk_error(sock) == Code.INVALID_ARGUMENT  # fewer bytes than announced
@@ -306,7 +306,7 @@ def test_forged_and_stale_slot_references(stub, client):
         return stub.Put(iter([pb.PutRequest(header=put_header(keys[0], len(blob), slot=slot))]))
 
     def get_with(slot):
-        return list(stub.Get(pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash], slots=[slot])))
+        return list(stub.Get(pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[keys[0].prefix_hash], slots=[slot])))
 
     forged = [
         (pb.SlotRef(lease_id=12345, index=ref.index, generation=ref.generation), Code.FAILED_PRECONDITION),
@@ -337,7 +337,7 @@ def test_pool_views_stay_pinned_until_release(stub, client):
     with open(lease.pool_path, "rb") as f:
         pool = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     sock = attached(stub)
-    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[keys[0].prefix_hash],
                                           payload=pb.TENSOR, slots=[lease.slots[0]], pool_views=True)))
     kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
     assert kind == CHUNK and data_len == 0
@@ -350,8 +350,8 @@ def test_pool_views_stay_pinned_until_release(stub, client):
 
     def churn(seed):  # more chunks than the 16 MiB host tier holds: every free page is reused
         for i in range(1100):
-            client.put(chunk_keys(list(range(seed + i * 32, seed + i * 32 + 32)), NS)[0],
-                       torch.full(NS.chunk_shape, float(i % 7 + 10), dtype=torch.float16))
+            client.put(chunk_keys(list(range(seed + i * 32, seed + i * 32 + 32)), BAD_INPUT_NS)[0],
+                       torch.full(BAD_INPUT_NS.chunk_shape, float(i % 7 + 10), dtype=torch.float16))
 
     expected = bytes(tensor_bytes(value))
     assert in_pool() == expected
@@ -367,7 +367,7 @@ def test_pool_views_stay_pinned_until_release(stub, client):
 
 def test_pool_views_need_slots_and_a_bulk_channel(stub):
     keys, _ = keys_and_value(10)
-    request = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash], pool_views=True)
+    request = pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[keys[0].prefix_hash], pool_views=True)
     assert code_of(lambda: list(stub.Get(request))) == Code.INVALID_ARGUMENT
     sock = attached(stub)
     sock.sendall(frame(GET, request))
@@ -379,7 +379,7 @@ def test_a_bulk_client_that_stops_reading_is_cut_off(stub, client):
     for k in keys:
         client.put(k, value)
     sock = attached(stub)
-    get = frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys],
+    get = frame(GET, pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[k.prefix_hash for k in keys],
                                    payload=pb.TENSOR))
     sock.sendall(get * 400)  # 25 MiB of replies: more than both socket buffers hold
     time.sleep(4)  # the daemon's send waits for us for frame_timeout_s (2 s), then gives up
@@ -401,13 +401,13 @@ def test_chunks_a_socket_carries_are_copies(stub, client):
     keys, value = keys_and_value(12)
     client.put(keys[0], value)
     sock = attached(stub)
-    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+    sock.sendall(frame(GET, pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[keys[0].prefix_hash],
                                           payload=pb.TENSOR)))
     time.sleep(0.5)  # the chunk now waits in the socket, unread
     client.delete(keys[:1])
     for i in range(1100):  # more chunks than the 16 MiB host tier holds: every free page is reused
-        client.put(chunk_keys(list(range(300_000 + i * 32, 300_000 + i * 32 + 32)), NS)[0],
-                   torch.full(NS.chunk_shape, float(i % 7 + 10), dtype=torch.float16))
+        client.put(chunk_keys(list(range(300_000 + i * 32, 300_000 + i * 32 + 32)), BAD_INPUT_NS)[0],
+                   torch.full(BAD_INPUT_NS.chunk_shape, float(i % 7 + 10), dtype=torch.float16))
     kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
     assert kind == CHUNK and data_len == len(tensor_bytes(value))
     recv_exactly(sock, meta_len)
@@ -420,7 +420,7 @@ def test_absurd_namespace_dimensions_are_refused_before_anything_is_allocated(st
     """Finding #22: a Get sized a buffer by the namespace's dimensions before knowing whether
     the key existed; num_layers=10**6 meant a huge allocation or a MemoryError (UNKNOWN)."""
     keys, _ = keys_and_value(20)
-    good = _fields(ns_to_proto(NS))
+    good = _fields(ns_to_proto(BAD_INPUT_NS))
     for bad in ({"num_layers": 10**6}, {"num_layers": 2**32 - 1, "head_dim": 2**32 - 1},
                 {"chunk_tokens": 4096},  # 4 MiB: over this daemon's 64 KiB max_chunk_bytes
                 {"model_id": "m" * 1000}, {"model_id": "bad\x1fid"}, {"tenant": "t" * 1000}):
@@ -440,6 +440,6 @@ def test_pin_ttl_is_bounded(stub, client):
     keys, value = keys_and_value(21)
     client.put(keys[0], value)
     for ttl in (float("inf"), float("nan"), 0.0, 1e9):
-        assert code_of(lambda: stub.Pin(pb.PinRequest(namespace=ns_to_proto(NS), prefix_hashes=[keys[0].prefix_hash],
+        assert code_of(lambda: stub.Pin(pb.PinRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[keys[0].prefix_hash],
                                                       ttl_s=ttl))) == Code.INVALID_ARGUMENT
     still_serving(client)

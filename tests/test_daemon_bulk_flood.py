@@ -22,14 +22,14 @@ from kvstore.client import AsyncClient, Client
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("review-bulk-flood", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB
-KEYS = chunk_keys(list(range(3 * NS.chunk_tokens)), NS)
+BULK_FLOOD_NS = Namespace("review-bulk-flood", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB
+KEYS = chunk_keys(list(range(3 * BULK_FLOOD_NS.chunk_tokens)), BULK_FLOOD_NS)
 HELD = 2  # the daemon's max_unauthenticated
 WAIT_S = 10.0
 
 
 def chunk(i: int) -> torch.Tensor:
-    return (torch.arange(math.prod(NS.chunk_shape), dtype=torch.float16) + i).view(NS.chunk_shape)
+    return (torch.arange(math.prod(BULK_FLOOD_NS.chunk_shape), dtype=torch.float16) + i).view(BULK_FLOOD_NS.chunk_shape)
 
 
 def right(got: list[torch.Tensor]) -> bool:

@@ -20,7 +20,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.wire.convert import ns_to_proto
 from kvstore.wire.frames import CHUNK, END, FRAME, GET, HELLO
 
-NS = Namespace("cancel", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB fp16
+CANCEL_NS = Namespace("cancel", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 64 KiB fp16
 SLOW = 256_000  # disk bytes per second: a chunk takes ~0.25 s to read
 
 
@@ -33,7 +33,7 @@ def config(tmp_path, disk_bytes_per_s=0, extra=""):
 
 
 def value(i):
-    return torch.full(NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
+    return torch.full(CANCEL_NS.chunk_shape, float(i), dtype=torch.float16) + torch.arange(64, dtype=torch.float16)
 
 
 def wait_until(predicate, what: str, timeout_s: float = 30.0):
@@ -46,7 +46,7 @@ def wait_until(predicate, what: str, timeout_s: float = 30.0):
 @pytest.fixture
 def slow_daemon(tmp_path):
     """A daemon whose chunks are on a slow disk only (put, then restarted with an empty host tier)."""
-    keys = chunk_keys(list(range(8 * NS.chunk_tokens)), NS)
+    keys = chunk_keys(list(range(8 * CANCEL_NS.chunk_tokens)), CANCEL_NS)
     data = str(tmp_path / "data")
     with DaemonProcess(["--config", config(tmp_path), "--data-dir", data]) as first:
         with Client(first.addr) as client:
@@ -69,17 +69,17 @@ def test_a_get_that_timed_out_never_corrupts_a_slot_or_a_replica(slow_daemon):
     into the slot, the client reused the slot, and the daemon's checksum then failed on the
     client's bytes: it deleted the chunk's only good disk replica as corrupt."""
     keys = slow_daemon.keys
-    others = chunk_keys(list(range(10_000, 10_000 + 8 * NS.chunk_tokens)), NS)
+    others = chunk_keys(list(range(10_000, 10_000 + 8 * CANCEL_NS.chunk_tokens)), CANCEL_NS)
     with Client(slow_daemon.addr, transport="shm", shm_slots=1, timeout_s=0.05, retries=0) as client:
         for i, key in enumerate(keys[:4]):
             with pytest.raises(DaemonError) as info:
-                client.get_into(key, torch.empty(NS.chunk_shape, dtype=torch.float16))
+                client.get_into(key, torch.empty(CANCEL_NS.chunk_shape, dtype=torch.float16))
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             client.put(others[i], value(100 + i))  # in the old client: into the slot the daemon still wrote
     stats = settled(slow_daemon)
     assert sum(t.corruptions for t in stats.tiers) == 0
     with Client(slow_daemon.addr, transport="shm", timeout_s=30) as reader:
-        out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+        out = torch.empty(CANCEL_NS.chunk_shape, dtype=torch.float16)
         for i, key in enumerate(keys[:4]):
             assert reader.get_into(key, out) and torch.equal(out, value(i)), f"chunk {i} lost or wrong"
             assert reader.get_into(others[i], out) and torch.equal(out, value(100 + i))
@@ -93,12 +93,12 @@ def test_the_async_client_releases_the_lease_of_a_get_that_timed_out(slow_daemon
         async with AsyncClient(slow_daemon.addr, shm_slots=4, timeout_s=0.05, retries=0) as client:
             for key in slow_daemon.keys[:6]:  # 6 leases of 4 slots: more than the arena's 16
                 with pytest.raises(DaemonError) as info:
-                    await client.get_into(key, torch.empty(NS.chunk_shape, dtype=torch.float16))
+                    await client.get_into(key, torch.empty(CANCEL_NS.chunk_shape, dtype=torch.float16))
                 assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
     async def then_shm_again():
         async with AsyncClient(slow_daemon.addr, transport="shm", shm_slots=16) as client:
-            await client.put(chunk_keys(list(range(20_000, 20_000 + 64)), NS)[0], value(1))
+            await client.put(chunk_keys(list(range(20_000, 20_000 + 64)), CANCEL_NS)[0], value(1))
             assert await client.path() == "shm"
 
     asyncio.run(timeouts())
@@ -114,7 +114,7 @@ def test_a_client_that_hangs_up_mid_get_leaves_its_slots_to_the_daemon_until_its
     stub = pb_grpc.KVStoreStub(channel)
     lease = stub.Lease(pb.LeaseRequest(slots=2))
     keys = slow_daemon.keys[4:6]
-    stream = stub.Get(pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys],
+    stream = stub.Get(pb.GetRequest(namespace=ns_to_proto(CANCEL_NS), prefix_hashes=[k.prefix_hash for k in keys],
                                     payload=pb.TENSOR, slots=list(lease.slots)))
     stream.cancel()
     stub.ReleaseLease(pb.LeaseRef(lease_id=lease.lease_id))
@@ -151,7 +151,7 @@ def test_pins_of_a_bulk_client_that_never_releases_them_come_back(tmp_path):
     is cut off."""
     cfg = config(tmp_path, extra='[bulk]\npin_ttl_s = 3.0\n')
     with DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "data")]) as daemon:
-        keys = chunk_keys(list(range(16 * NS.chunk_tokens)), NS)
+        keys = chunk_keys(list(range(16 * CANCEL_NS.chunk_tokens)), CANCEL_NS)
         with Client(daemon.addr, transport="remote") as client:
             for i, k in enumerate(keys):
                 client.put(k, value(i))
@@ -160,7 +160,7 @@ def test_pins_of_a_bulk_client_that_never_releases_them_come_back(tmp_path):
             lease = pb_grpc.KVStoreStub(channel).Lease(pb.LeaseRequest(slots=16))
             channel.close()
             sock = attached(daemon.addr)  # a Get whose chunks stay pinned while the client copies them
-            meta = pb.GetRequest(namespace=ns_to_proto(NS), prefix_hashes=[k.prefix_hash for k in keys],
+            meta = pb.GetRequest(namespace=ns_to_proto(CANCEL_NS), prefix_hashes=[k.prefix_hash for k in keys],
                                  payload=pb.TENSOR, slots=list(lease.slots), pool_views=True).SerializeToString()
             sock.sendall(FRAME.pack(GET, len(meta), 0) + meta)
             for _ in keys:
@@ -185,11 +185,11 @@ def test_an_async_get_the_caller_cancels_writes_nothing_after_it_ends(slow_daemo
 
     async def scenario():
         async with AsyncClient(slow_daemon.addr, transport="shm", shm_slots=8) as client:
-            outs = [torch.zeros(NS.chunk_shape, dtype=torch.float16) for _ in range(2)]
+            outs = [torch.zeros(CANCEL_NS.chunk_shape, dtype=torch.float16) for _ in range(2)]
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(client.get_many_into(slow_daemon.keys[6:8], outs), 0.05)
             before = [o.clone() for o in outs]
-            fresh = chunk_keys(list(range(30_000, 30_000 + 64)), NS)[0]
+            fresh = chunk_keys(list(range(30_000, 30_000 + 64)), CANCEL_NS)[0]
             await client.put(fresh, value(9))  # through a new lease: the old one is retired
             got = await client.get([fresh])
             assert len(got) == 1 and torch.equal(got[0], value(9))

@@ -22,8 +22,8 @@ from kvstore.keys import Namespace, chunk_keys  # noqa: E402
 from redis_servers import primary_of, role, wait_until  # noqa: E402
 from tiers.files import SUFFIX, round_up  # noqa: E402
 
-NS = Namespace("cluster-daemons", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)
-BLOB = NS.chunk_bytes + 128  # one chunk's blob: its header and raw payload
+CLUSTER_NS = Namespace("cluster-daemons", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)
+BLOB = CLUSTER_NS.chunk_bytes + 128  # one chunk's blob: its header and raw payload
 PFS_BUDGET = 40 * round_up(BLOB)
 REDIS_BUDGET = 40 * BLOB
 
@@ -69,8 +69,8 @@ member_ttl_s = {member_ttl_s}
 
 def chunks(n, seed):
     gen = torch.Generator().manual_seed(seed)
-    keys = chunk_keys(torch.randint(0, 9999, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
-    return keys, [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
+    keys = chunk_keys(torch.randint(0, 9999, (n * CLUSTER_NS.chunk_tokens,), generator=gen).tolist(), CLUSTER_NS)
+    return keys, [torch.randn(CLUSTER_NS.chunk_shape, generator=gen).half() for _ in keys]
 
 
 def put(daemon, keys, values):

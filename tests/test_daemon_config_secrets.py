@@ -15,7 +15,7 @@ from kvstore.client import Client
 from kvstore.daemon.config import DaemonConfig
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("secrets", 2, 2, 8, chunk_tokens=8)  # 1 KiB fp16 chunks
+SECRETS_NS = Namespace("secrets", 2, 2, 8, chunk_tokens=8)  # 1 KiB fp16 chunks
 TOKENS = {"alice": "alice-token", "bob": "bob-token"}
 PASSWORD = "hunter2-redis-password"
 
@@ -43,8 +43,8 @@ def daemon(tmp_path, own_redis_server):
 
 
 def test_a_tenant_cannot_learn_the_redis_password_and_read_another_tenants_chunks(daemon):
-    key = chunk_keys(list(range(8)), NS)[0]
-    secret = torch.full(NS.chunk_shape, 7.25, dtype=torch.float16)
+    key = chunk_keys(list(range(8)), SECRETS_NS)[0]
+    secret = torch.full(SECRETS_NS.chunk_shape, 7.25, dtype=torch.float16)
     with Client(daemon.address, token=TOKENS["alice"], transport="grpc") as alice:
         alice.put(key, secret, durable=True)  # acknowledged once it is in Redis too
 

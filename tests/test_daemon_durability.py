@@ -16,13 +16,13 @@ from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 
-NS = Namespace("durability", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
-STORM_KEYS = chunk_keys(list(range(400 * NS.chunk_tokens)), NS)
+DURABILITY_NS = Namespace("durability", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
+STORM_KEYS = chunk_keys(list(range(400 * DURABILITY_NS.chunk_tokens)), DURABILITY_NS)
 
 
 def value(i: int) -> torch.Tensor:
-    return torch.full(NS.chunk_shape, float(i % 2048), dtype=torch.float16) + torch.arange(
-        NS.chunk_shape[-1], dtype=torch.float16)
+    return torch.full(DURABILITY_NS.chunk_shape, float(i % 2048), dtype=torch.float16) + torch.arange(
+        DURABILITY_NS.chunk_shape[-1], dtype=torch.float16)
 
 
 def serve(data_dir, listen="127.0.0.1:0"):
@@ -78,7 +78,7 @@ def test_sigterm_during_a_write_storm_loses_nothing_acknowledged_and_a_restart_s
     # daemon's host tier is empty, so every read below comes from the disk tier
     with serve(tmp_path / "data", listen=addr) as daemon:
         with Client(daemon.addr) as client:
-            out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+            out = torch.empty(DURABILITY_NS.chunk_shape, dtype=torch.float16)
             for i in acked:
                 assert client.get_into(STORM_KEYS[i], out), f"acknowledged chunk {i} lost"
                 assert torch.equal(out, value(i))
@@ -106,7 +106,7 @@ def test_kill_9_during_a_write_storm_never_leaves_a_corrupt_chunk_readable(tmp_p
     durable = {i for i in list(acked) if i % 2 == 0}
     assert durable
     with open_store(tmp_path / "data") as store:
-        out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+        out = torch.empty(DURABILITY_NS.chunk_shape, dtype=torch.float16)
         readable = 0
         for i, key in enumerate(STORM_KEYS):
             if store.get_into(key, out):
@@ -162,7 +162,7 @@ def test_a_client_leased_before_a_restart_never_reads_the_new_pool_through_the_o
     try:
         with serve(tmp_path / "data", listen=addr) as daemon:
             with Client(daemon.addr) as reader:  # keys[1], read first, takes the new pool's first pages
-                out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+                out = torch.empty(DURABILITY_NS.chunk_shape, dtype=torch.float16)
                 assert reader.get_into(keys[1], out) and torch.equal(out, value(1))
             got = survivor.get(keys[1:])
             assert len(got) == 1 and torch.equal(got[0], value(1))

@@ -13,7 +13,7 @@ from kvstore.client import Client, DaemonError
 from kvstore.daemon.config import DaemonConfig
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("errors", 2, 2, 8, chunk_tokens=8)
+ERRORS_NS = Namespace("errors", 2, 2, 8, chunk_tokens=8)
 
 
 @pytest.fixture
@@ -34,14 +34,14 @@ def test_a_bug_is_internal_and_logged_never_invalid_argument(daemon, bug, caplog
     def broken(*args, **kwargs):
         raise bug
 
-    keys = chunk_keys(list(range(8)), NS)
+    keys = chunk_keys(list(range(8)), ERRORS_NS)
     daemon.store.lookup = broken
     daemon.store.get_into = broken
     daemon.store.pinned_payload = broken
     with caplog.at_level(logging.ERROR, logger="kvstore.daemon"):
         for transport in ("remote", "grpc"):
             with Client(daemon.address, transport=transport, retries=0) as client:
-                client.put(keys[0], torch.zeros(NS.chunk_shape, dtype=torch.float16))
+                client.put(keys[0], torch.zeros(ERRORS_NS.chunk_shape, dtype=torch.float16))
                 for call in (lambda: client.lookup(keys), lambda: client.get(keys)):
                     with pytest.raises(DaemonError) as info:
                         call()

@@ -24,7 +24,7 @@ from kvstore.wire.convert import ns_to_proto
 from kvstore.wire.frames import ERROR, FRAME, HELLO, PUT
 
 TOKENS = {"alice": "alice-secret", "bob": "bob-secret", "carol": "carol-secret"}
-NS = Namespace("fair-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
+FAIR_NS = Namespace("fair-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
 
 
 def start(tmp_path, extra: str = "", tenants_extra: str = "") -> DaemonProcess:
@@ -101,7 +101,7 @@ def test_idle_put_streams_of_two_tenants_leave_the_third_and_the_health_check_se
             carol.open(10)
             wait_until(lambda: len(carol.ended()) == 5,
                        f"{len(carol.ended())} of carol's 10 idle streams refused at her share of the RPC budget")
-            keys = chunk_keys(list(range(4 * 32)), NS)
+            keys = chunk_keys(list(range(4 * 32)), FAIR_NS)
             with Client(daemon.addr, token=TOKENS["bob"], retries=0, timeout_s=10) as bob:
                 assert bob.lookup(keys) == 0  # served, not RESOURCE_EXHAUSTED
             assert healthy(probe)
@@ -139,8 +139,8 @@ def test_a_put_stream_sent_whole_is_still_stored(tmp_path):
     """The admission from the first byte does not get in the way of a Put that is sent."""
     with start(tmp_path, '[limits]\nstream_idle_timeout_s = 5.0\n') as daemon:
         with Client(daemon.addr, token=TOKENS["alice"], transport="grpc", retries=0) as client:
-            key = chunk_keys(list(range(32)), NS)[0]
-            value = torch.full(NS.chunk_shape, 3.0, dtype=torch.float16)
+            key = chunk_keys(list(range(32)), FAIR_NS)[0]
+            value = torch.full(FAIR_NS.chunk_shape, 3.0, dtype=torch.float16)
             client.put(key, value)
             assert torch.equal(client.get([key])[0], value)
 
@@ -212,8 +212,8 @@ def test_withheld_bulk_frames_are_refused_by_their_announced_size(tmp_path):
             assert all(f"limits.max_bytes_in_flight_per_tenant = {size}" in r.message for r in replies), replies
             assert grown < 3 * size, f"the daemon grew by {grown >> 20} MiB for one admitted frame of {size >> 20} MiB"
             with Client(daemon.addr, token=TOKENS["bob"], transport="remote", retries=0) as bob:
-                key = chunk_keys(list(range(32)), NS)[0]
-                value = torch.full(NS.chunk_shape, 5.0, dtype=torch.float16)
+                key = chunk_keys(list(range(32)), FAIR_NS)[0]
+                value = torch.full(FAIR_NS.chunk_shape, 5.0, dtype=torch.float16)
                 bob.put(key, value)
                 assert bob.path == "bulk" and torch.equal(bob.get([key])[0], value)
             for sock in socks:
@@ -242,8 +242,8 @@ def test_bulk_frames_of_one_tenant_leave_the_others_room_to_receive(tmp_path):
             assert reply.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], reply
             assert f"bulk.max_receive_bytes = {2 * size}" in reply.message, reply.message
             with Client(daemon.addr, token=TOKENS["bob"], transport="remote", retries=0) as bob:
-                key = chunk_keys(list(range(32)), NS)[0]
-                value = torch.full(NS.chunk_shape, 6.0, dtype=torch.float16)
+                key = chunk_keys(list(range(32)), FAIR_NS)[0]
+                value = torch.full(FAIR_NS.chunk_shape, 6.0, dtype=torch.float16)
                 bob.put(key, value)
                 assert bob.path == "bulk" and torch.equal(bob.get([key])[0], value)
         finally:
@@ -297,11 +297,11 @@ def test_pause_records_only_keys_that_exist_and_at_most_a_bound_per_tenant(tmp_p
     pins again: a record that holds keys pins them."""
     extra = '[limits]\nmax_keys_per_request = 32\nmax_paused_keys_per_tenant = 64\n'
     with start(tmp_path, extra) as daemon:
-        keys = chunk_keys(list(range(4 * 32 * 32)), NS)
+        keys = chunk_keys(list(range(4 * 32 * 32)), FAIR_NS)
         with Client(daemon.addr, token=TOKENS["alice"], retries=0) as alice:
             assert alice.pause("ghost", keys[96:128], ttl_s=60.0) == 0  # none of them exists
             for i, k in enumerate(keys[:128]):
-                alice.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+                alice.put(k, torch.full(FAIR_NS.chunk_shape, float(i), dtype=torch.float16))
             for n, session in enumerate(("first", "second", "third")):  # 96 keys in all: "first" goes
                 assert alice.pause(session, keys[32 * n : 32 * n + 32], ttl_s=60.0 + n) == 32
 
@@ -359,12 +359,12 @@ def test_a_tenant_at_its_host_quota_cannot_pin_other_tenants_out_of_host_ram(tmp
                 alice.get(tiny)  # read back from disk into host RAM
             alice.pin(tiny, 300.0)
             host = alice.stats().tiers["host"]
-        keys = chunk_keys(list(range(40 * 32)), NS)
+        keys = chunk_keys(list(range(40 * 32)), FAIR_NS)
         with Client(daemon.addr, token=TOKENS["bob"], retries=0) as bob:
             refused = []
             for i, k in enumerate(keys):
                 try:
-                    bob.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+                    bob.put(k, torch.full(FAIR_NS.chunk_shape, float(i), dtype=torch.float16))
                 except DaemonError as exc:
                     refused.append(exc)
             assert not refused, (f"{len(refused)} of bob's 40 puts refused ({refused[0]}); alice held "
@@ -387,7 +387,7 @@ def test_a_flood_of_keys_is_held_to_its_tenants_rate_and_the_others_are_served(t
     with start(tmp_path) as daemon:
         bob_ch = grpc.insecure_channel(daemon.addr, options=[("grpc.use_local_subchannel_pool", 1)])
         stub = pb_grpc.KVStoreStub(bob_ch)
-        spec = ns_to_proto(NS)
+        spec = ns_to_proto(FAIR_NS)
         hashes = [hashlib.sha256(i.to_bytes(4, "little")).digest()[:16] for i in range(4096)]
         if rpc == "Pause":
             request = pb.PauseRequest(namespace=spec, prefix_hashes=hashes, session="flood", ttl_s=60.0)
@@ -407,10 +407,10 @@ def test_a_flood_of_keys_is_held_to_its_tenants_rate_and_the_others_are_served(t
                     with lock:
                         refused.append(exc)
 
-        keys = chunk_keys(list(range(4 * 32)), NS)
+        keys = chunk_keys(list(range(4 * 32)), FAIR_NS)
         try:
             with Client(daemon.addr, token=TOKENS["alice"], retries=0, timeout_s=10) as alice:
-                alice.put(keys[0], torch.ones(NS.chunk_shape, dtype=torch.float16))
+                alice.put(keys[0], torch.ones(FAIR_NS.chunk_shape, dtype=torch.float16))
                 began = time.monotonic()
                 flood(2.0)  # one after another: slowed, never refused
                 alone = (len(served), time.monotonic() - began)
@@ -444,10 +444,10 @@ def test_resume_soon_counts_its_sessions_keys_against_the_tenants_rate(tmp_path)
     rate, burst = 256, 64
     extra = f'[limits]\nmax_keys_per_request = 64\nmax_keys_per_s_per_tenant = {rate}\n'
     with start(tmp_path, extra) as daemon:
-        keys = chunk_keys(list(range(64 * 32)), NS)
+        keys = chunk_keys(list(range(64 * 32)), FAIR_NS)
         with Client(daemon.addr, token=TOKENS["bob"], retries=0, timeout_s=10) as bob:
             for i, k in enumerate(keys):
-                bob.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+                bob.put(k, torch.full(FAIR_NS.chunk_shape, float(i), dtype=torch.float16))
             assert bob.pause("agent", keys, ttl_s=60.0) == 64
             time.sleep(burst / rate)  # the Pause's keys come back
             calls, began = 0, time.monotonic()

@@ -22,7 +22,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 from tiers.base import TierUnavailable
 
-NS = Namespace("lifecycle", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
+LIFECYCLE_NS = Namespace("lifecycle", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,8 +50,8 @@ def test_a_second_daemon_on_a_data_directory_in_use_is_refused_in_one_line(tmp_p
     (or died with SIGABRT inside grpc)."""
     cfg, shm = config(tmp_path)
     data = str(tmp_path / "bench" / "store")  # where `kvbench tiers --dir bench` puts its Store
-    keys = chunk_keys(list(range(8 * NS.chunk_tokens)), NS)
-    values = [torch.full(NS.chunk_shape, float(i), dtype=torch.float16) for i in range(len(keys))]
+    keys = chunk_keys(list(range(8 * LIFECYCLE_NS.chunk_tokens)), LIFECYCLE_NS)
+    values = [torch.full(LIFECYCLE_NS.chunk_shape, float(i), dtype=torch.float16) for i in range(len(keys))]
     with DaemonProcess(["--config", cfg, "--data-dir", data]) as first:
         with Client(first.addr) as client:
             for k, v in zip(keys, values):
@@ -145,9 +145,9 @@ def test_a_daemon_in_another_pid_namespace_keeps_its_shared_memory_files(tmp_pat
         with DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "outer")]):
             assert theirs <= shm_files(shm), "a live daemon's files were deleted as orphans"
             with Client(inner.addr, transport="shm") as client:  # its new clients still map them
-                key = chunk_keys(list(range(NS.chunk_tokens)), NS)[0]
-                client.put(key, torch.ones(NS.chunk_shape, dtype=torch.float16))
-                assert client.get_into(key, torch.empty(NS.chunk_shape, dtype=torch.float16))
+                key = chunk_keys(list(range(LIFECYCLE_NS.chunk_tokens)), LIFECYCLE_NS)[0]
+                client.put(key, torch.ones(LIFECYCLE_NS.chunk_shape, dtype=torch.float16))
+                assert client.get_into(key, torch.empty(LIFECYCLE_NS.chunk_shape, dtype=torch.float16))
     finally:
         for pid in _descendants(inner.proc.pid):  # unshare does not pass SIGTERM on: tell the daemon itself
             os.kill(pid, signal.SIGTERM)
@@ -170,13 +170,13 @@ def test_a_daemon_that_gives_up_on_its_flush_still_removes_its_shared_memory_fil
         text = f.read()
     with open(cfg, "w") as f:
         f.write("flush_timeout_s = 0.5\n" + text)
-    keys = chunk_keys(list(range(8 * NS.chunk_tokens)), NS)
+    keys = chunk_keys(list(range(8 * LIFECYCLE_NS.chunk_tokens)), LIFECYCLE_NS)
     daemon = DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "data")])
     try:
         assert len(shm_files(shm)) == 2
         with Client(daemon.addr) as client:
             for i, k in enumerate(keys):  # 128 KiB of copies to the disk queued: ~6 s at 20 KB/s
-                client.put(k, torch.full(NS.chunk_shape, float(i), dtype=torch.float16))
+                client.put(k, torch.full(LIFECYCLE_NS.chunk_shape, float(i), dtype=torch.float16))
         code = daemon.stop()
     finally:
         daemon.kill()

@@ -15,7 +15,7 @@ from kvstore.client import Client, DaemonError
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("limits", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
+LIMITS_NS = Namespace("limits", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB fp16
 
 
 def config(tmp_path, name, extra=""):
@@ -27,7 +27,7 @@ def config(tmp_path, name, extra=""):
 
 
 def value(i):
-    return torch.full(NS.chunk_shape, float(i % 1000), dtype=torch.float16)
+    return torch.full(LIMITS_NS.chunk_shape, float(i % 1000), dtype=torch.float16)
 
 
 def wait_until(predicate, what: str, timeout_s: float = 30.0):
@@ -59,7 +59,7 @@ def test_the_bulk_channel_survives_running_out_of_descriptors(tmp_path):
     clients attached over gRPC, connected, and hung for timeout_s on every call."""
     cfg = config(tmp_path, "fds", '[bulk]\nmax_unauthenticated = 10000\nhello_timeout_s = 1.0\n')
     with DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "data")], max_open_files=128) as daemon:
-        keys = chunk_keys(list(range(4 * NS.chunk_tokens)), NS)
+        keys = chunk_keys(list(range(4 * LIMITS_NS.chunk_tokens)), LIMITS_NS)
         with Client(daemon.addr, transport="remote", timeout_s=10) as before:
             for i, k in enumerate(keys):
                 before.put(k, value(i))
@@ -83,14 +83,14 @@ def test_unauthenticated_connections_are_capped_and_time_out(tmp_path):
                                   '[limits]\nmax_connections = 16\nhandshake_timeout_s = 1.0\n')
     with DaemonProcess(["--config", cfg, "--data-dir", str(tmp_path / "data")], max_open_files=256) as daemon:
         with Client(daemon.addr, transport="remote", timeout_s=10) as client:
-            key = chunk_keys(list(range(NS.chunk_tokens)), NS)[0]
+            key = chunk_keys(list(range(LIMITS_NS.chunk_tokens)), LIMITS_NS)[0]
             client.put(key, value(7))
             bulk_port = client._drive(client._core._call("BulkAttach", pb.BulkAttachRequest())).port
             grpc_port = int(daemon.addr.rsplit(":", 1)[1])
             socks = flood(bulk_port, 100) + flood(grpc_port, 100)
             try:
                 wait_until(lambda: "have not presented a token yet" in daemon.text, "no connection was refused")
-                out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+                out = torch.empty(LIMITS_NS.chunk_shape, dtype=torch.float16)
                 assert client.get_into(key, out) and torch.equal(out, value(7))  # its session and channel work
                 closed = 0
                 for s in socks:  # every flooding connection is cut off, quickly
@@ -112,7 +112,7 @@ def test_unauthenticated_connections_are_capped_and_time_out(tmp_path):
 @pytest.fixture
 def slow_daemon(tmp_path):
     """64 chunks on a slow disk only, and small per-tenant limits."""
-    keys = chunk_keys(list(range(64 * NS.chunk_tokens)), NS)
+    keys = chunk_keys(list(range(64 * LIMITS_NS.chunk_tokens)), LIMITS_NS)
     data = str(tmp_path / "data")
     with DaemonProcess(["--config", config(tmp_path, "fast"), "--data-dir", data]) as first:
         with Client(first.addr) as client:
@@ -174,7 +174,7 @@ def test_a_tenants_flood_of_lookups_and_deletes_is_shed_at_its_request_limit(tmp
     cfg.store.host.prefault = False
     cfg.store.disk.enabled = False
     cfg.limits.max_requests_per_tenant = 1
-    keys = chunk_keys(list(range(4 * NS.chunk_tokens)), NS)
+    keys = chunk_keys(list(range(4 * LIMITS_NS.chunk_tokens)), LIMITS_NS)
     with in_process_daemon(cfg) as daemon:
         store = daemon.store
         lookup = store.lookup

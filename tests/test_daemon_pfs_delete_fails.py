@@ -13,7 +13,7 @@ from kvstore.client import Client, DaemonError
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("pfs-delete", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
+PFS_DELETE_NS = Namespace("pfs-delete", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
 
 
 def test_a_delete_the_shared_mount_refuses_is_reported_and_the_chunk_stays_counted(tmp_path):
@@ -22,8 +22,8 @@ def test_a_delete_the_shared_mount_refuses_is_reported_and_the_chunk_stays_count
             '[shm]\nenabled = false\n[store.host]\ncapacity_bytes = "8MiB"\npage_bytes = 4096\nprefault = false\n'
             f'[store.disk]\nenabled = false\n[store.pfs]\nenabled = true\npath = "{mount}"\n'
             'capacity_bytes = "4MiB"\n')
-        key = chunk_keys(list(range(32)), NS)[0]
-        value = torch.full(NS.chunk_shape, 2.0, dtype=torch.float16)
+        key = chunk_keys(list(range(32)), PFS_DELETE_NS)[0]
+        value = torch.full(PFS_DELETE_NS.chunk_shape, 2.0, dtype=torch.float16)
         with DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
                             "--data-dir", str(tmp_path / "data")]) as daemon:
             with Client(daemon.addr, retries=0) as client:

@@ -16,7 +16,7 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.server import Daemon
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("pool-owner", 2, 2, 8, chunk_tokens=8)  # 1 KiB fp16 chunks
+POOL_OWNER_NS = Namespace("pool-owner", 2, 2, 8, chunk_tokens=8)  # 1 KiB fp16 chunks
 
 
 class Running:
@@ -57,8 +57,8 @@ def config(tmp_path, pool) -> DaemonConfig:
 
 def test_a_second_daemon_on_a_configured_pool_file_never_wipes_the_first_ones_chunks(tmp_path):
     pool = tmp_path / "kvstore-pool"
-    key = chunk_keys(list(range(8)), NS)[0]
-    value = torch.full(NS.chunk_shape, 3.5, dtype=torch.float16)
+    key = chunk_keys(list(range(8)), POOL_OWNER_NS)[0]
+    value = torch.full(POOL_OWNER_NS.chunk_shape, 3.5, dtype=torch.float16)
     first = Running(config(tmp_path, pool))
     try:
         with Client(first.daemon.address, transport="grpc") as client:

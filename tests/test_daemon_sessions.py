@@ -15,7 +15,7 @@ from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
 TOKENS = {"alice": "alice-secret", "bob": "bob-secret"}
-NS = Namespace("session-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
+SESSION_NS = Namespace("session-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
 MAX_PIN_S = 2.0
 
 
@@ -48,8 +48,8 @@ def bob(daemon):
 def history(client, seed: float):
     """A session's four chunks (their own tokens per seed), durable, so they outlive host RAM."""
     first = 500 + int(seed) * 1000
-    keys = chunk_keys(list(range(first, first + 4 * 32)), NS)
-    values = [torch.full(NS.chunk_shape, seed + i, dtype=torch.float16) for i in range(len(keys))]
+    keys = chunk_keys(list(range(first, first + 4 * 32)), SESSION_NS)
+    values = [torch.full(SESSION_NS.chunk_shape, seed + i, dtype=torch.float16) for i in range(len(keys))]
     for k, v in zip(keys, values):
         client.put(k, v, durable=True)
     return keys, values
@@ -58,8 +58,8 @@ def history(client, seed: float):
 def push_out_of_host_ram(client):
     """Enough other chunks (unpinned) that the history's go down to the disk tier."""
     for i in range(3):
-        for k in chunk_keys(list(range(10_000 * (i + 1), 10_000 * (i + 1) + 32 * 32)), NS):
-            client.put(k, torch.zeros(NS.chunk_shape, dtype=torch.float16))
+        for k in chunk_keys(list(range(10_000 * (i + 1), 10_000 * (i + 1) + 32 * 32)), SESSION_NS):
+            client.put(k, torch.zeros(SESSION_NS.chunk_shape, dtype=torch.float16))
 
 
 def wait_until(condition, timeout_s: float = 10.0) -> None:
@@ -108,4 +108,4 @@ def test_unknown_sessions_are_no_ops_and_a_missing_id_is_refused(alice):
         alice.resume_soon("")
     assert info.value.code.name == "INVALID_ARGUMENT"
     with pytest.raises(DaemonError):
-        alice.pause("x" * 300, chunk_keys(list(range(32)), NS))
+        alice.pause("x" * 300, chunk_keys(list(range(32)), SESSION_NS))

@@ -17,7 +17,7 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.server import Daemon
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("shutdown-pins", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks: 5 pages with the header
+SHUTDOWN_PINS_NS = Namespace("shutdown-pins", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks: 5 pages with the header
 
 
 def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
@@ -43,9 +43,9 @@ def test_a_pool_view_stays_pinned_until_its_client_is_done_even_during_shutdown(
     stopping = None
     put_go = threading.Event()  # an in-flight put reaches the Store only once this is set
     try:
-        x_key, y_key = chunk_keys(list(range(2 * NS.chunk_tokens)), NS)
-        x = torch.full(NS.chunk_shape, 1.0, dtype=torch.float16)
-        y = torch.full(NS.chunk_shape, 9.0, dtype=torch.float16)
+        x_key, y_key = chunk_keys(list(range(2 * SHUTDOWN_PINS_NS.chunk_tokens)), SHUTDOWN_PINS_NS)
+        x = torch.full(SHUTDOWN_PINS_NS.chunk_shape, 1.0, dtype=torch.float16)
+        y = torch.full(SHUTDOWN_PINS_NS.chunk_shape, 9.0, dtype=torch.float16)
 
         # the same-host client's copy out of the pool waits at a gate (after every reply is in)
         copying, copy_go = threading.Event(), threading.Event()

@@ -12,7 +12,7 @@ from kvstore.client import Client, DaemonError
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys
 
-NS = Namespace("tls-model", 2, 2, 8, chunk_tokens=8)
+TLS_NS = Namespace("tls-model", 2, 2, 8, chunk_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def tls_daemon(tmp_path_factory):
 
 def test_tls_round_trip_without_the_bulk_channel(tls_daemon):
     assert "bulk off" in tls_daemon.text and "tls on" in tls_daemon.text
-    keys = chunk_keys(list(range(3 * 8)), NS)
-    values = [torch.randn(NS.chunk_shape).half() for _ in keys]
+    keys = chunk_keys(list(range(3 * 8)), TLS_NS)
+    values = [torch.randn(TLS_NS.chunk_shape).half() for _ in keys]
     for transport, path in (("remote", "grpc"), ("shm", "shm")):
         with Client(tls_daemon.addr, tls_ca=tls_daemon.cert, transport=transport) as client:
             assert client.path == path
@@ -76,8 +76,8 @@ def test_mutual_tls_names_the_tenant_by_its_certificate(tmp_path):
                         "--disk-bytes", "32MiB", "--tls-cert", server[0], "--tls-key", server[1],
                         "--tls-client-ca", str(ca_cert), "--tenants-file", str(tmp_path / "tenants.toml")]) as daemon:
         assert "client certificates required" in daemon.text
-        keys = chunk_keys(list(range(3 * 8)), NS)
-        values = [torch.randn(NS.chunk_shape).half() for _ in keys]
+        keys = chunk_keys(list(range(3 * 8)), TLS_NS)
+        values = [torch.randn(TLS_NS.chunk_shape).half() for _ in keys]
         with Client(daemon.addr, tls_ca=str(ca_cert), tls_cert=alice[0], tls_key=alice[1]) as a:
             for k, v in zip(keys, values):
                 a.put(k, v)

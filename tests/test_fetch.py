@@ -14,7 +14,7 @@ from tiers.disk import DiskTier
 from tiers.throttle import ThrottledTier
 
 PAGE = 4096
-NS = Namespace("fetch-test", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB chunks
+FETCH_NS = Namespace("fetch-test", num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=32)  # 16 KiB chunks
 
 
 def run_job(job, tiers, workers=2):
@@ -124,8 +124,8 @@ def make_store(tmp_path, caps=(None, None), stall_s=0.5):
 
 def put_replicated(store, n, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    keys = chunk_keys(torch.randint(0, 1000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
-    values = [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
+    keys = chunk_keys(torch.randint(0, 1000, (n * FETCH_NS.chunk_tokens,), generator=gen).tolist(), FETCH_NS)
+    values = [torch.randn(FETCH_NS.chunk_shape, generator=gen).half() for _ in keys]
     for k, v in zip(keys, values):
         store.put(k, v, durable=True)
     store.drop(keys, "host")
@@ -200,7 +200,7 @@ def test_reads_of_one_chunk_each_at_once_spread_over_the_replicas(tmp_path):
     with Store(cfg, extra_tiers=[fast, slow], extra_fetch_workers={"fast": 1, "slow": 1}) as store:
         keys, values = put_replicated(store, 2)
         gate = fast.gates["read"] = Gate(key=keys[0].id)
-        first, second = torch.empty(NS.chunk_shape).half(), torch.empty(NS.chunk_shape).half()
+        first, second = torch.empty(FETCH_NS.chunk_shape).half(), torch.empty(FETCH_NS.chunk_shape).half()
         held = Call(lambda: store.get_into(keys[0], first))
         assert gate.entered.wait(10)
         assert store.get_into(keys[1], second) and torch.equal(second, values[1])
@@ -249,8 +249,8 @@ def test_a_stream_whose_workers_cannot_all_start_returns_only_once_no_read_write
     from faults import FaultyTier, Gate
     from helpers import store_config
 
-    keys = chunk_keys(list(range(NS.chunk_tokens)), NS)
-    value = torch.randn(NS.chunk_shape).half()
+    keys = chunk_keys(list(range(FETCH_NS.chunk_tokens)), FETCH_NS)
+    value = torch.randn(FETCH_NS.chunk_shape).half()
     tiers = [FaultyTier(DiskTier(tmp_path / name, 1 << 22, name=name)) for name in ("near", "far")]
     with Store(store_config(tmp_path, disk=None), extra_tiers=tiers) as store:
         store.put(keys[0], value, durable=True)

@@ -22,7 +22,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 from tiers.disk import DiskTier
 
-NS = Namespace("review-bench-takeover", 1, 1, 16, "float16", 16)
+ONE_HEAD_NS = Namespace("review-bench-takeover", 1, 1, 16, "float16", 16)
 PAGE = 4096
 
 
@@ -33,8 +33,8 @@ def test_a_chunk_taken_over_from_a_stalled_tier_counts_one_hit(tmp_path):
     a = FaultyTier(DiskTier(tmp_path / "a", 1 << 24, name="a"))
     b = FaultyTier(DiskTier(tmp_path / "b", 1 << 24, name="b"))
     with Store(cfg, extra_tiers=[a, b], extra_fetch_workers={"a": 1, "b": 1}) as store:
-        keys = chunk_keys(list(range(NS.chunk_tokens)), NS)
-        value = torch.randn(NS.chunk_shape).half()
+        keys = chunk_keys(list(range(ONE_HEAD_NS.chunk_tokens)), ONE_HEAD_NS)
+        value = torch.randn(ONE_HEAD_NS.chunk_shape).half()
         store.put(keys[0], value, durable=True)
         store.drop(keys, "host")
         assert store.replicas(keys) == [frozenset({"a", "b"})]

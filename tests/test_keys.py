@@ -6,22 +6,22 @@ from hypothesis import given, strategies as st
 
 from kvstore.keys import ROOT_HASH, ChunkKey, Namespace, chain_hash, chunk_keys, prefix_hashes
 
-NS = Namespace("smollm2-135m", num_layers=30, num_kv_heads=3, head_dim=64, chunk_tokens=4)
+SMOLLM2_NS = Namespace("smollm2-135m", num_layers=30, num_kv_heads=3, head_dim=64, chunk_tokens=4)
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=40)
 
 
 @given(token_lists)
 def test_one_key_per_full_chunk(tokens):
-    keys = chunk_keys(tokens, NS)
-    assert len(keys) == len(tokens) // NS.chunk_tokens
-    assert all(k.namespace == NS for k in keys)
+    keys = chunk_keys(tokens, SMOLLM2_NS)
+    assert len(keys) == len(tokens) // SMOLLM2_NS.chunk_tokens
+    assert all(k.namespace == SMOLLM2_NS for k in keys)
 
 
 @given(token_lists, token_lists)
 def test_keys_are_prefix_keys(a, b):
     """Equal keys at position i iff the first (i+1) chunks of tokens are equal."""
-    ka, kb = chunk_keys(a, NS), chunk_keys(b, NS)
+    ka, kb = chunk_keys(a, SMOLLM2_NS), chunk_keys(b, SMOLLM2_NS)
     for i, (x, y) in enumerate(zip(ka, kb)):
         same_prefix = a[: (i + 1) * 4] == b[: (i + 1) * 4]
         assert (x == y) == same_prefix
@@ -91,7 +91,7 @@ def test_bad_namespace_is_rejected(kwargs):
 
 def test_bad_inputs():
     with pytest.raises(ValueError):
-        ChunkKey(NS, b"short")
+        ChunkKey(SMOLLM2_NS, b"short")
     with pytest.raises(ValueError):
         chain_hash(b"x", [1])
     with pytest.raises(ValueError):

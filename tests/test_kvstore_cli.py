@@ -11,7 +11,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 from tiers.files import SUFFIX
 
-NS = Namespace("m", 1, 1, 8, chunk_tokens=4)
+TINY_NS = Namespace("m", 1, 1, 8, chunk_tokens=4)
 
 
 def test_config_prints_loadable_toml(tmp_path, capsys):
@@ -47,8 +47,8 @@ def test_fsck_finds_and_repairs_corruption(tmp_path, capsys):
     cfg = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=4096, prefault=False),
                       disk=DiskTierConfig(path=str(data), capacity_bytes=1 << 20))
     with Store(cfg) as store:
-        for k in chunk_keys(list(range(12)), NS):
-            store.put(k, torch.ones(NS.chunk_shape, dtype=torch.float16))
+        for k in chunk_keys(list(range(12)), TINY_NS):
+            store.put(k, torch.ones(TINY_NS.chunk_shape, dtype=torch.float16))
     files = sorted(data.rglob("*" + SUFFIX))
     raw = bytearray(files[0].read_bytes())
     raw[-1] ^= 0xFF
@@ -67,8 +67,8 @@ def test_fsck_verifies_blobs_without_torch(tmp_path):
     cfg = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=4096, prefault=False),
                       disk=DiskTierConfig(path=str(data), capacity_bytes=1 << 20))
     with Store(cfg) as store:
-        for k in chunk_keys(list(range(8)), NS):
-            store.put(k, torch.ones(NS.chunk_shape, dtype=torch.float16))
+        for k in chunk_keys(list(range(8)), TINY_NS):
+            store.put(k, torch.ones(TINY_NS.chunk_shape, dtype=torch.float16))
     code = ("import sys; from kvstore.cli import main; rc = main(['fsck', '--data-dir', sys.argv[1]]); "
             "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, str(data)], cwd=Path(__file__).resolve().parents[1],

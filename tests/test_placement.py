@@ -8,23 +8,23 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from faults import Gate
+from helpers import WIDE_NS
 from kvstore.blob import encode_header
 from kvstore.codecs import get_codec
 from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.store.placement import Placement, load_verdicts
 from kvstore.store import Store
+from kvstore.store.placement import Placement, load_verdicts
 
 PAGE = 4096
-NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16 chunks
-SHAPE = NS.chunk_shape
-M = NS.model_id
+SHAPE = WIDE_NS.chunk_shape
+M = WIDE_NS.model_id
 NS_B = Namespace("other-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # no verdict
 RAW_BLOB = 128 + 16384
 CHUNK_PAGES = 5  # a raw blob's footprint; an int8 one takes 3
 
 
-def verdict_file(tmp_path, dtype="float16", model_id=NS.model_id, **codecs) -> str:
+def verdict_file(tmp_path, dtype="float16", model_id=WIDE_NS.model_id, **codecs) -> str:
     """A verdict file allowing the named codecs (name=ppl change %) for ``model_id`` in ``dtype``."""
     path = tmp_path / f"verdicts-{model_id}-{dtype}.json"
     path.write_text(json.dumps({
@@ -55,7 +55,7 @@ def within_int8(got: torch.Tensor, original: torch.Tensor) -> bool:
     return bool(((got.float() - original.float()).abs() <= int8_bound(original)).all())
 
 
-def chunks(n, seed=0, ns=NS):
+def chunks(n, seed=0, ns=WIDE_NS):
     gen = torch.Generator().manual_seed(seed)
     keys = chunk_keys(torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=gen).tolist(), ns)
     return keys, [torch.randn(SHAPE, generator=gen).half() for _ in keys]

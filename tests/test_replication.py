@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from helpers import WIDE_NS
 from kvstore.config import (DiskTierConfig, HostTierConfig, PfsTierConfig, PlacementConfig, ReplicationConfig,
                             StoreConfig, WriteBehindConfig)
-from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys import chunk_keys
 from kvstore.store.replication import DisplacedReuse, TierOption, plan
 from kvstore.store import Store
 
@@ -52,7 +53,6 @@ def test_displaced_reuse_follows_the_victims():
     assert d["disk"] == pytest.approx(0.2, abs=1e-3) and d["pfs"] == 1.0
 
 
-NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16
 BLOB_PAGES = 5  # 128-byte header + 16 KiB in 4 KiB pages (and disk blocks)
 
 
@@ -72,8 +72,8 @@ def store_config(tmp_path, mode: str) -> StoreConfig:
 
 def chunks(n):
     gen = torch.Generator().manual_seed(0)
-    keys = chunk_keys(torch.randint(0, 50_000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
-    return keys, [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
+    keys = chunk_keys(torch.randint(0, 50_000, (n * WIDE_NS.chunk_tokens,), generator=gen).tolist(), WIDE_NS)
+    return keys, [torch.randn(WIDE_NS.chunk_shape, generator=gen).half() for _ in keys]
 
 
 def below_host(store, key) -> set[str]:

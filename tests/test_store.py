@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from faults import wait_until
 from fsfaults import remount_read_only, tiny_tmpfs
+from helpers import NS
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig, WriteBehindConfig
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
 from tiers.files import SUFFIX
 
 PAGE = 4096
-NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=8)  # 1 KiB fp16 chunks
 
 
 def config(tmp_path, host=64 * PAGE, disk=1 << 20, pending=16 * PAGE, **disk_kw) -> StoreConfig:

@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
+from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.cluster.member import MARKER  # noqa: E402
 from kvstore.config import ConfigError, StoreConfig  # noqa: E402
-from kvstore.cluster.ledger import Ledger  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_store_shared import chunks, daemon_config  # noqa: E402
+from shared_tiers import chunks, daemon_config  # noqa: E402
 from tiers.base import TierError  # noqa: E402
 from tiers.files import SUFFIX, round_up  # noqa: E402
 

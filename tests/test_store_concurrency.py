@@ -20,7 +20,7 @@ import torch
 from faults import FaultyTier
 from helpers import PAGE, same, store_config
 from kvstore.store import Store
-from store_model import CODECS, NS, NS_PLACED, place, reachable
+from store_model import CODECS, MODEL_NS, NS_PLACED, place, reachable
 from tiers.base import TierError
 from tiers.disk import DiskTier
 
@@ -30,7 +30,7 @@ def _run(tmp_path, threads: int, ops: int, seconds: float | None = None, placeme
     disk with room for half of them, replicas planned by utility (tests/store_model.py)."""
     from helpers import chunks
 
-    keys, values = chunks(12, NS_PLACED if placement else NS, seed=3)
+    keys, values = chunks(12, NS_PLACED if placement else MODEL_NS, seed=3)
     expected = [[e for c in CODECS for e in reachable(v, c, placement)] for v in values]
     pages = 5 if placement else 1
     cfg = store_config(tmp_path, host=10 * pages * PAGE, disk=None, pending=4 * pages * PAGE, max_pin_ttl_s=0.2)

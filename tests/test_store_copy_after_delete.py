@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from faults import Call, Gate, wait_until
 from kvstore.store import Store
-from test_store_placement_faults import chunks, config, disk_tier
+from placed_chunks import chunks, config, disk_tier
 
 
 def test_a_copy_making_room_when_its_chunk_is_deleted_writes_nothing(tmp_path):

@@ -9,7 +9,7 @@ import os
 import tiers.disk as disk_module
 from faults import Call, Gate, wait_until
 from kvstore.store import Store
-from test_store_placement_faults import chunks, config, disk_tier
+from placed_chunks import chunks, config, disk_tier
 
 
 def _race(store, disk, key, value, monkeypatch):

@@ -4,47 +4,14 @@ its fix: named in its docstring."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from faults import Call, FaultyTier, Gate, wait_until
+from faults import Call, Gate, wait_until
 from helpers import PAGE
-from kvstore.config import DiskTierConfig, HostTierConfig, PlacementConfig, StoreConfig, WriteBehindConfig
-from kvstore.keys import Namespace, chunk_keys
 from kvstore.store import Store
+from placed_chunks import RAW_UNITS, chunks, config, disk_tier
 from tiers.base import TierFull
 from tiers.disk import DiskTier
-
-NS = Namespace("placed", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)  # 16 KiB fp16 chunks
-RAW_UNITS = 5  # a raw blob's 4 KiB units; int8's take 3
-
-
-def chunks(n: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    keys = chunk_keys(torch.randint(0, 50_000, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
-    return keys, [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
-
-
-def config(tmp_path, placement: bool = False) -> StoreConfig:
-    cfg = StoreConfig(host=HostTierConfig(capacity_bytes=8 * RAW_UNITS * PAGE, page_bytes=PAGE, prefault=False),
-                      disk=DiskTierConfig(enabled=False),
-                      write_behind=WriteBehindConfig(max_pending_bytes=4 * RAW_UNITS * PAGE, workers=1),
-                      eviction_policy="lru")
-    if placement:
-        verdicts = tmp_path / "verdicts.json"
-        verdicts.write_text(json.dumps({"schema": "kvstore.codec-verdicts/2", "model": "test", "model_id": NS.model_id,
-                                        "dtype": "float16", "codecs": {"int8": {"ppl_change_pct": 0.02, "allowed": True}}}))
-        # recomputing a chunk costs 8 ms, loading it from disk 16 us: a disk victim is worth keeping as int8
-        cfg.placement = PlacementConfig(codecs=["int8"], verdicts=[str(verdicts)], quality_weight_s=0.0005,
-                                        prefill_tokens_per_s=2000.0, disk_read_bytes_per_s=10**9,
-                                        encode_on_write=False)
-    return cfg
-
-
-def disk_tier(tmp_path, chunks_room: int) -> FaultyTier:
-    return FaultyTier(DiskTier(tmp_path / "disk", chunks_room * RAW_UNITS * PAGE, name="disk"))
-
 
 def test_a_durable_chunks_disk_copy_re_encoded_in_place_is_synced(tmp_path):
     """Evictor._replace wrote the re-encoded copy of a synced file without syncing it, and

@@ -8,44 +8,10 @@ import torch
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from kvstore.config import (  # noqa: E402
-    DiskTierConfig,
-    HostTierConfig,
-    PfsTierConfig,
-    RedisTierConfig,
-    SharedIndexConfig,
-    StoreConfig,
-    WriteBehindConfig,
-)
-from kvstore.keys import Namespace, chunk_keys  # noqa: E402
-from kvstore.store import Store  # noqa: E402
 from faults import Call, Gate  # noqa: E402
+from kvstore.store import Store  # noqa: E402
+from shared_tiers import chunks, daemon_config  # noqa: E402
 from tiers.base import TierError, TierUnavailable  # noqa: E402
-
-PAGE = 4096
-NS = Namespace("shared-test", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
-
-
-def daemon_config(tmp_path, name, redis_url=None, shared_index=True, prefix="t", pfs=True) -> StoreConfig:
-    """One daemon's store: its own host RAM and local disk, the shared PFS directory and Redis."""
-    cfg = StoreConfig(
-        host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
-        disk=DiskTierConfig(path=str(tmp_path / name / "disk"), capacity_bytes=1 << 22),
-        pfs=PfsTierConfig(enabled=pfs, path=str(tmp_path / "pfs"), capacity_bytes=1 << 22),
-        write_behind=WriteBehindConfig(max_pending_bytes=16 * PAGE),
-    )
-    if redis_url:
-        cfg.redis = RedisTierConfig(enabled=True, url=redis_url, key_prefix=f"{prefix}:v:", capacity_bytes=1 << 22,
-                                    reconnect_s=0.2)
-        cfg.shared_index = SharedIndexConfig(enabled=shared_index, url=redis_url, key_prefix=f"{prefix}:i:",
-                                             reconnect_s=0.2)
-    return cfg
-
-
-def chunks(n, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    keys = chunk_keys(torch.randint(0, 9999, (n * NS.chunk_tokens,), generator=gen).tolist(), NS)
-    return keys, [torch.randn(NS.chunk_shape, generator=gen).half() for _ in keys]
 
 
 @pytest.mark.parametrize("shared_index", [True, False])

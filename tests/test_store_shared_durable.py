@@ -6,34 +6,12 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-import threading  # noqa: E402
-
 import redis  # noqa: E402
 
+from cluster_faults import HeldAfterDelete, HeldAfterWrite, HeldBeforeDelete, watch_ledger  # noqa: E402
 from faults import Call, FaultyTier, Gate, wait_until  # noqa: E402
 from kvstore.store import Store  # noqa: E402
-from test_store_shared import chunks, daemon_config  # noqa: E402
-from tiers.wrapped import WrappedTier  # noqa: E402
-
-BLOB = 4224  # one test chunk's blob: 128-byte header + 4096 bytes of fp16
-
-
-def redis_member(tmp_path, url, prefix, name="a"):
-    cfg = daemon_config(tmp_path, name, url, True, prefix, pfs=False)
-    cfg.disk.enabled = False  # host RAM, then Redis: Redis is the durable replica tier
-    cfg.cluster.enabled = True
-    cfg.cluster.member = name
-    return cfg
-
-
-def one_chunk_cluster(tmp_path, url, prefix, seed, names="ab"):
-    """One chunk (key, value), the configs of members ``names`` of one cluster on ``url``, a
-    plain Redis client, and the chunk's key on Redis."""
-    keys, values = chunks(1, seed=seed)
-    members = [redis_member(tmp_path, url, prefix, name) for name in names]
-    rkey = members[0].redis.key_prefix.encode() + keys[0].id.hex().encode()
-    return keys[0], values[0], members, redis.Redis.from_url(url), rkey
-
+from shared_tiers import BLOB, chunks, daemon_config, one_chunk_cluster, redis_member  # noqa: E402
 
 def durable_put_beside_a_held_delete(b, key, value, gate, deleting) -> None:
     """B's durable put of the chunk while a delete is held at ``gate``: the delete goes on once
@@ -80,74 +58,6 @@ def test_a_durable_re_put_after_redis_evicted_the_value_writes_it_again(tmp_path
         s.put(keys[0], values[0], durable=True)  # "written and synced on every replica tier"
         on_redis = raw.exists(rkey)
     assert on_redis, "a durable put returned with no copy on Redis: the index trusted a value Redis evicted"
-
-
-class HeldAfterDelete(WrappedTier):
-    """Deletes, then holds the caller at ``gate`` (the value is gone, the caller goes on later)."""
-
-    def __init__(self, inner, gate):
-        super().__init__(inner)
-        self.gate = gate
-
-    def delete(self, key):
-        gone = self.inner.delete(key)
-        self.gate.pass_through(key)
-        return gone
-
-
-class HeldBeforeDelete(WrappedTier):
-    """Holds the caller at ``gate``, then deletes (the ledger entry is taken, the value not gone yet)."""
-
-    def __init__(self, inner, gate):
-        super().__init__(inner)
-        self.gate = gate
-
-    def delete(self, key):
-        self.gate.pass_through(key)
-        return self.inner.delete(key)
-
-
-class HeldAfterWrite(WrappedTier):
-    """Writes, then holds the caller at ``gate`` (the value is in place, not committed yet)."""
-
-    def __init__(self, inner, gate):
-        super().__init__(inner)
-        self.gate = gate
-
-    def write(self, key, parts):
-        self.inner.write(key, parts)
-        self.gate.pass_through(key)
-
-
-class WatchedLedger:
-    """A member's ledger that notes a "busy" answer to a reservation, and holds a member at
-    ``after_evicted`` once the ledger was told its value is gone."""
-
-    def __init__(self, ledger, after_evicted=None):
-        self._ledger, self.after_evicted = ledger, after_evicted
-        self.busy = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._ledger, name)
-
-    def reserve(self, *args, **kwargs):
-        answer = self._ledger.reserve(*args, **kwargs)
-        if answer[0] == "busy":
-            self.busy.set()
-        return answer
-
-    def evicted(self, member, tier, key_ids):
-        used = self._ledger.evicted(member, tier, key_ids)
-        if self.after_evicted is not None:
-            for key_id in key_ids:
-                self.after_evicted.pass_through(key_id)
-        return used
-
-
-def watch_ledger(store, after_evicted=None) -> WatchedLedger:
-    budgeted = store.tier("redis")
-    budgeted.ledger = WatchedLedger(budgeted.ledger, after_evicted)
-    return budgeted.ledger
 
 
 def test_a_durable_put_that_starts_after_a_members_delete_removed_the_value_keeps_a_copy(tmp_path, redis_server):

@@ -21,9 +21,8 @@ import pytest
 
 from kvstore.blob import HEADER_BYTES
 from kvstore.store import Store
-from test_store_shared import chunks
-from test_store_shared_peers import daemon
-from test_store_shared_same_codec import two_puts
+from pfs_peers import daemon, two_puts
+from shared_tiers import chunks
 
 
 @pytest.mark.parametrize("host_copy", ["kept", "dropped"])

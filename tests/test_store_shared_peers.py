@@ -11,24 +11,10 @@ import torch
 
 pytest.importorskip("redis", reason="redis-py is not installed (the redis extra)")
 
-from helpers import NS, PAGE, chunks  # noqa: E402
+from helpers import NS, chunks  # noqa: E402
 from kvstore.codecs import get_codec  # noqa: E402
-from kvstore.config import (  # noqa: E402
-    DiskTierConfig, HostTierConfig, PfsTierConfig, SharedIndexConfig, StoreConfig, WriteBehindConfig)
 from kvstore.store import Store  # noqa: E402
-
-
-def daemon(tmp_path, redis_url: str | None, codec: str, verify: bool = True) -> StoreConfig:
-    """One daemon: its own host RAM, the shared PFS directory, the shared index (if a URL)."""
-    return StoreConfig(
-        host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
-        disk=DiskTierConfig(enabled=False),
-        pfs=PfsTierConfig(enabled=True, path=str(tmp_path / "pfs"), capacity_bytes=1 << 22, verify_payload=verify),
-        write_behind=WriteBehindConfig(max_pending_bytes=16 * PAGE),
-        shared_index=SharedIndexConfig(enabled=redis_url is not None, url=redis_url or "redis://127.0.0.1:1/0",
-                                       key_prefix="review-pfs:i:", reconnect_s=0.2),
-        codec=codec,
-    )
+from pfs_peers import daemon  # noqa: E402
 
 
 @pytest.mark.parametrize("verify", [True, False])

@@ -17,9 +17,8 @@ import pytest
 from kvstore.store import write_behind
 from kvstore.store import Store
 from kvstore.store.deletes import peek_header
-from test_store_shared import chunks
-from test_store_shared_peers import daemon
-from test_store_shared_same_codec import two_puts
+from pfs_peers import daemon, two_puts
+from shared_tiers import chunks
 
 
 @pytest.mark.parametrize("replication", ["all", "utility"])

@@ -12,28 +12,10 @@ import pytest
 import torch
 
 from helpers import same
-from kvstore.codecs import get_codec
 from kvstore.config import DiskTierConfig
 from kvstore.store import Store
-from test_store_shared import chunks  # a head_dim the mixed codec can rank
-from test_store_shared_peers import daemon
-
-MIXED = get_codec("mixed75")
-
-
-def another_ranking(keys):
-    """The default ranking reversed: other rows keep their bits, as many of them."""
-    return -MIXED.importance(keys)
-
-
-def two_puts(kind: str, value: torch.Tensor):
-    """(A's value, A's codec, B's value, B's codec): one codec, blobs of one size, other bytes."""
-    if kind == "raw":
-        other = value.clone()
-        other.view(-1)[0] += 1
-        return value, "raw", other, "raw"
-    return value, MIXED, value, MIXED.with_importance(another_ranking)
-
+from pfs_peers import daemon, two_puts
+from shared_tiers import chunks  # a head_dim the mixed codec can rank
 
 @pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("kind", ["raw", "mixed"])

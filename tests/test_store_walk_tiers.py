@@ -42,7 +42,7 @@ from tiers.pfs import PfsTier
 
 CODECS = ("raw", "lz4", "int8", "int4")
 VALUES = 3  # different values a key is put with
-NS = Namespace("walk-ns", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=8)  # 2 KiB raw
+WALK_NS = Namespace("walk-ns", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=8)  # 2 KiB raw
 MISS = None
 SENTINEL = 3.0
 REPLICA_TIERS = ("disk", "pfs")
@@ -80,8 +80,8 @@ class Walk:
     def __init__(self, keys: int = 6, seed: int = 0, watchdog_s: float = 0.3) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="store-walk-"))
         gen = torch.Generator().manual_seed(seed)
-        self.keys = chunk_keys(torch.randint(0, 50_000, (keys * NS.chunk_tokens,), generator=gen).tolist(), NS)
-        self.values = [[torch.randn(NS.chunk_shape, generator=gen).half() for _ in range(VALUES)] for _ in self.keys]
+        self.keys = chunk_keys(torch.randint(0, 50_000, (keys * WALK_NS.chunk_tokens,), generator=gen).tolist(), WALK_NS)
+        self.values = [[torch.randn(WALK_NS.chunk_shape, generator=gen).half() for _ in range(VALUES)] for _ in self.keys]
         self.expected = {(i, v, c): roundtrip(self.values[i][v], c)
                          for i in range(keys) for v in range(VALUES) for c in CODECS}
         n = keys
@@ -89,7 +89,7 @@ class Walk:
         self.survives: list[set] = [set() for _ in range(n)]
         self.must_survive = [False] * n
         self.synced_here = [False] * n
-        self.outs = [torch.full(NS.chunk_shape, SENTINEL, dtype=torch.float16) for _ in range(n)]
+        self.outs = [torch.full(WALK_NS.chunk_shape, SENTINEL, dtype=torch.float16) for _ in range(n)]
         self.held: list[tuple] = []  # (context manager, tensor or views, snapshot bytes, what)
         self.write_hang: Gate | None = None
         self.read_hang: tuple[str, Gate] | None = None
@@ -221,7 +221,7 @@ class Walk:
             self.survives[i], self.must_survive[i], self.synced_here[i] = {(v, codec)}, True, True
         else:
             self.survives[i].add((v, codec))
-        out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+        out = torch.empty(WALK_NS.chunk_shape, dtype=torch.float16)
         hit = self._watched(lambda: self.store.get_into(key, out))
         assert hit, f"step {self.steps}: a read right after a put of key {i} missed\n{self.log[-15:]}"
         self._check(i, out, "the read right after a put")
@@ -230,7 +230,7 @@ class Walk:
         self.log.append(f"get({i}, flip={flip})")
         if flip:
             self.tiers[flip].flip_key, self.tiers[flip].flip_reads = self.keys[i].id, 1
-        out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+        out = torch.empty(WALK_NS.chunk_shape, dtype=torch.float16)
         got = out if self._watched(lambda: self.store.get_into(self.keys[i], out)) else None
         if flip and self.tiers[flip].flip_reads == 0:
             self.must_survive[i] = self.synced_here[i] = False  # that replica was dropped
@@ -328,7 +328,7 @@ class Walk:
             return
         views = self.store.host_pool.views(runs)
         data = b"".join(views)
-        got = torch.frombuffer(bytearray(data), dtype=torch.float16).view(NS.chunk_shape)
+        got = torch.frombuffer(bytearray(data), dtype=torch.float16).view(WALK_NS.chunk_shape)
         self._check(i, got, "pinned_payload")
 
         class Joined:  # every view's bytes, read again at each check
@@ -435,7 +435,7 @@ class Walk:
         self.synced_here = [False] * len(self.keys)
         self._open()
         for i, key in enumerate(self.keys):
-            out = torch.empty(NS.chunk_shape, dtype=torch.float16)
+            out = torch.empty(WALK_NS.chunk_shape, dtype=torch.float16)
             got = out if self.store.get_into(key, out) else None
             allowed = set(self.survives[i]) | ({MISS} if not self.must_survive[i] else set())
             self._check(i, got, "the read after a restart", allowed or {MISS})
@@ -460,7 +460,7 @@ class Reader(threading.Thread):
     def __init__(self, w: Walk, seed: int) -> None:
         super().__init__(daemon=True)
         self.w, self.rng = w, random.Random(seed)
-        self.outs = [torch.full(NS.chunk_shape, SENTINEL, dtype=torch.float16) for _ in w.keys]
+        self.outs = [torch.full(WALK_NS.chunk_shape, SENTINEL, dtype=torch.float16) for _ in w.keys]
         self.error: str | None = None
         self.done = threading.Event()
         self.start()
@@ -546,7 +546,7 @@ class Reader(threading.Thread):
                 if runs is None:
                     return
                 data = b"".join(store.host_pool.views(runs))
-                self._check(i, torch.frombuffer(bytearray(data), dtype=torch.float16).view(NS.chunk_shape), mark,
+                self._check(i, torch.frombuffer(bytearray(data), dtype=torch.float16).view(WALK_NS.chunk_shape), mark,
                             "pinned_payload")
                 self.done.wait(0.002)
                 if b"".join(store.host_pool.views(runs)) != data:

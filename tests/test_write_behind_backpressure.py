@@ -26,7 +26,7 @@ from tiers.disk import DiskTier
 
 # a chunk fills one host page (3840 bytes of payload and its header in 4 KiB), so that the
 # bytes waiting for copies are host RAM's pages, as with real chunks
-NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=30, chunk_tokens=8)
+PAGE_SIZED_NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=30, chunk_tokens=8)
 
 
 def default_store(tmp_path, host_pages: int, workers: int = 2, stall_s: float = 120.0) -> tuple[Store, FaultyTier]:
@@ -51,7 +51,7 @@ def host_slots(store: Store, value) -> int:
 
 
 def test_a_burst_that_fits_in_host_ram_is_put_while_the_disk_writes_nothing(tmp_path):
-    keys, values = chunks(48, NS)
+    keys, values = chunks(48, PAGE_SIZED_NS)
     store, disk = default_store(tmp_path, host_pages=64)
     with store:
         assert len(keys) <= host_slots(store, values[0]) < 2 * len(keys)
@@ -70,7 +70,7 @@ def test_a_burst_that_fits_in_host_ram_is_put_while_the_disk_writes_nothing(tmp_
 
 
 def test_a_put_waits_for_the_disk_once_host_ram_would_fill_with_chunks_waiting_for_copies(tmp_path):
-    keys, values = chunks(17, NS)
+    keys, values = chunks(17, PAGE_SIZED_NS)
     store, disk = default_store(tmp_path, host_pages=16)
     with store:
         room = host_slots(store, values[0])
@@ -97,7 +97,7 @@ def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_
     Write-behind's clock moves only when the test moves it: the disk stalls at that moment."""
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
-    keys, values = chunks(24, NS)
+    keys, values = chunks(24, PAGE_SIZED_NS)
     store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:
         room = host_slots(store, values[0])
@@ -126,7 +126,7 @@ def test_copies_waiting_for_a_stalled_disk_stay_queued_while_puts_find_room(tmp_
     writes them all; the copy of a put made meanwhile is skipped (the disk was stalled)."""
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
-    keys, values = chunks(6, NS)
+    keys, values = chunks(6, PAGE_SIZED_NS)
     store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:
         hang = disk.gates["write"] = Gate()
@@ -151,7 +151,7 @@ def test_a_read_promoting_a_chunk_into_host_ram_does_not_shed_copies_waiting_for
     of such chunks rather than dropping their copies."""
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
-    keys, values = chunks(24, NS)
+    keys, values = chunks(24, PAGE_SIZED_NS)
     store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
     with store:
         room = host_slots(store, values[0])
