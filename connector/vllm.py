@@ -44,7 +44,7 @@ from connector.stats import ConnectorStats, StatsRecorder
 from connector.vllm_layout import PagedLayers, blocks_view, layout_of
 from connector.worker import WorkerConnector
 from kvstore.config import config_from_dict
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,9 +80,7 @@ def model_identity(vllm_config: VllmConfig) -> str:
     saved under the same name is another model), else the hub name and revision."""
     model = vllm_config.model_config.model
     if os.path.isdir(model):
-        from engine.models.loader import model_fingerprint
-
-        return model_fingerprint(model)
+        return weights_fingerprint(model)
     return f"{model}@{vllm_config.model_config.revision or 'main'}"
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import xxhash
 
 HASH_BYTES = 16
 KEY_BYTES = 2 * HASH_BYTES
@@ -150,3 +152,24 @@ def prefix_hashes(token_ids: Sequence[int], block_tokens: int, parent: bytes = R
 def chunk_keys(token_ids: Sequence[int], namespace: Namespace) -> list[ChunkKey]:
     """One key per full chunk of ``token_ids``; a partial last chunk gets none."""
     return [ChunkKey(namespace, h) for h in prefix_hashes(token_ids, namespace.chunk_tokens)]
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """A short name for the weights at ``path`` (a weights file, or a folder of safetensors
+    with its config.json): the file or folder name plus a digest of every weight file's name,
+    size and whole content. Two checkpoints that differ anywhere (another quantisation,
+    another random seed, a fine-tune of a few middle layers) get different names, so their KV
+    never mixes in a store; the engine and the vLLM connector both name models by it. The
+    content goes through XXH3-128, which runs at memory speed: a load reads every byte anyway."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted([*p.glob("*.safetensors"), p / "config.json"])
+    digest = hashlib.blake2b(digest_size=8)
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        content = xxhash.xxh3_128()
+        with open(f, "rb") as fh:
+            while block := fh.read(8 << 20):
+                content.update(block)
+        digest.update(content.digest())
+    return f"{p.name}-{digest.hexdigest()}"

@@ -14,7 +14,7 @@ from kvstore.client import Client
 from kvstore.client.placing import Lender, merged_runs
 from kvstore.keys import ChunkKey, Namespace
 
-NS = Namespace("get-with-model", 2, 2, 64, dtype="float32", chunk_tokens=64)  # 64 KiB chunks: 16 pages of 4 KiB
+PAGED_NS = Namespace("get-with-model", 2, 2, 64, dtype="float32", chunk_tokens=64)  # 64 KiB chunks: 16 pages of 4 KiB
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def daemon(tmp_path_factory):
 
 def stored(client: Client, n: int, seed: int) -> tuple[list[ChunkKey], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    keys = [ChunkKey(NS, bytes([seed, i]) * 8) for i in range(n)]
-    data = [torch.randn(NS.chunk_shape, generator=gen) for _ in keys]
+    keys = [ChunkKey(PAGED_NS, bytes([seed, i]) * 8) for i in range(n)]
+    data = [torch.randn(PAGED_NS.chunk_shape, generator=gen) for _ in keys]
     for key, kv in zip(keys, data):
         client.put(key, kv)
     return keys, data
@@ -47,7 +47,7 @@ def test_every_chunk_is_handed_over_in_order_with_its_bytes(daemon, transport):
 def test_a_miss_ends_the_prefix_and_a_refusal_stops_the_rest(daemon):
     with Client(daemon.addr, token_file=daemon.token_file) as client:
         keys, _ = stored(client, 3, seed=3)
-        missing = ChunkKey(NS, b"\xee" * 16)
+        missing = ChunkKey(PAGED_NS, b"\xee" * 16)
         seen = []
         assert client.get_with([keys[0], missing, keys[2]], lambda i, t: seen.append(i) or True) == 1
         assert seen == [0]
@@ -57,7 +57,7 @@ def test_a_miss_ends_the_prefix_and_a_refusal_stops_the_rest(daemon):
 
 
 def test_lender_reads_one_piece_from_the_pool_and_gathers_a_split_one_into_its_slot():
-    chunk = NS.chunk_bytes
+    chunk = PAGED_NS.chunk_bytes
     values = np.arange(3 * chunk // 4, dtype=np.float32)
     pool = memoryview(values.tobytes())  # read-only, as the client maps the daemon's pool
     half = chunk // 2
@@ -67,7 +67,7 @@ def test_lender_reads_one_piece_from_the_pool_and_gathers_a_split_one_into_its_s
     slots = [memoryview(bytearray(chunk)) for _ in range(3)]
     slots[2][:] = pool[chunk:2 * chunk]
     seen = {}
-    lender = Lender(NS, lambda i, t: seen.setdefault(i, t.clone()) is not None)
+    lender = Lender(PAGED_NS, lambda i, t: seen.setdefault(i, t.clone()) is not None)
     lender.lend_placed([(1, split, slots[1]), (0, one_piece, slots[0]), (2, in_slot, slots[2])], pool)
     flat = torch.from_numpy(values)
     per_chunk = chunk // 4

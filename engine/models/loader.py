@@ -22,6 +22,7 @@ import xxhash
 from engine.cachefiles import remove, remove_dead_temps, temp_path
 from engine.config import DTYPES, ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from kvstore.keys import weights_fingerprint
 
 GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,24 +51,9 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def model_fingerprint(path: str | Path) -> str:
-    """A short name for the weights ``path`` holds: the file or folder name plus a digest of
-    every weight file's name, size and whole content. Two checkpoints that differ anywhere
-    (another quantisation, another random seed, a fine-tune of a few middle layers) get
-    different names, so their KV never mixes in a store. (A digest of each file's first and
-    last MiB only gave a checkpoint edited in between the other's name, and its KV.) The
-    content goes through XXH3-128, which runs at memory speed: the load reads every byte anyway."""
-    p = resolve_model_path(path)
-    files = [p] if p.is_file() else sorted([*p.glob("*.safetensors"), p / "config.json"])
-    digest = hashlib.blake2b(digest_size=8)
-    for f in files:
-        size = f.stat().st_size
-        digest.update(f"{f.name}:{size}".encode())
-        content = xxhash.xxh3_128()
-        with open(f, "rb") as fh:
-            while block := fh.read(8 << 20):
-                content.update(block)
-        digest.update(content.digest())
-    return f"{p.name}-{digest.hexdigest()}"
+    """The model id every namespace of ours carries for the checkpoint ``path`` names
+    (``kvstore.keys.weights_fingerprint`` of its weights)."""
+    return weights_fingerprint(resolve_model_path(path))
 
 
 def load_model(path: str | Path, dtype: str | None = None, device: str = "cpu",
