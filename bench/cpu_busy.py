@@ -92,7 +92,8 @@ def use_between(first: CpuSample, last: CpuSample) -> CpuUse:
 
 class CpuMeter:
     """Samples the CPU every ``period_s`` in a thread; ``use(t0, t1)`` is the use over the
-    samples that bracket the window [t0, t1] (``time.time()`` values)."""
+    samples that bracket the window [t0, t1] (``time.time()`` values). The kernel counts in
+    ticks (10 ms): over a window much shorter than a second the figures are coarse."""
 
     def __init__(self, period_s: float = 0.05) -> None:
         self._period_s = period_s
