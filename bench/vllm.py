@@ -38,6 +38,10 @@ from pathlib import Path
 PROSE = Path(__file__).parent / "data" / "probe_prose.txt"
 WARMUP_TOKENS = 100  # less than a chunk: never stored
 STATS_INTERVAL_S = 11.0  # a little over vLLM's interval between two "KV Transfer metrics" lines
+# An engine's processes spin on their shared-memory queues for a second after their last
+# message (vLLM's SpinCondition, busy_loop_s = 1) before they wait idle: timed beside another
+# engine's send, they take its cores. So a send to one engine waits until the others went idle.
+VLLM_SPIN_S = 1.2
 # what LMCache 0.5.6's LMCacheConnectorV1 did on CPU vLLM 0.32 here (docs/vllm.md, "LMCache")
 LMCACHE_REFUSAL = ("LMCacheConnectorV1 starts on CPU vLLM, but its worker half refuses the CPU platform: "
                    "'RuntimeError: No supported cpu connector found.' (lmcache.v1.gpu_connector.CreateGPUConnector "
@@ -121,6 +125,7 @@ def measure_hits(engines: dict, prompts, rounds: int) -> dict[str, dict[int, lis
             for prompt in batch:
                 for name in names[turn % len(names):] + names[:turn % len(names)]:
                     engine, fresh = engines[name]
+                    time.sleep(VLLM_SPIN_S)  # the engine sent to last goes idle first
                     hits[name].setdefault(n, []).append(ttft(engine, prompt, fresh))
                 turn += 1
     return hits
@@ -145,6 +150,7 @@ def run_turns(engines: dict, turns, quiet=None) -> dict[str, dict]:
         engine.reset_prefix_cache()
     for turn in turns:
         for name, engine in engines.items():
+            time.sleep(VLLM_SPIN_S)  # the engine sent to last goes idle first
             started = time.monotonic()
             answer = engine.generate([list(turn.prompt)], max_tokens=1)
             busy[name] += time.monotonic() - started
