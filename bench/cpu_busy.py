@@ -53,22 +53,27 @@ def _process_ticks(stat: str) -> tuple[int, int, int]:
     return int(rest[1]), int(rest[11]) + int(rest[12]), int(rest[13]) + int(rest[14])
 
 
+def _children() -> set[int]:
+    """This process's live children, as the kernel lists them per thread (no scan of /proc)."""
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids.update(int(pid) for pid in (task / "children").read_text().split())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return pids
+
+
 def _ours() -> float:
     """This process, its live children, and the children it has reaped (so a child that ends
     inside a window still counts)."""
-    me = os.getpid()
-    ticks = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    _, used, reaped = _process_ticks(Path("/proc/self/stat").read_text())
+    ticks = used + reaped
+    for pid in _children():
         try:
-            parent, used, reaped = _process_ticks(Path(entry.path, "stat").read_text())
+            ticks += _process_ticks(Path(f"/proc/{pid}/stat").read_text())[1]
         except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if int(entry.name) == me:
-            ticks += used + reaped
-        elif parent == me:
-            ticks += used
+            continue  # gone meanwhile: its ticks are in ``reaped`` once it is waited for
     return ticks / TICKS
 
 

@@ -29,9 +29,9 @@ through this contract alone.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-import math
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
