@@ -8,7 +8,7 @@ metadata and output, its stats, a paused session's pins, a disaggregated request
 the way to open the store a config names, and the store's lease rule for a paused session's
 pins (``pin_ttl``, and ``valid_duration`` for an event's durations: one rule for the engine's
 pauses and the daemon's) are here too. An engine imports nothing else
-of ``connector`` (tests/test_engine_connector_seam.py). See docs/connector.md.
+of ``connector`` (tests/engine/test_engine_connector_seam.py). See docs/connector.md.
 """
 
 from connector.backend import open_store, resolve_backend

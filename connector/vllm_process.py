@@ -1,6 +1,6 @@
 """A real vLLM engine in a child process under the vLLM venv (``scripts/setup.sh vllm`` makes
 ``.venv-vllm``), driven by ``connector/vllm_driver.py``: one engine start (a minute or more on
-a small CPU), many requests. The project's own venv has no vLLM: tests/test_vllm_*.py (which
+a small CPU), many requests. The project's own venv has no vLLM: tests/connector/test_vllm_*.py (which
 skip with one line when the vLLM venv is absent) and ``kvbench vllm`` both drive vLLM through
 this, since neither may import the other."""
 

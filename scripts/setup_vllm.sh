@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-vllm: real vLLM (CPU build, pinned) plus this project, for connector/vllm.py and
-# its tests (tests/test_vllm_*.py skip without it). Idempotent: a second run only checks a stamp.
+# its tests (tests/connector/test_vllm_*.py skip without it). Idempotent: a second run only checks a stamp.
 # Its own venv because vLLM pins its own torch, transformers and numpy; ~4 min and ~2.5 GB.
 # KVSTORE_FRESH_VENV=1 removes it first (CI does).
 set -euo pipefail

@@ -1,7 +1,9 @@
 """The test suite's own shape: test modules share set-up only through helper modules and
 conftest fixtures, never by importing each other (pytest would collect an imported test
 function a second time, and a change to one test file would quietly change another's), and
-the suite has one default namespace ``NS``: other namespaces carry names that say why."""
+the suite has one default namespace ``NS``: other namespaces carry names that say why. Tests
+live in a folder per wing (tests/store/, tests/daemon/, ...); only tests of the whole product
+(the README, the command lines, the store contract both sides keep) sit at the top."""
 
 import ast
 from pathlib import Path
@@ -36,7 +38,7 @@ def defines_ns(tree: ast.Module) -> bool:
 
 
 def modules():
-    return {path.name: ast.parse(path.read_text(), str(path)) for path in sorted(TESTS.glob("*.py"))}
+    return {str(path.relative_to(TESTS)): ast.parse(path.read_text(), str(path)) for path in sorted(TESTS.rglob("*.py"))}
 
 
 def test_no_test_module_imports_another():
@@ -48,3 +50,14 @@ def test_no_test_module_imports_another():
 def test_one_module_defines_ns():
     defining = [name for name, tree in modules().items() if defines_ns(tree)]
     assert len(defining) <= 1, f"NS is defined in {len(defining)} modules: {', '.join(defining)}"
+
+
+# tests of the whole product rather than of one wing
+TOP_LEVEL = {"test_api_conformance.py", "test_blob.py", "test_cli_errors.py", "test_config.py", "test_fsck_live.py",
+             "test_interrupt.py", "test_keys.py", "test_kvstore_cli.py", "test_readme.py", "test_readme_commands.py",
+             "test_test_shape.py", "test_wings.py"}
+
+
+def test_test_modules_live_in_their_wings_folder():
+    stray = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in TOP_LEVEL)
+    assert not stray, f"test modules outside a wing's folder (tests/<wing>/): {', '.join(stray)}"

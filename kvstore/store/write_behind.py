@@ -21,7 +21,7 @@ blob. Per tier:
   while the tier holds work: queue room a put holds while it waits elsewhere, or copies
   waiting for a worker that the machine's load keeps off a core, are not the tier's delay,
   and a busy tier that finishes copies is never stalled (taking those for a stall skipped
-  a working disk's copies, test_13 in tests/test_store_races.py). Puts skip a stalled tier
+  a working disk's copies, test_13 in tests/store/test_store_races.py). Puts skip a stalled tier
   (counted in ``dropped``); the copies already waiting for it stay queued until a put needs
   the first-tier room their chunks hold, and only then are dropped (``shed_stalled``,
   counted and logged): a hung tier slows only its own copies, never other tiers', puts or
