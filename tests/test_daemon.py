@@ -112,7 +112,7 @@ def test_encoded_chunks_take_the_copying_path_beside_zero_copy_ones(daemon, tran
     the same Get is decoded into a slot or a buffer instead."""
     keys, values = chunks(3, BIG, seed=31)
     with connect(daemon, transport=transport) as client:
-        assert transport != "shm" or client._drive(client._core._shm()).pool is not None
+        assert transport != "shm" or client._drive(client._core.transports.lease()).pool is not None
         client.put(keys[0], values[0])
         client.put(keys[1], values[1], codec="int8")
         client.put(keys[2], values[2])
@@ -194,7 +194,7 @@ def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
         keys, values = chunks(1, seed=3)
         client.put(keys[0], values[0])
         before = client.stats_reply().shm_slots_free
-        client._core._lease = None  # forget the lease without releasing it, as a dead client would
+        client._core.transports._lease = None  # forget the lease without releasing it, as a dead client would
         with connect(daemon, transport="grpc") as other:
             deadline = time.monotonic() + 10
             while other.stats_reply().shm_slots_free < before + 4:
