@@ -317,13 +317,13 @@ def test_kvbench_daemon_flags_each_round_a_path_beats_its_limit(daemon, tmp_path
 
 
 def test_kvbench_daemon_a_failed_client_fails_the_measurement_not_a_figure_of_zero():
-    from bench import daemon as bench_daemon
+    from bench.daemon_paths import measure
 
     def work(client, i, deadline, latencies):
         raise RuntimeError("a chunk the benchmark stored is missing")
 
     with pytest.raises(RuntimeError, match="missing"):
-        bench_daemon._measure([None, None], work, 0.01, None)
+        measure([None, None], work, 0.01, None)
 
 
 @pytest.mark.parametrize("transport", ["shm", "remote"])
