@@ -11,6 +11,11 @@ import time
 from typing import Callable, TextIO
 
 
+def say(tag: str, message: str) -> None:
+    """One line on stderr about what a benchmark does now, after ``[tag]``."""
+    print(f"[{tag}] {message}", file=sys.stderr, flush=True)
+
+
 def _clock(seconds: float) -> str:
     minutes, s = divmod(int(round(seconds)), 60)
     return f"{minutes}m{s:02d}s" if minutes else f"{s}s"

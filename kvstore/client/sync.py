@@ -100,7 +100,7 @@ def _blocking(op):
 
 
 class Client:
-    """A daemon client with the Store's methods (see kvstore/client/core.py for how chunk
+    """A daemon client with the Store's methods (see kvstore/client/transports.py for how chunk
     bytes travel). ``options`` and keyword overrides are ``ClientOptions`` fields."""
 
     def __init__(self, addr: str = "127.0.0.1:50051", options: ClientOptions | None = None, **overrides) -> None:

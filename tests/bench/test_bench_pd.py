@@ -40,7 +40,7 @@ def test_a_codec_that_changed_an_output_is_never_the_best():
     """mixed25 cuts the most bytes within 2% perplexity but changed outputs (one each way the
     benchmark compares): the best is the codec whose outputs all equal raw's, and the table
     names the others as not candidates."""
-    from bench.pd import checks, format_table
+    from bench.pd_verdict import checks, format_table
 
     for changed in ({"stream": 0.75}, {"exact": 0.5}, {"needle_same": False}):
         runs = {"colocated": _run(0), "raw": _run(1000), "mixed25": _run(250, ppl=0.09, **changed),

@@ -18,7 +18,7 @@ import asyncio
 import pytest
 import torch
 
-import kvstore.client.core as core
+import kvstore.client.read_path as read_path
 from kvstore.blob import encode_header
 from kvstore.client import AsyncClient, Client
 from kvstore.client.bulk import BulkSession
@@ -35,7 +35,7 @@ def value(i):
 
 
 def expected_blob(key, kv) -> bytes:
-    """The raw blob ``put`` stores (kvstore/client/core.py ``put``)."""
+    """The raw blob ``put`` stores (kvstore/client/put_path.py ``put``)."""
     raw = resolve_codec("raw")
     payload = raw.encode(kv)
     return bytes(encode_header(key, raw.codec_id, kv.dtype, kv.shape, payload)) + bytes(payload)
@@ -96,6 +96,6 @@ def test_a_get_blob_retried_after_a_broken_connection_returns_the_blob(tmp_path,
 
 
 def test_a_get_blob_retried_after_a_slow_first_attempt_returns_the_blob(tmp_path):
-    assert core.PIN_MARGIN < 1
+    assert read_path.PIN_MARGIN < 1
     with start(tmp_path, slow=True) as daemon:
         assert get_blob(daemon.addr, daemon.key, "sync") == expected_blob(daemon.key, value(0))

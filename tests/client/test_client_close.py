@@ -2,7 +2,7 @@
 clear error, waits for the calls in flight, and only then releases the shared-memory lease
 and closes the bulk sessions, so no call copies into or out of a slot after its lease went
 back, nor into its caller's tensor after ``close()`` returned, and nothing is left leased.
-A daemon in this process; ``core.copy_out`` is held where a test needs a call in flight."""
+A daemon in this process; ``read_path.copy_out`` is held where a test needs a call in flight."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-import kvstore.client.core as core
+import kvstore.client.read_path as read_path
 from helpers import in_process_daemon
 from kvstore.client import AsyncClient, Client, DaemonError
 from kvstore.client.effects import Rpc
@@ -85,7 +85,7 @@ def refuses_new_calls(client) -> bool:
 def hold_copies(monkeypatch):
     """Hold every copy out of slots or the pool, except the main thread's, until ``go``."""
     held, go = threading.Event(), threading.Event()
-    real_copy_out = core.copy_out
+    real_copy_out = read_path.copy_out
 
     def copy_out(placed, pool):
         if threading.current_thread() is not threading.main_thread():
@@ -93,7 +93,7 @@ def hold_copies(monkeypatch):
             go.wait(30)
         return real_copy_out(placed, pool)
 
-    monkeypatch.setattr(core, "copy_out", copy_out)
+    monkeypatch.setattr(read_path, "copy_out", copy_out)
     return held, go
 
 

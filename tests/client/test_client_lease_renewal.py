@@ -15,7 +15,7 @@ slot, copies the first tenant's blob out of it: wrong bytes, and another tenant'
 
 Time: the slot arena's and the client lease's clocks (both ``time.monotonic``) are advanced
 together by a shared offset, as if the minutes passed; the daemon runs in this process so that
-one hook (the other tenant's copy out of its slots, ``core.copy_out``) can hold that copy while
+one hook (the other tenant's copy out of its slots, ``read_path.copy_out``) can hold that copy while
 the first tenant's Put runs.
 """
 
@@ -29,7 +29,7 @@ import types
 import pytest
 import torch
 
-import kvstore.client.core as core
+import kvstore.client.read_path as read_path
 import kvstore.client.shm as client_shm
 import kvstore.daemon.slots as daemon_slots
 from helpers import in_process_daemon
@@ -103,7 +103,7 @@ def test_a_lease_in_use_is_never_reclaimed_under_its_client(daemon, clock, monke
         clock.offset += 15.0  # 65 s after the put, 15 s after alice's last use
 
         bob = Client(addr, token=TOKENS["bob"], shm_slots=2)
-        real_copy_out = core.copy_out
+        real_copy_out = read_path.copy_out
         armed = {"on": True, "alice_put": None}
 
         def copy_out(placed, pool):
@@ -122,7 +122,7 @@ def test_a_lease_in_use_is_never_reclaimed_under_its_client(daemon, clock, monke
                 t.join(30)
             return real_copy_out(placed, pool)
 
-        monkeypatch.setattr(core, "copy_out", copy_out)
+        monkeypatch.setattr(read_path, "copy_out", copy_out)
         outs = [torch.empty(ns().chunk_shape, dtype=torch.float16) for _ in bob_keys]
         assert bob.get_many_into(bob_keys, outs) == 2
         for i, o in enumerate(outs):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import kvstore.client.core as core
+import kvstore.client.transports as transports
 from helpers import in_process_daemon
 from kvstore.client import Client
 from kvstore.daemon.config import DaemonConfig
@@ -59,7 +59,7 @@ def daemon(tmp_path, monkeypatch):
 
 
 def test_a_lease_whose_reply_was_lost_is_released_by_the_clients_next_call(daemon, monkeypatch):
-    monkeypatch.setattr(core, "LEASE_AGAIN_S", 0.2)
+    monkeypatch.setattr(transports, "LEASE_AGAIN_S", 0.2)
     value = torch.randn(LEASE_UNANSWERED_NS.chunk_shape).half()
     with Client(daemon.address, shm_slots=SLOTS, timeout_s=1.0) as client:
         client.put(KEYS[0], value)  # its Lease timed out: put over the bulk channel instead

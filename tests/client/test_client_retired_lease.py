@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import kvstore.client.core as core
+import kvstore.client.read_path as read_path
 from kvstore.client import Client, DaemonError
 from kvstore.client.bulk import BulkSession
 from kvstore.daemon.spawn import DaemonProcess
@@ -73,7 +73,7 @@ def test_a_get_never_copies_out_of_a_slot_its_client_released_meanwhile(tmp_path
         assert alice.path == "shm"
 
         at_copy, go = threading.Event(), threading.Event()
-        real_copy_out = core.copy_out
+        real_copy_out = read_path.copy_out
         reader = {}
 
         def gated_copy_out(placed, pool):
@@ -82,7 +82,7 @@ def test_a_get_never_copies_out_of_a_slot_its_client_released_meanwhile(tmp_path
                 go.wait(60)
             return real_copy_out(placed, pool)
 
-        monkeypatch.setattr(core, "copy_out", gated_copy_out)
+        monkeypatch.setattr(read_path, "copy_out", gated_copy_out)
         out = torch.empty(ns().chunk_shape, dtype=torch.float16)
 
         def read():
@@ -148,7 +148,7 @@ def test_a_put_never_writes_a_slot_of_a_lease_released_after_it_started(tmp_path
 
         monkeypatch.setattr(BulkSession, "open", classmethod(gated_open))
         at_copy, go_copy = threading.Event(), threading.Event()
-        real_copy_out = core.copy_out
+        real_copy_out = read_path.copy_out
 
         def gated_copy_out(placed, pool):
             if threading.current_thread() is threads.get("get"):
@@ -156,7 +156,7 @@ def test_a_put_never_writes_a_slot_of_a_lease_released_after_it_started(tmp_path
                 go_copy.wait(60)
             return real_copy_out(placed, pool)
 
-        monkeypatch.setattr(core, "copy_out", gated_copy_out)
+        monkeypatch.setattr(read_path, "copy_out", gated_copy_out)
         result = {}
 
         def put():

@@ -112,7 +112,7 @@ def test_encoded_chunks_take_the_copying_path_beside_zero_copy_ones(daemon, tran
     the same Get is decoded into a slot or a buffer instead."""
     keys, values = chunks(3, BIG, seed=31)
     with connect(daemon, transport=transport) as client:
-        assert transport != "shm" or client._drive(client._core._shm()).pool is not None
+        assert transport != "shm" or client._drive(client._core.transports.lease()).pool is not None
         client.put(keys[0], values[0])
         client.put(keys[1], values[1], codec="int8")
         client.put(keys[2], values[2])
@@ -194,7 +194,7 @@ def test_lease_of_a_vanished_client_expires_and_its_slots_return(daemon):
         keys, values = chunks(1, seed=3)
         client.put(keys[0], values[0])
         before = client.stats_reply().shm_slots_free
-        client._core._lease = None  # forget the lease without releasing it, as a dead client would
+        client._core.transports._lease = None  # forget the lease without releasing it, as a dead client would
         with connect(daemon, transport="grpc") as other:
             deadline = time.monotonic() + 10
             while other.stats_reply().shm_slots_free < before + 4:
@@ -317,13 +317,13 @@ def test_kvbench_daemon_flags_each_round_a_path_beats_its_limit(daemon, tmp_path
 
 
 def test_kvbench_daemon_a_failed_client_fails_the_measurement_not_a_figure_of_zero():
-    from bench import daemon as bench_daemon
+    from bench.daemon_paths import measure
 
     def work(client, i, deadline, latencies):
         raise RuntimeError("a chunk the benchmark stored is missing")
 
     with pytest.raises(RuntimeError, match="missing"):
-        bench_daemon._measure([None, None], work, 0.01, None)
+        measure([None, None], work, 0.01, None)
 
 
 @pytest.mark.parametrize("transport", ["shm", "remote"])

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import kvstore.client.core as client_core
+import kvstore.client.read_path as client_read_path
 from kvstore.client import Client
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.server import Daemon
@@ -49,7 +49,7 @@ def test_a_pool_view_stays_pinned_until_its_client_is_done_even_during_shutdown(
 
         # the same-host client's copy out of the pool waits at a gate (after every reply is in)
         copying, copy_go = threading.Event(), threading.Event()
-        real_copy_out = client_core.copy_out
+        real_copy_out = client_read_path.copy_out
 
         def gated_copy_out(placed, pool):
             if any(reply.pool_runs for _, reply, _ in placed):
@@ -57,7 +57,7 @@ def test_a_pool_view_stays_pinned_until_its_client_is_done_even_during_shutdown(
                 assert copy_go.wait(30)
             real_copy_out(placed, pool)
 
-        monkeypatch.setattr(client_core, "copy_out", gated_copy_out)
+        monkeypatch.setattr(client_read_path, "copy_out", gated_copy_out)
 
         real_put_blob = daemon.store.put_blob
 

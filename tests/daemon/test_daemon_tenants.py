@@ -96,7 +96,7 @@ def test_a_tenant_can_neither_read_detect_pin_delete_nor_overwrite_anothers_chun
 
 def test_leases_and_slots_belong_to_the_tenant_that_took_them(daemon):
     with Client(daemon.addr, token=TOKENS["alice"], transport="shm") as alice:
-        lease = alice._drive(alice._core._shm())
+        lease = alice._drive(alice._core.transports.lease())
         ref = lease.take(1)
         (slot, view), = ref
         key = chunk_keys(PROMPT, ns())[0]
@@ -120,7 +120,7 @@ def test_leases_and_slots_belong_to_the_tenant_that_took_them(daemon):
         lease.give(ref)
         alice.put(key, values(5.0, 1)[0])
         assert alice.get_into(key, torch.empty(ns().chunk_shape, dtype=torch.float16))
-        assert alice._drive(alice._core._shm()) is lease, "alice's lease did not survive bob's release"
+        assert alice._drive(alice._core.transports.lease()) is lease, "alice's lease did not survive bob's release"
 
 
 def test_the_shared_tenant_is_shared_on_purpose_only(daemon):
