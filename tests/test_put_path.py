@@ -86,18 +86,23 @@ def test_a_put_through_the_daemon_parses_its_header_once(tmp_path, parses):
 
 
 def test_profiling_a_new_shape_runs_off_the_puts_thread(tmp_path, monkeypatch):
+    """Puts that need no room return while the profile their shape asked for is measured."""
     profiled_on = []
+    measure = threading.Event()
     profile = Placement.profile
 
-    def recorded(self, dtype, shape):
+    def gated(self, dtype, shape):
         profiled_on.append(threading.current_thread().name)
+        measure.wait(10)  # on the put's thread (before), the put returns only after this
         profile(self, dtype, shape)
 
-    monkeypatch.setattr(Placement, "profile", recorded)
+    monkeypatch.setattr(Placement, "profile", gated)
     keys, values = chunks(3)
-    with Store(store_config(tmp_path, host=16 * PAGE, disk=None, placement=placed(tmp_path))) as store:
+    with Store(store_config(tmp_path, disk=None, placement=placed(tmp_path))) as store:
         for key, value in zip(keys, values):
             store.put(key, value)
+        assert not store.placement.profiled(NS.torch_dtype, NS.chunk_shape)  # still held: no put waited for it
+        measure.set()
         deadline = time.monotonic() + 60
         while not store.placement.profiled(NS.torch_dtype, NS.chunk_shape):
             assert time.monotonic() < deadline, "the shape was never profiled"

@@ -69,7 +69,7 @@ class Evictor:
         if tier.budgeted:
             tier.make_room(need)
             return
-        if recode:
+        if recode and tier.capacity_bytes - tier.used_bytes < need:  # victims to plan: with the profiles
             self.wait_profiles()
         while True:
             with self.index.lock:
