@@ -330,7 +330,7 @@ class Store:
         Why: the daemon sends these bytes to a socket, or tells a client that maps the pool
         where to copy them from, without a copy of its own. Verified like any read (the header
         always, the payload if the tier verifies payloads) and counted as a hit."""
-        return self._reads.pinned_payload(self.first, self.host_pool, key)
+        return self._reads.pinned_payload(self.first, key)
 
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[torch.Tensor | None]:
@@ -341,7 +341,7 @@ class Store:
         Why: a connector that scatters a chunk into its paged cache copies the bytes once,
         not twice (store to staging buffer, staging buffer to blocks)."""
         self.index.check_open()
-        with self._reads.pinned_payload(self.first, self.host_pool, key, contiguous=True) as runs:
+        with self._reads.pinned_payload(self.first, key, contiguous=True) as runs:
             if runs is None or runs[0][1] != key.namespace.chunk_bytes:
                 yield None
                 return

@@ -31,7 +31,7 @@ from kvstore.store.fetch import FetchJob
 from kvstore.store.index import ChunkIndex, Replica
 from kvstore.keys import ChunkKey
 from kvstore.store.deletes import TierIO
-from tiers.base import SharedPool, Tier, TierError
+from tiers.base import FirstTier, Tier, TierError
 
 log = logging.getLogger(__name__)
 
@@ -314,11 +314,9 @@ class ReadPath:
     # -- the daemon's zero-copy hook ---------------------------------------------------------------
 
     @contextmanager
-    def pinned_payload(self, first: Tier, pool: SharedPool | None, key: ChunkKey,
+    def pinned_payload(self, first: FirstTier, key: ChunkKey,
                        contiguous: bool = False) -> Iterator[list[tuple[int, int]] | None]:
-        if pool is None:
-            yield None
-            return
+        pool = first.shared_pool()
         started = time.perf_counter()
         with self.index.lock:  # the copy listed now: only it is dropped if the pinned bytes fail their check
             entry = self.index.get(key.id)
