@@ -118,7 +118,7 @@ class TierIO:
         replaced) or none (deleted: its deleter deletes the value). Reads and copies written
         behind both drop what they find corrupt here: a damaged copy is never used or spread."""
         with self.index.lock:
-            self.index.stats[tier.name].corruptions += 1
+            self.index.count(tier.name, corruptions=1)
             entry = self.index.get(key_id)
             if entry is None or replica is None or entry.replicas.get(tier.name) is not replica:
                 log.warning("%s: a corrupt read of %s, whose copy was replaced or deleted meanwhile: %s",
@@ -162,7 +162,7 @@ class TierIO:
         kept = held and not tier.shared  # a shared tier's value stays discoverable: it is there
         with self.index.lock:
             if error is not None:
-                self.index.stats[tier.name].errors += 1
+                self.index.count(tier.name, errors=1)
             if not kept:
                 self._spared(tier.name, key_id)
             if tier.shared and self._discoveries:  # a lookup that saw the value must not list it now

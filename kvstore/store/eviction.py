@@ -119,7 +119,7 @@ class Evictor:
                 if job is not None:
                     index.recode_started(victim, entry, tier.name)
                     return deletes, job
-                index.stats[tier.name].evictions += 1
+                index.count(tier.name, evictions=1)
                 if self.displaced is not None:
                     self.displaced.evicted(tier.name, policy.reuse_estimate(victim))
                 freed += tier.footprint(replica.size)
@@ -223,7 +223,7 @@ class Evictor:
                                                               synced=synced), tier.footprint(size))
                 return
             self.recode_failures += 1
-            index.stats[name].evictions += 1
+            index.count(name, evictions=1)
             index.remove_replica(key_id, entry, name)
         self.io.delete_held(tier, key_id)
 

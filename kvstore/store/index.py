@@ -466,6 +466,12 @@ class ChunkIndex:
 
     # -- stats -------------------------------------------------------------------------------
 
+    def count(self, tier_name: str, **increments: int) -> None:
+        """Add to a tier's counters (``TierStats`` fields: errors, evictions, corruptions...)."""
+        stats = self.stats[tier_name]
+        for field_name, n in increments.items():
+            setattr(stats, field_name, getattr(stats, field_name) + n)
+
     def snapshot(self) -> IndexSnapshot:
         """The counters and counts ``stats()`` reports, at one instant (pins expired first)."""
         now = time.monotonic()

@@ -136,7 +136,7 @@ class ReadPath:
                 result = self._read_once(tier, key, out, accept)
             except TierError as exc:
                 with self.index.lock:
-                    self.index.stats[tier.name].errors += 1
+                    self.index.count(tier.name, errors=1)
                 log.warning("%s: read of %s failed: %s", tier.name, key, exc)
                 return None
             if result is not _RETRY:

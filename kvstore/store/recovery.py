@@ -63,7 +63,7 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
         else:
             for entry, replica in recovered:
                 index.mark_synced(entry, tier.name, replica)
-    index.stats[tier.name].corruptions += dropped
+    index.count(tier.name, corruptions=dropped)
     if found or dropped:
         log.info("%s: recovered %d chunks (%d bytes)%s", tier.name, found, tier.used_bytes,
                  f"; removed {dropped} damaged or truncated" if dropped else "")

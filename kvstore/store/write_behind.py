@@ -412,7 +412,7 @@ class WriteBehind:
                 written_replica = dataclasses.replace(replica, synced=sync and error is None) if written else None
                 with self.index.lock:
                     if recoded and error is None:
-                        self.index.stats[tier.name].recodes += 1
+                        self.index.count(tier.name, recodes=1)
                     deleted = self._finish(q, job, written_replica, error, wrote=written)
                 if deleted:
                     self.io.delete_held(tier, key_id)
@@ -442,11 +442,11 @@ class WriteBehind:
         q.last_progress = time.monotonic()
         live = index.get(key_id) is entry
         if error is not None:
-            index.stats[tier.name].errors += 1
+            index.count(tier.name, errors=1)
             self.dropped += 1
             log.warning("%s: copy of %s failed: %s", tier.name, key_id.hex(), error)
         elif wrote:
-            index.stats[tier.name].bytes_written += replica.size
+            index.count(tier.name, bytes_written=replica.size)
         index.copy_done(key_id, entry, tier.name, replica)
         for ticket in job.tickets:
             ticket.finish(error)
