@@ -20,7 +20,8 @@ A chunk's life (one ``Entry``; each tier holds at most one ``Replica`` of it)::
     no replica left and no copy queued ──► absent (with only stale ones: absent to lookups)
 
 Who may change what:
-- Entries, replicas, pins, policies and counters change only under ``ChunkIndex.lock``.
+- Entries, replicas, pins, policies and counters change only under ``ChunkIndex.lock``, and
+  only by ``ChunkIndex`` methods (one per transition above): other modules read them.
 - One tier's value for one key changes (write, delete, re-encode) only under that (tier,
   key)'s mutation lock (``KeyLocks``), and the index learns of the change before the lock
   is released, so a deferred delete can check that no newer copy took the value's place.
