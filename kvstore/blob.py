@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import xxhash
 
@@ -133,7 +133,44 @@ def payload_digest():
 
 def encode_header(key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, payload) -> bytes:
     """The 128-byte header for ``payload``; the blob is header + payload."""
-    return _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)
+    return _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)[0]
+
+
+class SealedBlob:
+    """A whole blob (header and payload, possibly in pieces) with its header parsed once:
+    a put carries it from the caller to the first tier and the index, and nobody along the
+    way decodes the header again."""
+
+    def __init__(self, parts: Sequence, header: BlobHeader) -> None:
+        self.parts, self.header = parts, header
+        self.size = sum(memoryview(p).nbytes for p in parts)
+
+    @classmethod
+    def parse(cls, parts: Sequence) -> "SealedBlob":
+        """A blob whose header is read from its leading bytes (verified; not the payload)."""
+        head = bytearray()
+        for part in parts:
+            head += memoryview(part).cast("B")[: HEADER_BYTES - len(head)]
+            if len(head) == HEADER_BYTES:
+                break
+        return cls(parts, decode_header(head))
+
+    @classmethod
+    def pack(cls, key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, payload) -> "SealedBlob":
+        """The blob of an encoded payload, its header packed (and known) here."""
+        head, header = _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)
+        return cls([head, payload], header)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.header.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.header.shape
+
+    def write_to(self, tier, key: bytes) -> None:
+        tier.write(key, self.parts)
 
 
 class UnsealedBlob:
@@ -155,19 +192,23 @@ class UnsealedBlob:
 
     def seal(self) -> bytes:
         """The header, for the checksum ``digest`` has seen (every payload byte, in order)."""
-        packed = _pack_header(self.key.namespace.fingerprint, self.key.prefix_hash, self.codec_id, self.dtype,
-                              self.shape, self.payload, checksum=self.digest.intdigest())
-        self.header = decode_header(packed)
+        packed, self.header = _pack_header(self.key.namespace.fingerprint, self.key.prefix_hash, self.codec_id,
+                                           self.dtype, self.shape, self.payload, checksum=self.digest.intdigest())
         return packed
+
+    def write_to(self, tier, key: bytes) -> None:
+        """Into ``tier``, which checksums the payload as it copies it in and then seals it."""
+        tier.write_sealed(key, HEADER_BYTES, self.payload, self.restart(), self.seal)
 
 
 def reencoded_header(header: BlobHeader, codec_id: int, payload) -> bytes:
     """The header of the same chunk as ``header`` names, re-encoded into ``payload``."""
-    return _pack_header(header.namespace_fp, header.prefix_hash, codec_id, header.dtype, header.shape, payload)
+    return _pack_header(header.namespace_fp, header.prefix_hash, codec_id, header.dtype, header.shape, payload)[0]
 
 
 def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: torch.dtype, shape, payload,
-                 checksum: int | None = None) -> bytes:
+                 checksum: int | None = None) -> tuple[bytes, BlobHeader]:
+    """The packed header and the same header as a ``BlobHeader`` (no need to decode it back)."""
     codes = _torch_dtypes()["DTYPE_CODES"]
     if dtype not in codes:
         raise ValueError(f"unsupported dtype {dtype}; expected one of {list(DTYPE_NAMES_BY_CODE.values())}")
@@ -175,12 +216,11 @@ def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: 
     if not 1 <= len(shape) <= MAX_DIMS or any(d <= 0 or d >= 2**32 for d in shape):
         raise ValueError(f"shape {shape} must have 1..{MAX_DIMS} positive dimensions")
     dims = shape + (0,) * (MAX_DIMS - len(shape))
-    fixed = _FIXED.pack(
-        MAGIC, VERSION, HEADER_BYTES, codec_id, codes[dtype], len(shape), 0,
-        namespace_fp, prefix_hash, *dims, memoryview(payload).nbytes,
-        payload_checksum(payload) if checksum is None else checksum,
-    )
-    return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
+    header = BlobHeader(codec_id, codes[dtype], shape, namespace_fp, prefix_hash, memoryview(payload).nbytes,
+                        payload_checksum(payload) if checksum is None else checksum)
+    fixed = _FIXED.pack(MAGIC, VERSION, HEADER_BYTES, codec_id, header.dtype_code, len(shape), 0, namespace_fp,
+                        prefix_hash, *dims, header.payload_len, header.payload_checksum)
+    return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed)), header
 
 
 def decode_header(data) -> BlobHeader:

@@ -162,3 +162,17 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; the tier is unusable afterwards."""
+
+
+class FirstTier(Tier):
+    """The tier every put lands in (host RAM), whose copy of a chunk is the source of the
+    copies written behind and of zero-copy reads: it lends its bytes in place."""
+
+    @abstractmethod
+    def pinned(self, key: bytes) -> AbstractContextManager[list[memoryview] | None]:
+        """Views of the value's bytes in order, kept allocated for the ``with`` block even if
+        the key is deleted or replaced meanwhile; None if absent."""
+
+    @abstractmethod
+    def shared_pool(self) -> SharedPool:
+        """This tier's memory as a ``SharedPool``."""

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kernels.parallel_copy import copy_pairs
-from tiers.base import Buffer, TierUnavailable, as_buffers
+from tiers.base import Buffer, FirstTier, TierUnavailable, as_buffers
 from tiers.pages import PagedTier, segments
 
 SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when ``write_sealed`` hashes it
@@ -43,7 +43,7 @@ def _byte_view(buf) -> np.ndarray:
     return buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
 
 
-class HostTier(PagedTier):
+class HostTier(PagedTier, FirstTier):
     def __init__(
         self,
         capacity_bytes: int,

@@ -177,8 +177,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"blob holds {DTYPE_NAMES[header.dtype]}{list(header.shape)}, the namespace needs "
                        f"{ns.dtype}{list(ns.chunk_shape)}")
         parts = [bound.header_for(header, payload, claimed=False), payload] if bound.rekeyed else [blob]
+        stored = dataclasses.replace(header, namespace_fp=bound.ns.fingerprint) if bound.rekeyed else header
         self.quotas.make_room(bound.owner, key, len(memoryview(blob).cast("B")))
-        self.store.put_blob(key, parts, parent=parent, durable=durable)
+        self.store.put_blob(key, parts, parent=parent, durable=durable, header=stored)  # parsed once, above
 
     async def _store(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
         """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame,

@@ -1,9 +1,11 @@
 """The Store wing: one process's chunk store over its tiers (docs/store.md).
 
 - ``facade``: ``Store``, the ChunkStore the connector and the daemon use;
-- ``index``: the chunk index, the one record of what is where;
+- ``index``: the chunk index, the one record of what is where and its only writer;
+- ``put_path``: a put, top to bottom (reserve, write first, commit, queue), and promotions;
 - ``read_path``, ``fetch``: reads, from whichever tier holds a chunk and is free;
-- ``write_behind``: copies of a put to the slower tiers, after the put returned;
+- ``write_behind``, ``ticket``: copies of a put to the slower tiers, after the put returned,
+  and a durable put's wait for them;
 - ``eviction``, ``quota``: making room in a tier, per policy and per tenant;
 - ``placement``, ``replication``: which tiers and which encoding a chunk gets;
 - ``deletes``: removing a chunk's replicas from its tiers;

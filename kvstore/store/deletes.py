@@ -16,7 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, decode_header, verify_blob
-from kvstore.store.index import ChunkIndex, KeyLocks
+from kvstore.store.index import ChunkIndex, KeyLocks, Replica
 from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,25 @@ class TierIO:
         except Exception:  # noqa: BLE001 - a background task has no caller to raise to
             log.exception("%s: background delete of %s failed", tier.name, key_id.hex())
 
+    def corrupt(self, key_id: bytes, tier: Tier, replica: Replica | None, exc: Exception) -> bool:
+        """Drop ``replica``, which failed verification (and count it); its value is deleted
+        in the background, unless a newer one took its place meanwhile. False, dropping
+        nothing, if the index lists another copy there by now (the bytes read were the one it
+        replaced) or none (deleted: its deleter deletes the value). Reads and copies written
+        behind both drop what they find corrupt here: a damaged copy is never used or spread."""
+        with self.index.lock:
+            self.index.count(tier.name, corruptions=1)
+            entry = self.index.get(key_id)
+            if entry is None or replica is None or entry.replicas.get(tier.name) is not replica:
+                log.warning("%s: a corrupt read of %s, whose copy was replaced or deleted meanwhile: %s",
+                            tier.name, key_id.hex(), exc)
+                return False
+            self.index.remove_replica(key_id, entry, tier.name)
+            self.doom(tier.name, key_id)
+        log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
+        self.delete_later(tier, key_id)
+        return True
+
     def close(self) -> None:
         """Wait for the background deletes."""
         self._background.shutdown(wait=True)
@@ -143,7 +162,7 @@ class TierIO:
         kept = held and not tier.shared  # a shared tier's value stays discoverable: it is there
         with self.index.lock:
             if error is not None:
-                self.index.stats[tier.name].errors += 1
+                self.index.count(tier.name, errors=1)
             if not kept:
                 self._spared(tier.name, key_id)
             if tier.shared and self._discoveries:  # a lookup that saw the value must not list it now

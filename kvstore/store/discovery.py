@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvstore.store.index import ChunkIndex, Entry, Replica
+from kvstore.store.index import ChunkIndex
 from kvstore.store.deletes import TierIO
 from tiers.base import Tier, TierError
 
@@ -61,11 +61,4 @@ def _discover(index: ChunkIndex, shared_tiers: Sequence[Tier], shared_index, key
                          if not (io.is_doomed(name, key_id) or io.removed_since(name, key_id, mark))}
                 if not where:
                     continue
-            entry = index.get(key_id)
-            if entry is None:
-                # a version of its own: a chunk deleted and found again is another entry, which a
-                # promotion of a read of the first one (it checks the version) must not take for it
-                entry = index.entries[key_id] = Entry(index.next_version(), next(iter(where.values())), None)
-            for name, size in where.items():
-                if name not in entry.replicas:
-                    index.set_replica(key_id, entry, name, Replica(size, None, entry.version, found=True))
+            index.discovered(key_id, where)

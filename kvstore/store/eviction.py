@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
@@ -22,6 +22,17 @@ from kvstore.store.deletes import TierIO
 from tiers.base import Tier, TierError, TierFull
 
 log = logging.getLogger(__name__)
+
+
+class CopiesInFlight(Protocol):
+    """Copies written behind, whose chunks the first tier holds until they are done
+    (kvstore/store/write_behind.py); both calls with the index lock held."""
+
+    def shed_stalled(self) -> bool:
+        """Drop the copies waiting for stalled tiers; whether any was dropped."""
+
+    def progressing(self) -> bool:
+        """Whether copies are queued on a tier that is not stalled."""
 
 
 @dataclass
@@ -37,32 +48,32 @@ class _Recode:
 
 class Evictor:
     def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, tiers: dict[str, Tier],
-                 placement: Placement | None, placement_tiers: set[str], copies_progressing: Callable[[], bool],
-                 shed_stalled_copies: Callable[[], bool], track_displaced: bool = False) -> None:
+                 placement: Placement | None, placement_tiers: set[str], track_displaced: bool = False) -> None:
         self.index, self.locks, self.io, self.tiers = index, locks, io, tiers
         self.placement = placement
         self.placement_tiers = placement_tiers if placement is not None else set()
-        self._copies_progressing = copies_progressing
-        self._shed_stalled_copies = shed_stalled_copies
         # what a new copy in each tier would displace: kept only for replication's planner
         self.displaced = DisplacedReuse() if track_displaced else None
         self.recode_failures = 0
 
-    def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, wait: bool = True,
+    def make_room(self, tier: Tier, need: int, exclude: bytes | None = None, copies: CopiesInFlight | None = None,
                   recode: bool = True) -> None:
         """Evict from ``tier`` until ``need`` more bytes fit; call without any lock held.
-        With ``wait`` (a put's room), where only chunks whose copies are not done are left in
-        the first tier: the copies still waiting for a stalled tier (``write_behind.stall_s``
-        without progress) are dropped and their chunks evicted, and otherwise the put waits
-        for the copies while their tiers make progress: this is write-behind's backpressure.
+        With ``copies`` (a put's room in the first tier), where only chunks whose copies are
+        not done are left there: the copies still waiting for a stalled tier
+        (``write_behind.stall_s`` without progress) are dropped and their chunks evicted, and
+        otherwise the put waits for the copies while their tiers make progress: this is
+        write-behind's backpressure.
         Raises TierFull when the rest is pinned or in use, or being copied to a stalled tier.
         A budgeted tier (a cluster's shared tier) makes room itself, by its ledger's choice."""
         if tier.budgeted:
             tier.make_room(need)
             return
+        if recode and tier.capacity_bytes - tier.used_bytes < need:  # victims to plan: with the profiles
+            self.wait_profiles()
         while True:
             with self.index.lock:
-                deletes, job = self._choose(tier, need, exclude, wait, recode)
+                deletes, job = self._choose(tier, need, exclude, copies, recode)
             for name, key_id in deletes:
                 self.io.delete(self.tiers[name], key_id)
             if job is not None:
@@ -70,7 +81,7 @@ class Evictor:
             elif not deletes:
                 return
 
-    def _choose(self, tier: Tier, need: int, exclude: bytes | None, wait: bool, recode: bool):
+    def _choose(self, tier: Tier, need: int, exclude: bytes | None, copies: CopiesInFlight | None, recode: bool):
         """Victims until ``need`` bytes would be free, as (tier, key) deletes to run, or the
         first victim placement keeps (lock held)."""
         index = self.index
@@ -86,9 +97,10 @@ class Evictor:
                 except LookupError:
                     if deletes:
                         break  # free what was chosen, then look again
-                    if wait and tier.name == index.first and self._shed_stalled_copies():
+                    held = copies is not None and tier.name == index.first
+                    if held and copies.shed_stalled():
                         continue  # their chunks are evictable now
-                    if wait and tier.name == index.first and self._copies_progressing():
+                    if held and copies.progressing():
                         index.changed.wait(timeout=1.0)  # what is evictable waits for its copies
                         index.expire_pins()
                         continue
@@ -105,10 +117,9 @@ class Evictor:
                     continue
                 job = self._plan_recode(tier, victim, entry, replica) if recode else None
                 if job is not None:
-                    entry.recoding.add(tier.name)
-                    index.sync(victim, entry)
+                    index.recode_started(victim, entry, tier.name)
                     return deletes, job
-                index.stats[tier.name].evictions += 1
+                index.count(tier.name, evictions=1)
                 if self.displaced is not None:
                     self.displaced.evicted(tier.name, policy.reuse_estimate(victim))
                 freed += tier.footprint(replica.size)
@@ -126,6 +137,13 @@ class Evictor:
 
     def _read_bytes_per_s(self, tier_name: str) -> float:
         return self.placement.read_bytes_per_s(tier_name, self.index.stats[tier_name].read_gbps)
+
+    def wait_profiles(self) -> None:
+        """Wait (without any lock held) for codec profiles still being measured in the
+        background (kvstore/store/placement.py): what to re-encode, and into what, is decided
+        with them."""
+        if self.placement is not None:
+            self.placement.wait_profiles()
 
     def write_codec(self, tier: Tier, entry: Entry, source: Replica) -> Codec | None:
         """The encoding placement wants for the copy of ``entry`` written behind to ``tier``,
@@ -196,21 +214,16 @@ class Evictor:
             synced = job.replica.synced
         written = keep and self._replace(tier, key_id, parts, synced)
         with index.lock:
-            entry.recoding.discard(name)
+            index.recode_done(entry, name)
             if not self._planned(job):
                 index.sync(key_id, entry)
                 return
             if written:
-                index.record(key_id, entry, name, Replica.of(decode_header(parts[0]), size, job.replica.version,
-                                                             synced=synced))
-                index.stats[name].recodes += 1
-                index.stats[name].bytes_written += size
-                if index.evictable(name, entry):
-                    index.policies[name].reinstate(key_id, tier.footprint(size), entry.parent)
-                index.sync(key_id, entry)
+                index.recoded(key_id, entry, name, Replica.of(decode_header(parts[0]), size, job.replica.version,
+                                                              synced=synced), tier.footprint(size))
                 return
             self.recode_failures += 1
-            index.stats[name].evictions += 1
+            index.count(name, evictions=1)
             index.remove_replica(key_id, entry, name)
         self.io.delete_held(tier, key_id)
 

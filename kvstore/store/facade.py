@@ -1,11 +1,11 @@
 """The Store: the facade the daemon, the connector and the benchmarks use.
 
-Tiers are ordered fastest first; the first (host RAM) takes every put synchronously, and
-each replica tier (local disk, and the shared tiers) receives a copy written behind
-(kvstore/store/write_behind.py). A read is served by the fastest tier holding the chunk that
-has a fetch worker free, and verified (kvstore/store/read_path.py); a hit below the first tier
-is promoted into it. Lookups answer from the index (kvstore/store/index.py, which draws a
-chunk's life) and never do I/O.
+Tiers are ordered fastest first; the first (host RAM) takes every put synchronously
+(kvstore/store/put_path.py), and each replica tier (local disk, and the shared tiers)
+receives a copy written behind (kvstore/store/write_behind.py). A read is served by the
+fastest tier holding the chunk that has a fetch worker free, and verified
+(kvstore/store/read_path.py); a hit below the first tier is promoted into it. Lookups
+answer from the index (kvstore/store/index.py, which draws a chunk's life) and never do I/O.
 Each tier has its own eviction policy (kvstore/store/eviction.py; with placement, a victim may
 stay re-encoded smaller). The parts share one index lock that is never held across tier
 I/O, and one mutation lock per (tier, key) under which that value is written or deleted.
@@ -23,6 +23,7 @@ What the Store promises:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,38 +33,29 @@ from typing import Iterator, Sequence
 import torch
 
 from kernels import parallel_copy
-from kvstore.blob import HEADER_BYTES, BlobHeader, UnsealedBlob, decode_header, encode_header
+from kvstore.blob import BlobHeader, SealedBlob
 from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
+from kvstore.keys import ChunkKey
+from kvstore.policies import make_policy
+from kvstore.stats import StoreStats, TierStats
+from kvstore.store.deletes import TierIO
 from kvstore.store.discovery import discover
 from kvstore.store.eviction import Evictor
-from kvstore.store.index import ChunkIndex, Entry, KeyLocks, Replica, StoreClosed
+from kvstore.store.index import ChunkIndex, KeyLocks, StoreClosed
 from kvstore.store.integrity import check_integrity
-from kvstore.keys import ChunkKey
-from kvstore.store.placement import Placement, planned_read_bytes_per_s
-from kvstore.store.replication import TierOption, plan as replication_plan
-from kvstore.policies import make_policy
+from kvstore.store.placement import Placement
+from kvstore.store.put_path import PutPath
 from kvstore.store.quota import ReplicaUsage
 from kvstore.store.read_path import ReadPath
 from kvstore.store.recovery import recover
-from kvstore.stats import StoreStats, TierStats
-from kvstore.store.deletes import TierIO
 from kvstore.store.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
-from kvstore.store.write_behind import Reservation, Ticket, WriteBehind
-from tiers.base import Tier, TierError, TierFull, TierUnavailable
+from kvstore.store.write_behind import WriteBehind
+from tiers.base import FirstTier, Tier, TierError, TierUnavailable
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Store", "StoreClosed", "StoreStats", "TierStats"]
-
-
-def _leading_header(parts):
-    head = bytearray()
-    for part in parts:
-        head += memoryview(part).cast("B")[: HEADER_BYTES - len(head)]
-        if len(head) == HEADER_BYTES:
-            break
-    return decode_header(head)
 
 
 class Store:
@@ -98,7 +90,9 @@ class Store:
             raise
 
     def _build(self, config: StoreConfig, setups: list[TierSetup], usage: ReplicaUsage | None) -> None:
-        self.first = self.tiers[0]
+        """The parts in dependency order: each is handed only parts built before it."""
+        first: FirstTier = self.tiers[0]  # host RAM: build_tiers puts it first
+        self.first = first
         self._by_name = {t.name: t for t in self.tiers}
         if len(self._by_name) != len(self.tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in self.tiers]}")
@@ -126,16 +120,7 @@ class Store:
         self._locks = KeyLocks()
         self._io = TierIO(self.index, self._locks, self.shared_index)
         self._evictor = Evictor(self.index, self._locks, self._io, self._by_name, self.placement,
-                                set(config.placement.tiers), lambda: self._write_behind.progressing(),
-                                lambda: self._write_behind.shed_stalled(),
-                                track_displaced=config.replication.mode == "utility")
-        # reads in flight per tier (the disk's measured where not configured): for benchmarks and logs
-        self.fetch_workers = fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
-        self._fetch_pools = {n: ThreadPoolExecutor(w, thread_name_prefix=f"fetch-{n}") for n, w in fetch_workers.items()}
-        self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
-        self._prefetching: set[bytes] = set()
-        self._reads = ReadPath(self.index, self._io, self.tiers, {s.tier.name: s.verify_payload for s in setups},
-                               self._fetch_pools, fetch_workers, config.fetch_stall_s, self._promote)
+                                set(config.placement.tiers), track_displaced=config.replication.mode == "utility")
         for tier in self.tiers[1:]:
             if not (tier.shared and self.shared_index is not None):  # with a shared index, found by lookups
                 recover(self.index, tier)
@@ -146,11 +131,18 @@ class Store:
             recovered = list(self.index.entries)
             for i in range(0, len(recovered), 1024):
                 discover(self.index, self.shared_tiers, self.shared_index, recovered[i:i + 1024], self._io)
-        wb = config.write_behind
         parallel_copy.start()  # before the copy threads, whose lower priority threads they start inherit
-        self._write_behind = WriteBehind(self.index, self._locks, self._io, self.first, self.replica_tiers, max_pending,
-                                         wb.workers, wb.stall_s, self._evictor.make_room, self._evictor.write_codec,
-                                         wb.nice, self._reads.corrupt)
+        self._write_behind = WriteBehind(self.index, self._locks, self._io, first, self.replica_tiers, self._evictor,
+                                         config.write_behind, max_pending)
+        self._puts = PutPath(config, self.index, self._locks, self._io, first, self.replica_tiers, self._evictor,
+                             self._write_behind, self.placement)
+        # reads in flight per tier (the disk's measured where not configured): for benchmarks and logs
+        self.fetch_workers = fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
+        self._fetch_pools = {n: ThreadPoolExecutor(w, thread_name_prefix=f"fetch-{n}") for n, w in fetch_workers.items()}
+        self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
+        self._prefetching: set[bytes] = set()
+        self._reads = ReadPath(self.index, self._io, self.tiers, {s.tier.name: s.verify_payload for s in setups},
+                               self._fetch_pools, fetch_workers, config.fetch_stall_s, self._puts.promote)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
 
     def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:
@@ -171,22 +163,10 @@ class Store:
         """Store one chunk. Returns once it is in host RAM, or, if ``durable``, once it is also
         written and synced on every replica tier (raises if a copy failed or timed out).
         ``codec``: a registered name, or an instance of a registered codec (``resolve_codec``)."""
-        key.namespace.check(kv)
-        chosen = resolve_codec(codec) if codec else self.codec
-        kv = kv.detach().to("cpu").contiguous()
-        payload = chosen.encode(kv)
-        with self.index.lock:
-            fresh = self.index.get(key.id) is None
-        if not fresh:  # a re-put is recognised by its header, checksum included: pack it first
-            header = encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload)
-            self.put_blob(key, [header, payload], parent=parent.id if parent else None, durable=durable)
-            return
-        # a new chunk: the first tier checksums the payload as it copies it in (one pass)
-        self._put(key.id, UnsealedBlob(key, chosen.codec_id, kv.dtype, kv.shape, payload), None,
-                  parent.id if parent else None, durable, key.namespace.model_id)
+        self._puts.put(key, kv, parent, durable, resolve_codec(codec) if codec else self.codec)
 
     def put_blob(self, key: ChunkKey | bytes, parts: Sequence, *, parent: bytes | None = None,
-                 durable: bool = False) -> None:
+                 durable: bool = False, header: BlobHeader | None = None) -> None:
         """Store an already encoded, already verified blob (header + payload, possibly in pieces).
 
         Putting the blob a chunk already holds is an access and writes nothing (retries are
@@ -194,174 +174,11 @@ class Store:
         it; another blob of the same chunk (another codec) replaces it: reads then
         return the new one, and older copies on lower tiers are replaced behind. ``key`` is the
         chunk's key, or its id alone: then, until a put names its namespace, its model is
-        unknown and placement keeps it lossless (codec verdicts hold per model)."""
+        unknown and placement keeps it lossless (codec verdicts hold per model). ``header``:
+        the blob's header, where the caller parsed it already (it is not parsed again)."""
         key_id, model_id = (key.id, key.namespace.model_id) if isinstance(key, ChunkKey) else (key, None)
-        self._put(key_id, parts, _leading_header(parts), parent, durable, model_id)
-
-    def _put(self, key_id: bytes, parts, header, parent: bytes | None, durable: bool, model_id: str | None) -> None:
-        """``parts`` is a blob in pieces and ``header`` its header, or an ``UnsealedBlob``
-        (``header`` None: it is known once the first tier has the blob)."""
-        size = parts.size if header is None else sum(memoryview(p).nbytes for p in parts)
-        ticket = Ticket() if durable else None
-        while not self._put_once(key_id, parts, size, header, parent, ticket, model_id):
-            pass  # the chunk changed while its copies' room was reserved: look again
-        if ticket is not None:
-            ticket.wait(self.config.write_behind.durable_timeout_s)
-
-    def _put_once(self, key_id: bytes, parts, size: int, header, parent: bytes | None, ticket: Ticket | None,
-                  model_id: str | None) -> bool:
-        with self.index.lock:
-            self.index.check_open()
-            entry = self.index.get(key_id)
-            if entry is not None and model_id is not None:  # a chunk put by id alone learns its model
-                entry.model_id = model_id
-            # an unsealed blob (header None) is a new one: put meanwhile by another caller, the
-            # chunk gets a new version of the same bytes
-            same = entry is not None and header is not None and entry.header == header
-            host = entry.current(self.first.name) if same else None
-            present = host is not None and host.size == size
-            if present and ticket is None:  # an access; its copies on shared tiers are looked at behind
-                self.index.puts += 1
-                self.index.hit(key_id, entry)
-                self._recheck(key_id, entry, size)
-                return True
-            needs = [t.name for t in self.replica_tiers
-                     if not (same and WriteBehind.done_there(t, entry.known_current(t.name), ticket is not None))]
-        reservation = self._write_behind.reserve(size, needs)
-        if present:  # a durable put of what is there: its copies must be written and synced
-            with self.index.lock:
-                if self.index.get(key_id) is not entry or entry.current(self.first.name) is not host:
-                    self._write_behind.release(reservation)
-                    return False
-                self.index.puts += 1
-                self.index.hit(key_id, entry)
-                self._write_behind.queue(key_id, entry, reservation, ticket)
-            return True
-        try:
-            self._write_first(key_id, parts, size, True, None, lambda: self._commit_put(
-                key_id, header or parts.header, size, parent, reservation, ticket, model_id))
-        except BaseException:
-            self._write_behind.release(reservation)
-            raise
-        return True
-
-    def _recheck(self, key_id: bytes, entry: Entry, size: int) -> None:
-        """Queue a look at the chunk's copy on each shared tier where the index lists one (a
-        peer may have replaced it), where the queue has room now (index lock held): a plain put
-        of what is there is an access and does not wait for write-behind."""
-        rechecks = self._write_behind.rechecks(entry)
-        if rechecks:
-            room = self._write_behind.try_reserve(size, rechecks)
-            if room.tiers:
-                self._write_behind.queue(key_id, entry, room, None, list(room.tiers))
-
-    def _commit_put(self, key_id: bytes, header, size: int, parent: bytes | None, reservation: Reservation,
-                    ticket: Ticket | None, model_id: str | None) -> bool:
-        """The index learns of a put's first-tier copy and queues its copies (index lock held)."""
-        index = self.index
-        index.puts += 1
-        entry = index.get(key_id)
-        if entry is None:
-            entry = index.entries[key_id] = Entry(index.next_version(), size, header, parent=parent, model_id=model_id)
-        else:
-            index.hit(key_id, entry)
-            if entry.header != header:  # another blob of the chunk: a new version
-                entry.version, entry.size, entry.header = index.next_version(), size, header
-            entry.parent = parent if parent is not None else entry.parent
-            entry.model_id = model_id if model_id is not None else entry.model_id
-        index.set_replica(key_id, entry, self.first.name, Replica.of(header, size, entry.version))
-        index.stats[self.first.name].bytes_written += size
-        # a durable put is a promise about every replica tier; a plain one gets the planned copies,
-        # and looks at those on shared tiers where a peer may have replaced its blob
-        only = None if ticket else self._planned_copies(key_id, entry)
-        if only is not None:
-            only += self._write_behind.rechecks(entry)
-        self._write_behind.queue(key_id, entry, reservation, ticket, only)
-        return True
-
-    def _planned_copies(self, key_id: bytes, entry: Entry) -> list[str] | None:
-        """The replica tiers that should get a copy of ``entry`` besides those that have one
-        (index lock held): None for every one (``replication.mode = "all"``), else the
-        replication planner's choice (kvstore/store/replication.py)."""
-        if self.config.replication.mode == "all" or entry.header is None:
-            return None
-        stats, placement = self.index.stats, self.config.placement
-
-        def bandwidth(name: str) -> float:
-            return planned_read_bytes_per_s(placement, name, stats[name].read_gbps)
-
-        have = {t.name: bandwidth(t.name) for t in self.replica_tiers if entry.current(t.name) is not None}
-        options = [TierOption(t.name, bandwidth(t.name), t.footprint(entry.size),
-                              t.capacity_bytes - t.used_bytes >= t.footprint(entry.size), self._evictor.displaced[t.name])
-                   for t in self.replica_tiers if t.name not in have]
-        reuse = self.index.policies[self.first.name].reuse_estimate(key_id)
-        return replication_plan(reuse, entry.size, entry.header.shape[2] / placement.prefill_tokens_per_s, have, options)
-
-    def _write_first(self, key_id: bytes, parts, size: int, wait: bool, precheck, commit) -> bool:
-        """Write a blob into the first tier under its key lock, making room first (without the
-        lock: eviction takes other keys' locks). ``precheck()`` (index lock held, before the
-        write) may call it off; ``commit()`` (index lock held, right after it) says whether
-        the value stays, else it is deleted before the key lock is released."""
-        tier = self.first
-        if self.placement is not None and not self.placement.profiled(*self._profile_key(parts)):
-            self.placement.profile(*self._profile_key(parts))
-        while True:
-            self._evictor.make_room(tier, tier.footprint(size), exclude=key_id, wait=wait)
-            with self._locks.hold(tier.name, key_id):
-                with self.index.lock:
-                    self.index.check_open()
-                    if precheck is not None and not precheck():
-                        return False
-                try:
-                    if isinstance(parts, UnsealedBlob):
-                        tier.write_sealed(key_id, HEADER_BYTES, parts.payload, parts.restart(), parts.seal)
-                    else:
-                        tier.write(key_id, parts)
-                except TierFull:
-                    if not wait:
-                        return False
-                    continue  # another writer took the room meanwhile: make room again
-                with self.index.lock:
-                    keep = commit()
-                if not keep:
-                    self._io.delete_held(tier, key_id)
-                return keep
-
-    @staticmethod
-    def _profile_key(parts):
-        header = parts if isinstance(parts, UnsealedBlob) else _leading_header(parts)
-        return header.dtype, header.shape
-
-    def _promote(self, key_id: bytes, version: int, parts: list, size: int, header: BlobHeader) -> None:
-        """Copy a chunk read from a lower tier into the first tier, unless it changed meanwhile
-        (replaced, deleted: a deleted chunk never comes back, review #17) or the first tier
-        has no room that is not pinned or waiting for copies."""
-        if not self.config.promote_on_read:
-            return
-
-        def unchanged() -> bool:
-            entry = self.index.get(key_id)
-            return entry is not None and entry.version == version and entry.current(self.first.name) is None
-
-        def commit() -> bool:
-            if not unchanged():
-                return False
-            entry = self.index.get(key_id)
-            self.index.set_replica(key_id, entry, self.first.name, Replica.of(header, size, version))
-            self.index.stats[self.first.name].bytes_written += size
-            more = self._planned_copies(key_id, entry)
-            if more:  # read again from below: it may have earned more copies (never waited for)
-                room = self._write_behind.try_reserve(entry.size, more)
-                self._write_behind.queue(key_id, entry, room, None, list(room.tiers))
-            return True
-
-        with self.index.lock:
-            if not unchanged():
-                return
-        try:
-            self._write_first(key_id, parts, size, False, unchanged, commit)
-        except TierError:
-            pass  # the first tier is full of pinned or queued chunks: served without promoting
+        blob = SealedBlob(parts, header) if header is not None else SealedBlob.parse(parts)
+        self._puts.put_blob(key_id, blob, parent, durable, model_id)
 
     # -- lookup, pin, prefetch ------------------------------------------------------------------
 
@@ -513,7 +330,7 @@ class Store:
         Why: the daemon sends these bytes to a socket, or tells a client that maps the pool
         where to copy them from, without a copy of its own. Verified like any read (the header
         always, the payload if the tier verifies payloads) and counted as a hit."""
-        return self._reads.pinned_payload(self.first, self.host_pool, key)
+        return self._reads.pinned_payload(self.first, key)
 
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[torch.Tensor | None]:
@@ -524,7 +341,7 @@ class Store:
         Why: a connector that scatters a chunk into its paged cache copies the bytes once,
         not twice (store to staging buffer, staging buffer to blocks)."""
         self.index.check_open()
-        with self._reads.pinned_payload(self.first, self.host_pool, key, contiguous=True) as runs:
+        with self._reads.pinned_payload(self.first, key, contiguous=True) as runs:
             if runs is None or runs[0][1] != key.namespace.chunk_bytes:
                 yield None
                 return
@@ -589,16 +406,15 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self.index.lock:
-            now = time.monotonic()
-            self.index.expire_pins(now)
+            index = self.index.snapshot()
             return StoreStats(
-                tiers={t.name: TierStats(**{**self.index.stats[t.name].__dict__, "used_bytes": t.used_bytes, "chunks": len(t)})
+                tiers={t.name: dataclasses.replace(index.tiers[t.name], used_bytes=t.used_bytes, chunks=len(t))
                        for t in self.tiers},
-                chunks=sum(1 for e in self.index.entries.values() if e.readable()),
-                puts=self.index.puts,
-                hits=self.index.hits,
-                misses=self.index.misses,
-                pinned=self.index.pinned_count(now),
+                chunks=index.chunks,
+                puts=index.puts,
+                hits=index.hits,
+                misses=index.misses,
+                pinned=index.pinned,
                 write_behind_pending_bytes=self._write_behind.pending_bytes(),
                 write_behind_queue=self._write_behind.queued(),
                 write_behind_dropped=self._write_behind.dropped,
@@ -620,9 +436,10 @@ class Store:
             return
         self.flush()
         with self.index.lock:
-            self.index.closed = True
-            self.index.changed.notify_all()
+            self.index.close()
         self._write_behind.close()
+        if self.placement is not None:
+            self.placement.close()
         self._readers.shutdown(wait=True)
         for pool in self._fetch_pools.values():
             pool.shutdown(wait=True)

@@ -20,7 +20,8 @@ A chunk's life (one ``Entry``; each tier holds at most one ``Replica`` of it)::
     no replica left and no copy queued ──► absent (with only stale ones: absent to lookups)
 
 Who may change what:
-- Entries, replicas, pins, policies and counters change only under ``ChunkIndex.lock``.
+- Entries, replicas, pins, policies and counters change only under ``ChunkIndex.lock``, and
+  only by ``ChunkIndex`` methods (one per transition above): other modules read them.
 - One tier's value for one key changes (write, delete, re-encode) only under that (tier,
   key)'s mutation lock (``KeyLocks``), and the index learns of the change before the lock
   is released, so a deferred delete can check that no newer copy took the value's place.
@@ -30,6 +31,7 @@ Who may change what:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import threading
 import time
@@ -38,9 +40,12 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from kvstore.blob import BlobHeader
+from kvstore.codecs import codec_by_id
 from kvstore.policies.base import EvictionPolicy
 from kvstore.store.quota import NO_USAGE, ReplicaUsage
-from kvstore.stats import TierStats
+from kvstore.stats import EWMA_ALPHA, TierStats
+
+STALE = -1  # the version of a recovered copy holding another blob than the first one found
 
 
 class StoreClosed(RuntimeError):
@@ -104,6 +109,18 @@ class Entry:
         return any(r.version == self.version for r in self.replicas.values())
 
 
+@dataclass(frozen=True)
+class IndexSnapshot:
+    """What ``Store.stats()`` reports of the index, taken at one instant under its lock."""
+
+    tiers: dict[str, TierStats]  # copies of the per-tier counters
+    chunks: int  # readable chunks
+    puts: int
+    hits: int
+    misses: int
+    pinned: int
+
+
 class KeyLocks:
     """One mutex per (tier, key) in use, made on demand and dropped when nobody holds it."""
 
@@ -162,6 +179,11 @@ class ChunkIndex:
     def check_open(self) -> None:
         if self.closed:
             raise StoreClosed("store is closed")
+
+    def close(self) -> None:
+        """Refuse calls from now on, and wake whoever waits for room or copies."""
+        self.closed = True
+        self.changed.notify_all()
 
     def get(self, key_id: bytes) -> Entry | None:
         return self.entries.get(key_id)
@@ -305,3 +327,156 @@ class ChunkIndex:
         snapshot never counts no pins while the heap still holds one that ran out between
         two clock readings."""
         return sum(1 for e in self.entries.values() if e.pinned_until > now)
+
+    # -- puts -----------------------------------------------------------------------------------
+
+    def learn_model(self, entry: Entry, model_id: str | None) -> None:
+        """A chunk put by id alone learns its model once a put names it."""
+        if model_id is not None:
+            entry.model_id = model_id
+
+    def put_hit(self, key_id: bytes, entry: Entry) -> None:
+        """A put of the blob the first tier holds: an access, nothing written."""
+        self.puts += 1
+        self.hit(key_id, entry)
+
+    def commit_put(self, key_id: bytes, header: BlobHeader, size: int, parent: bytes | None,
+                   model_id: str | None) -> Entry:
+        """A put's blob is in the first tier: the entry (new, or a new version when the blob
+        differs from the latest put's) lists it there. Returns the key's entry."""
+        self.puts += 1
+        entry = self.entries.get(key_id)
+        if entry is None:
+            entry = self.entries[key_id] = Entry(self.next_version(), size, header, parent=parent, model_id=model_id)
+        else:
+            self.hit(key_id, entry)
+            if entry.header != header:  # another blob of the chunk: a new version
+                entry.version, entry.size, entry.header = self.next_version(), size, header
+            entry.parent = parent if parent is not None else entry.parent
+            self.learn_model(entry, model_id)
+        self.set_replica(key_id, entry, self.first, Replica.of(header, size, entry.version))
+        self.stats[self.first].bytes_written += size
+        return entry
+
+    def promoted(self, key_id: bytes, entry: Entry, header: BlobHeader, size: int, version: int) -> None:
+        """A read's bytes of ``version`` were copied into the first tier."""
+        self.set_replica(key_id, entry, self.first, Replica.of(header, size, version))
+        self.stats[self.first].bytes_written += size
+
+    # -- copies written behind ---------------------------------------------------------------
+
+    def copy_queued(self, key_id: bytes, entry: Entry) -> None:
+        """A copy of the latest version is queued: the first tier's copy, its source, stays."""
+        entry.copying += 1
+
+    def copy_done(self, key_id: bytes, entry: Entry, tier_name: str | None = None,
+                  replica: Replica | None = None) -> None:
+        """A queued copy ended: written (``replica`` in ``tier_name``), failed, dropped or
+        cancelled. The first tier's copy may be evicted once no other copy reads it."""
+        entry.copying -= 1
+        if replica is not None and self.entries.get(key_id) is entry:
+            self.set_replica(key_id, entry, tier_name, replica)
+        self.sync(key_id, entry)
+        self.forget_if_empty(key_id, entry)
+        self.changed.notify_all()
+
+    def mark_synced(self, entry: Entry, tier_name: str, replica: Replica) -> None:
+        """``replica``, still the tier's copy, was synced: a power loss keeps it."""
+        if entry.replicas.get(tier_name) is replica:
+            replica.synced = True
+
+    # -- placement's re-encoding in place ----------------------------------------------------
+
+    def recode_started(self, key_id: bytes, entry: Entry, tier_name: str) -> None:
+        """The tier's copy is being re-encoded: out of its policy, not evicted meanwhile."""
+        entry.recoding.add(tier_name)
+        self.sync(key_id, entry)
+
+    def recode_done(self, entry: Entry, tier_name: str) -> None:
+        """The re-encoding ended (swapped in or not): the copy is evictable again once the
+        caller settled it (reinstated at its new size, or removed) and synced the policies."""
+        entry.recoding.discard(tier_name)
+
+    def recoded(self, key_id: bytes, entry: Entry, tier_name: str, replica: Replica, footprint: int) -> None:
+        """The re-encoded copy took the planned one's place (``recode_done`` first): the
+        policy keeps the key at its new ``footprint``, not as a new access."""
+        self.record(key_id, entry, tier_name, replica)
+        self.stats[tier_name].recodes += 1
+        self.stats[tier_name].bytes_written += replica.size
+        if self.evictable(tier_name, entry):
+            self.policies[tier_name].reinstate(key_id, footprint, entry.parent)
+        self.sync(key_id, entry)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def read_hit(self, key_id: bytes, tier_name: str, replica: Replica, header: BlobHeader, elapsed: float) -> bool:
+        """A verified read of ``replica``: counted, and the header learnt where the replica's
+        was not known (later reads of raw bytes go direct; a peer's blob that replaces it is
+        told apart). Returns whether the chunk should be promoted into the first tier."""
+        self.hits += 1
+        stats = self.stats[tier_name]
+        stats.lossy_hits += not codec_by_id(header.codec_id).lossless
+        stats.hits += 1
+        stats.bytes_read += replica.size
+        gbps = replica.size / max(elapsed, 1e-9) / 1e9
+        stats.read_gbps = gbps if stats.read_gbps == 0 else (1 - EWMA_ALPHA) * stats.read_gbps + EWMA_ALPHA * gbps
+        entry = self.entries.get(key_id)
+        if entry is None:
+            return False
+        if entry.replicas.get(tier_name) is replica:
+            replica.codec_id = header.codec_id
+            replica.checksum = header.payload_checksum
+            if entry.header is None and replica.version == entry.version and replica.size == entry.size:
+                entry.header = header
+        self.hit(key_id, entry)
+        return tier_name != self.first and entry.current(self.first) is None and entry.current(tier_name) is replica
+
+    def read_miss(self, key_id: bytes) -> None:
+        """No replica delivered the chunk: counted, and every policy hears of it."""
+        self.misses += 1
+        for name, policy in self.policies.items():
+            policy.on_miss(key_id)
+            self.stats[name].misses += 1
+
+    # -- chunks found on the tiers ---------------------------------------------------------------
+
+    def recovered(self, key_id: bytes, tier_name: str, size: int, header: BlobHeader | None, found: bool) -> Replica:
+        """A tier's value found at start becomes a replica (kvstore/store/recovery.py): current
+        if it is the first found of its chunk or holds the same blob as that one, else STALE."""
+        entry = self.entries.get(key_id)
+        current = entry is None or (header is not None and header == entry.header)
+        if entry is None:
+            entry = self.entries[key_id] = Entry(version=0, size=size, header=header)
+        replica = Replica(size, header.codec_id if header is not None else None, 0 if current else STALE,
+                          found=found, checksum=header.payload_checksum if header is not None else None)
+        self.record(key_id, entry, tier_name, replica)
+        self.sync(key_id, entry)
+        return replica
+
+    def discovered(self, key_id: bytes, where: dict[str, int]) -> None:
+        """Shared tiers' values of a chunk found by a lookup (kvstore/store/discovery.py), by
+        tier name and size; their codec is learnt on their first read. A chunk new to the
+        index gets a version of its own: one deleted and found again is another entry, which
+        a promotion of a read of the first one (it checks the version) must not take for it."""
+        entry = self.entries.get(key_id)
+        if entry is None:
+            entry = self.entries[key_id] = Entry(self.next_version(), next(iter(where.values())), None)
+        for name, size in where.items():
+            if name not in entry.replicas:
+                self.set_replica(key_id, entry, name, Replica(size, None, entry.version, found=True))
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def count(self, tier_name: str, **increments: int) -> None:
+        """Add to a tier's counters (``TierStats`` fields: errors, evictions, corruptions...)."""
+        stats = self.stats[tier_name]
+        for field_name, n in increments.items():
+            setattr(stats, field_name, getattr(stats, field_name) + n)
+
+    def snapshot(self) -> IndexSnapshot:
+        """The counters and counts ``stats()`` reports, at one instant (pins expired first)."""
+        now = time.monotonic()
+        self.expire_pins(now)
+        return IndexSnapshot({name: dataclasses.replace(s) for name, s in self.stats.items()},
+                             sum(1 for e in self.entries.values() if e.readable()),
+                             self.puts, self.hits, self.misses, self.pinned_count(now))

@@ -19,8 +19,11 @@ still smaller encoding, or out. Model and parameters: docs/placement.md.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,6 +36,8 @@ from kvstore.config import PlacementConfig
 from kvstore.keys import DTYPES
 
 VERDICT_SCHEMA = "kvstore.codec-verdicts/2"
+log = logging.getLogger(__name__)
+
 UNMATCHED_VERDICT_SCHEMA = "kvstore.codec-verdicts/1"  # named no model id: refused, never applied to every model
 PROFILE_DECODES = 3  # decode timing: best of this many, so one slow first call does not decide
 
@@ -104,6 +109,9 @@ class Placement:
             raise ValueError(f"placement.codecs: {exc.args[0]}") from None
         self._quality = load_verdicts(config.verdicts)
         self._profiles: dict[tuple[torch.dtype, tuple[int, ...]], dict[int, CodecProfile]] = {}
+        self._profiling: set[tuple[torch.dtype, tuple[int, ...]]] = set()  # asked for, not measured yet
+        self._profiling_done = threading.Condition()
+        self._profiler = ThreadPoolExecutor(1, thread_name_prefix="codec-profile")
 
     @property
     def inert(self) -> bool:
@@ -135,6 +143,42 @@ class Placement:
 
     def profiled(self, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         return (dtype, shape) in self._profiles
+
+    def profile_soon(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Start ``profile(dtype, shape)`` on a background thread unless it ran or runs: a
+        put of a new shape never measures codecs itself. Decisions that need the profile
+        wait for it (``wait_profiles``) instead of deciding without it."""
+        wanted = (dtype, tuple(shape))
+        if wanted in self._profiles:
+            return
+        with self._profiling_done:
+            if wanted in self._profiles or wanted in self._profiling:
+                return
+            self._profiling.add(wanted)
+        self._profiler.submit(self._profile_logged, *wanted)
+
+    def _profile_logged(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        try:
+            self.profile(dtype, shape)
+        except Exception:  # noqa: BLE001 - a background task has no caller to raise to
+            log.exception("placement: profiling the codecs on %s%s failed; its chunks stay as put", dtype, list(shape))
+        with self._profiling_done:
+            self._profiling.discard((dtype, shape))
+            self._profiling_done.notify_all()
+
+    def wait_profiles(self) -> None:
+        """Wait until no profile asked for is still being measured (call without any lock
+        held): eviction and copies written behind then decide as if it had been measured
+        before the put that asked for it, and a put that needs no room never waits."""
+        if not self._profiling:
+            return
+        with self._profiling_done:
+            while self._profiling:
+                self._profiling_done.wait()
+
+    def close(self) -> None:
+        """Stop the profiling thread (a profile running finishes first)."""
+        self._profiler.shutdown(wait=True)
 
     def profile(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Measure the size ratio and decode time of every codec a chunk of this shape and

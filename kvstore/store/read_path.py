@@ -30,9 +30,8 @@ from kvstore.codecs.raw import tensor_bytes
 from kvstore.store.fetch import FetchJob
 from kvstore.store.index import ChunkIndex, Replica
 from kvstore.keys import ChunkKey
-from kvstore.stats import EWMA_ALPHA
 from kvstore.store.deletes import TierIO
-from tiers.base import SharedPool, Tier, TierError
+from tiers.base import FirstTier, Tier, TierError
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +112,7 @@ class ReadPath:
             if result is not None:
                 return result
         with self.index.lock:
-            self.index.misses += 1
-            for name, policy in self.index.policies.items():
-                policy.on_miss(key.id)
-                self.index.stats[name].misses += 1
+            self.index.read_miss(key.id)
         return None
 
     def _least_busy_first(self, tiers: list[Tier]) -> list[Tier]:
@@ -140,7 +136,7 @@ class ReadPath:
                 result = self._read_once(tier, key, out, accept)
             except TierError as exc:
                 with self.index.lock:
-                    self.index.stats[tier.name].errors += 1
+                    self.index.count(tier.name, errors=1)
                 log.warning("%s: read of %s failed: %s", tier.name, key, exc)
                 return None
             if result is not _RETRY:
@@ -186,7 +182,7 @@ class ReadPath:
         except ReplacedBlob:
             return self._replaced(key_id, tier, replica)
         except CorruptBlob as exc:
-            return None if self.corrupt(key_id, tier, replica, exc) else _RETRY
+            return None if self.io.corrupt(key_id, tier, replica, exc) else _RETRY
         if accept is not None and not accept():
             return None  # another tier's read served the chunk: one chunk, one hit
         self._hit(key_id, tier, replica, header, elapsed, version, [header_buf, payload_buf])
@@ -263,45 +259,10 @@ class ReadPath:
             self.index.remove_replica(key_id, entry, tier.name)
         return None
 
-    def corrupt(self, key_id: bytes, tier: Tier, replica: Replica | None, exc: Exception) -> bool:
-        """Drop ``replica``, which failed verification (and count it); its value is deleted
-        in the background, unless a newer one took its place meanwhile. False, dropping
-        nothing, if the index lists another copy there by now (the bytes read were the one it
-        replaced) or none (deleted: its deleter deletes the value)."""
-        with self.index.lock:
-            self.index.stats[tier.name].corruptions += 1
-            entry = self.index.get(key_id)
-            if entry is None or replica is None or entry.replicas.get(tier.name) is not replica:
-                log.warning("%s: a corrupt read of %s, whose copy was replaced or deleted meanwhile: %s",
-                            tier.name, key_id.hex(), exc)
-                return False
-            self.index.remove_replica(key_id, entry, tier.name)
-            self.io.doom(tier.name, key_id)
-        log.warning("%s: dropping corrupt blob %s: %s", tier.name, key_id.hex(), exc)
-        self.io.delete_later(tier, key_id)
-        return True
-
     def _hit(self, key_id: bytes, tier: Tier, replica: Replica, header: BlobHeader, elapsed: float,
              version: int, parts: list) -> None:
-        index = self.index
-        with index.lock:
-            index.hits += 1
-            stats = index.stats[tier.name]
-            stats.lossy_hits += not codec_by_id(header.codec_id).lossless
-            stats.hits += 1
-            stats.bytes_read += replica.size
-            gbps = replica.size / max(elapsed, 1e-9) / 1e9
-            stats.read_gbps = gbps if stats.read_gbps == 0 else (1 - EWMA_ALPHA) * stats.read_gbps + EWMA_ALPHA * gbps
-            entry = index.get(key_id)
-            if entry is None:
-                return
-            if entry.replicas.get(tier.name) is replica:
-                replica.codec_id = header.codec_id  # learnt: later reads of raw bytes go direct
-                replica.checksum = header.payload_checksum  # learnt: a peer's blob that replaces it is told apart
-                if entry.header is None and replica.version == entry.version and replica.size == entry.size:
-                    entry.header = header
-            index.hit(key_id, entry)
-            promote = tier.name != index.first and entry.current(index.first) is None and entry.current(tier.name) is replica
+        with self.index.lock:
+            promote = self.index.read_hit(key_id, tier.name, replica, header, elapsed)
         if promote:
             self._promote(key_id, version, parts, replica.size, header)
 
@@ -353,11 +314,9 @@ class ReadPath:
     # -- the daemon's zero-copy hook ---------------------------------------------------------------
 
     @contextmanager
-    def pinned_payload(self, first: Tier, pool: SharedPool | None, key: ChunkKey,
+    def pinned_payload(self, first: FirstTier, key: ChunkKey,
                        contiguous: bool = False) -> Iterator[list[tuple[int, int]] | None]:
-        if pool is None:
-            yield None
-            return
+        pool = first.shared_pool()
         started = time.perf_counter()
         with self.index.lock:  # the copy listed now: only it is dropped if the pinned bytes fail their check
             entry = self.index.get(key.id)
@@ -378,7 +337,7 @@ class ReadPath:
                         if digest.intdigest() != header.payload_checksum:
                             raise PayloadChecksumMismatch(f"{first.name}: payload checksum mismatch")
                 except CorruptBlob as exc:
-                    self.corrupt(key.id, first, listed, exc)
+                    self.io.corrupt(key.id, first, listed, exc)
                     payload = None
             if payload is not None and contiguous and len(payload) != 1:
                 payload = None  # split over pages: the caller copies it with get_into instead

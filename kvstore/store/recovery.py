@@ -7,7 +7,7 @@ count against the tier but that nothing could ever evict (review #9). But only t
 holding the blob found first (the same header) are the current version: the others may be
 an older put's (a re-put's copy that reached one tier and failed on the other), and counted
 current a later put of the first blob would skip them as done and a read could serve them.
-They are stale replicas (``STALE``): never read, evicted like any, replaced by the next
+They are stale replicas (``STALE``, kvstore/store/index.py): never read, evicted like any, replaced by the next
 put's copy.
 
 A private tier's values are checked at start by their headers (a read of 128 bytes each):
@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.store.index import ChunkIndex, Entry, Replica
 from kvstore.store.deletes import peek_header
+from kvstore.store.index import ChunkIndex
 from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
-
-STALE = -1  # the version of a recovered copy holding another blob than the first one found
 
 
 def recover(index: ChunkIndex, tier: Tier) -> None:
     """Add ``tier``'s values to the index (call before the Store serves)."""
     found = dropped = 0
-    recovered: list[Replica] = []
+    recovered = []  # (entry, replica)
     for key_id in tier.keys():
         size = tier.size_of(key_id)
         if size is None:
@@ -51,18 +49,11 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
                     log.warning("%s: cannot remove damaged %s: %s", tier.name, key_id.hex(), exc)
                 dropped += 1
                 continue
-        entry = index.entries.get(key_id)
+        entry = index.get(key_id)
         if entry is not None and header is None:  # a shared tier's value of a chunk found before:
             header = _header(tier, key_id, size)  # which blob is it? (a damaged one is nobody's)
-        first = entry is None
-        if first:
-            entry = index.entries[key_id] = Entry(version=0, size=size, header=header)
-        current = first or (header is not None and header == entry.header)
-        replica = Replica(size, header.codec_id if header is not None else None, 0 if current else STALE,
-                          found=tier.shared, checksum=header.payload_checksum if header is not None else None)
-        index.record(key_id, entry, tier.name, replica)
-        index.sync(key_id, entry)
-        recovered.append(replica)
+        replica = index.recovered(key_id, tier.name, size, header, tier.shared)
+        recovered.append((index.get(key_id), replica))
         found += 1
     if recovered and not tier.shared:
         try:
@@ -70,9 +61,9 @@ def recover(index: ChunkIndex, tier: Tier) -> None:
         except TierError as exc:
             log.warning("%s: cannot sync the values found at start (they count as unsynced): %s", tier.name, exc)
         else:
-            for replica in recovered:
-                replica.synced = True
-    index.stats[tier.name].corruptions += dropped
+            for entry, replica in recovered:
+                index.mark_synced(entry, tier.name, replica)
+    index.count(tier.name, corruptions=dropped)
     if found or dropped:
         log.info("%s: recovered %d chunks (%d bytes)%s", tier.name, found, tier.used_bytes,
                  f"; removed {dropped} damaged or truncated" if dropped else "")

@@ -34,12 +34,13 @@ blob. Per tier:
 With placement, a copy may be written in another encoding than the put's (``write_codec``,
 kvstore/store/eviction.py): the worker verifies and decodes the pinned first-tier copy and encodes
 it before writing; if the codec refuses the chunk, it writes the put's encoding. A first-tier
-copy that fails verification is neither copied nor kept: ``corrupt`` drops it (the read path's
+copy that fails verification is neither copied nor kept: ``TierIO.corrupt`` drops it (the read path's
 rule), and the copy fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -48,46 +49,18 @@ import time
 from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
-from kvstore.store.index import ChunkIndex, Entry, KeyLocks, Replica
+from kvstore.config import WriteBehindConfig
 from kvstore.store.deletes import TierIO, peek_header, verified_header
-from tiers.base import Tier, TierError, TierFull, TierUnavailable
+from kvstore.store.eviction import Evictor
+from kvstore.store.index import ChunkIndex, Entry, KeyLocks, Replica
+from kvstore.store.ticket import Ticket
+from tiers.base import FirstTier, Tier, TierError, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
-
-
-class Ticket:
-    """One durable put's wait for its copies."""
-
-    def __init__(self) -> None:
-        self.waiting = 0
-        self.errors: list[Exception] = []
-        self.done = threading.Event()
-        self.done.set()
-
-    def expect(self) -> None:
-        self.waiting += 1
-        self.done.clear()
-
-    def finish(self, error: Exception | None) -> None:
-        if error is not None:
-            self.errors.append(error)
-        self.waiting -= 1
-        if self.waiting == 0:
-            self.done.set()
-
-    def fail(self, error: Exception) -> None:
-        self.errors.append(error)
-
-    def wait(self, timeout_s: float) -> None:
-        """Return once every copy is done; raise the first copy's error, or TimeoutError."""
-        if not self.done.wait(timeout_s):
-            raise TimeoutError(f"durable put: copies not done within {timeout_s:g} s (they go on in the background)")
-        if self.errors:
-            raise self.errors[0]
 
 
 @dataclass
@@ -131,26 +104,21 @@ class _Queue:
 
 
 class WriteBehind:
-    def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, first: Tier, tiers: Sequence[Tier],
-                 max_pending_bytes: int, workers: int, stall_s: float,
-                 make_room: Callable[..., None],
-                 write_codec: Callable[[Tier, Entry, Replica], Codec | None] = lambda tier, entry, source: None,
-                 nice: int = 0,
-                 corrupt: Callable[[bytes, Tier, Replica, Exception], bool] = lambda key_id, tier, replica, exc: False
-                 ) -> None:
+    def __init__(self, index: ChunkIndex, locks: KeyLocks, io: TierIO, first: FirstTier, tiers: Sequence[Tier],
+                 evictor: Evictor, config: WriteBehindConfig, max_pending_bytes: int) -> None:
+        """``evictor`` makes room in the replica tiers and chooses a copy's encoding;
+        ``max_pending_bytes`` is ``config.max_pending_bytes`` resolved (kvstore/store/facade.py)."""
         self.index, self.locks, self.io, self.first = index, locks, io, first
-        self._write_codec = write_codec
-        self._corrupt = corrupt
+        self._evictor = evictor
         self.queues = {t.name: _Queue(t) for t in tiers}
         self.max_pending_bytes = max_pending_bytes
-        self.stall_s = stall_s
-        self._make_room = make_room
-        self._nice = nice
+        self.stall_s = config.stall_s
+        self._nice = config.nice
         self._closing = False
         self.dropped = 0
         self._threads = [
             threading.Thread(target=self._work, args=(q,), name=f"copy-{name}-{i}", daemon=True)
-            for name, q in self.queues.items() for i in range(max(1, workers))
+            for name, q in self.queues.items() for i in range(max(1, config.workers))
         ]
         for t in self._threads:
             t.start()
@@ -235,7 +203,7 @@ class WriteBehind:
                     job.size = entry.size
                 elif reserved:
                     job = q.waiting[key_id] = CopyJob(key_id, entry, reservation.size)
-                    entry.copying += 1
+                    self.index.copy_queued(key_id, entry)
                     reserved = False  # the room is the job's now
                 else:
                     self.dropped += 1
@@ -260,7 +228,7 @@ class WriteBehind:
             if job is not None and job.entry is entry:
                 del q.waiting[key_id]
                 q.pending_bytes -= job.size
-                entry.copying -= 1
+                self.index.copy_done(key_id, entry)
                 for ticket in job.tickets:
                     ticket.finish(None)  # a delete supersedes the put
             job = q.running.get(key_id)
@@ -287,12 +255,10 @@ class WriteBehind:
             for key_id, job in list(q.waiting.items()):
                 del q.waiting[key_id]
                 q.pending_bytes -= job.size
-                job.entry.copying -= 1
+                self.index.copy_done(key_id, job.entry)
                 self.dropped += 1
                 for ticket in job.tickets:
                     ticket.finish(error)
-                self.index.sync(key_id, job.entry)
-                self.index.forget_if_empty(key_id, job.entry)
             shed = True
         if shed:
             self.index.changed.notify_all()
@@ -342,6 +308,7 @@ class WriteBehind:
         # blob the index lists: a peer may have deleted it, or replaced it with its own put's. A
         # durable put's copy reads it whole: a sync alone must not acknowledge a payload damaged
         # since it was written
+        self._evictor.wait_profiles()  # the copy's encoding is chosen with them
         with self.index.lock:
             listed = tier.shared and entry.known_current(tier.name) is not None
         there = None  # absent, unreadable or damaged, or not looked at (a first copy)
@@ -356,7 +323,7 @@ class WriteBehind:
                     if tier.shared and target is not None and not target.is_blob(there):
                         target = None
                     sync = bool(job.tickets)
-                    codec = self._write_codec(tier, entry, source) if live and target is None and source is not None else None
+                    codec = self._evictor.write_codec(tier, entry, source) if live and target is None and source is not None else None
                 views = None
                 if live and target is None and source is not None:
                     views = stack.enter_context(self.first.pinned(key_id))
@@ -376,7 +343,7 @@ class WriteBehind:
                 recoded = self._encode(tier, key_id, views, codec, replica) if codec is not None else None
             except CorruptBlob as exc:  # never spread a copy found corrupt, nor keep it
                 stack.close()
-                self._corrupt(key_id, self.first, source, exc)
+                self.io.corrupt(key_id, self.first, source, exc)
                 with self.index.lock:
                     self._finish(q, job, None, TierError(f"{self.first.name}: the chunk's copy is corrupt ({exc}); "
                                                          "it was dropped, not copied"))
@@ -410,7 +377,7 @@ class WriteBehind:
         while True:
             error = None
             try:
-                self._make_room(tier, need, exclude=key_id)
+                self._evictor.make_room(tier, need, exclude=key_id)
             except TierError as exc:
                 error = exc
             with self.locks.hold(tier.name, key_id):
@@ -442,11 +409,11 @@ class WriteBehind:
                     written = False
                 # a copy written whose sync failed is on the tier all the same (unsynced): the
                 # index lists it, so that eviction and delete find it; its put still fails
-                replica.synced = sync and error is None
+                written_replica = dataclasses.replace(replica, synced=sync and error is None) if written else None
                 with self.index.lock:
                     if recoded and error is None:
-                        self.index.stats[tier.name].recodes += 1
-                    deleted = self._finish(q, job, replica if written else None, error, wrote=written)
+                        self.index.count(tier.name, recodes=1)
+                    deleted = self._finish(q, job, written_replica, error, wrote=written)
                 if deleted:
                     self.io.delete_held(tier, key_id)
             return
@@ -461,8 +428,8 @@ class WriteBehind:
                 except (TierError, OSError) as exc:
                     error = exc
             with self.index.lock:
-                if error is None and sync and job.entry.replicas.get(tier.name) is target:
-                    target.synced = True
+                if error is None and sync:
+                    self.index.mark_synced(job.entry, tier.name, target)
                 self._finish(q, job, None, error)
 
     def _finish(self, q: _Queue, job: CopyJob, replica: Replica | None, error: Exception | None,
@@ -473,22 +440,16 @@ class WriteBehind:
         q.running.pop(key_id, None)
         q.pending_bytes -= job.size
         q.last_progress = time.monotonic()
-        entry.copying -= 1
         live = index.get(key_id) is entry
         if error is not None:
-            index.stats[tier.name].errors += 1
+            index.count(tier.name, errors=1)
             self.dropped += 1
             log.warning("%s: copy of %s failed: %s", tier.name, key_id.hex(), error)
         elif wrote:
-            index.stats[tier.name].bytes_written += replica.size
-        if live and replica is not None:
-            index.set_replica(key_id, entry, tier.name, replica)
+            index.count(tier.name, bytes_written=replica.size)
+        index.copy_done(key_id, entry, tier.name, replica)
         for ticket in job.tickets:
             ticket.finish(error)
-        index.changed.notify_all()
-        if live:
-            index.sync(key_id, entry)
-            index.forget_if_empty(key_id, entry)
         return wrote and not live
 
     # -- waiting -------------------------------------------------------------------------------
