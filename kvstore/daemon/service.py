@@ -1,5 +1,6 @@
 """The KVStore gRPC service: who the caller is, what it may touch, then the Store call in a
-bounded executor so the event loop never blocks on file I/O or large copies.
+bounded executor so the event loop never blocks on file I/O or large copies, each piece of
+work after its tenant's turn (kvstore/daemon/tenant_work.py).
 
 Every request is bound to the caller's tenant (kvstore/daemon/tenancy.py) and admitted
 against its limits (kvstore/daemon/admission.py) before any work; every Store call runs in
@@ -14,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, aclosing, contextmanager
 from copy import deepcopy
@@ -43,7 +45,8 @@ from kvstore.daemon.read_grants import ReadGrants
 from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
-from kvstore.wire.fence import fenced
+from kvstore.daemon.tenant_scheduler import TenantScheduler
+from kvstore.daemon.tenant_work import PIECE_KEYS, TenantWork
 from kvstore.keys import ChunkKey
 from kvstore.daemon.sessions import SessionBook
 from kvstore.api import MIN_PIN_S, pin_ttl, valid_duration
@@ -54,9 +57,6 @@ from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
 from tiers.redis import redact_url
 
 log = logging.getLogger("kvstore.daemon")
-# keys bound at a time on the event loop (~1 us each): a request of 4,096 bound at once held
-# the loop for ~4 ms, and every other tenant's requests waited for it
-BIND_BATCH = 512
 
 
 def _copy(dst, src) -> None:
@@ -79,7 +79,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.arena, self.bulk, self.metrics, self.credentials = arena, bulk, metrics, credentials
         self.limits = config.limits
         self.address = ""
-        self.io_inflight = 0
+        self.work = TenantWork(executor, TenantScheduler(self.limits.scheduler_half_life_s, self.limits.scheduler_idle_s,
+                                                         self.limits.scheduler_max_wait_s))
         self.boundary = RpcBoundary(metrics)
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
@@ -104,22 +105,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
 
-    async def _run(self, fn, *args, abandoned=lambda result: None):
-        """Run a blocking call in the bounded executor, fenced (kvstore/wire/fence.py);
-        ``io_inflight`` counts queued + running calls."""
-        loop = asyncio.get_running_loop()
-        self.io_inflight += 1
-        try:
-            return await fenced(loop.run_in_executor(self.executor, functools.partial(fn, *args)), abandoned)
-        finally:
-            self.io_inflight -= 1
+    @property
+    def io_inflight(self) -> int:
+        """Executor calls queued, waiting for their tenant's turn or running."""
+        return self.work.inflight
 
     async def _served(self, caller: Tenant, fn, *args):
-        """``_run`` within one of ``caller``'s request slots: a tenant's flood of small calls
-        (lookups, pins, deletes) is shed at its limit instead of filling the executor that
-        every tenant's calls wait for."""
+        """``fn(*args)`` in the executor within one of ``caller``'s request slots: a tenant's
+        flood of small calls (lookups, pins, deletes) is shed at its limit instead of filling
+        the executor that every tenant's calls wait for."""
         with self.admission.admit(caller):
-            return await self._run(fn, *args)
+            return await self.work.run(caller.label, fn, *args)
+
+    async def _served_in_pieces(self, caller: Tenant, fn, keys: list[ChunkKey], *args, until=None) -> list:
+        """``_served`` for ``fn(piece, *args)`` on each piece of ``keys`` (tenant_work.py)."""
+        with self.admission.admit(caller):
+            return await self.work.in_pieces(caller.label, fn, keys, *args, until=until)
 
     # -- who is calling, and on what -------------------------------------------------------
 
@@ -142,10 +143,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"{len(hashes)} keys in one request; the limit is {self.limits.max_keys_per_request}")
         await self.key_rate.take(caller, len(hashes))  # before any per-key work
         keys = []
-        for first in range(0, len(hashes), BIND_BATCH):  # others' requests run in between
+        for first in range(0, len(hashes), PIECE_KEYS):  # others' requests run in between
             if first:
                 await asyncio.sleep(0)
-            keys += bound.keys(hashes[first : first + BIND_BATCH], first)
+            keys += await self.work.on_loop(caller.label, bound.keys, hashes[first : first + PIECE_KEYS], first)
         if keys:  # what the namespace's chunks occupy is its owner's, read or written
             self.quotas.charge(keys[0], bound.owner)
         return bound, keys
@@ -192,7 +193,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if blob is not None:
             if blob.nbytes != size:
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
-            await self._run(self._verify_and_put, bound, key, blob, parent, h.durable)
+            await self.work.run(caller.label, self._verify_and_put, bound, key, blob, parent, h.durable)
         else:
             with self.admission.add_bytes(caller, size):
                 buf = self.pool.take(size)
@@ -200,10 +201,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if h.HasField("slot"):  # copied out first: the client may still write into its slot
                         ref = (h.slot.lease_id, h.slot.index, h.slot.generation)
                         with self._need_arena().using([ref], size, caller.name) as (view,):
-                            await self._run(_copy, buf, view)
+                            await self.work.run(caller.label, _copy, buf, view)
                     else:
                         await inline(memoryview(buf), size)
-                    await self._run(self._verify_and_put, bound, key, buf, parent, h.durable)
+                    await self.work.run(caller.label, self._verify_and_put, bound, key, buf, parent, h.durable)
                 finally:
                     self.pool.give(buf)
         self.metrics.wrote(caller.label, size)
@@ -310,11 +311,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return reads
 
     async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, slot_bytes: int, hold: bool,
-                        owner: str):
+                        caller: Tenant):
         if slot is None:
-            return await self._run(self._read, bound, key, payload, None, hold, abandoned=self._done)
-        with self.arena.using([(slot.lease_id, slot.index, slot.generation)], slot_bytes, owner) as (view,):
-            return await self._run(self._read, bound, key, payload, view, hold, abandoned=self._done)
+            return await self.work.run(caller.label, self._read, bound, key, payload, None, hold, abandoned=self._done)
+        with self.arena.using([(slot.lease_id, slot.index, slot.generation)], slot_bytes, caller.name) as (view,):
+            return await self.work.run(caller.label, self._read, bound, key, payload, view, hold, abandoned=self._done)
 
     def _done(self, read: Read | None) -> None:
         if read is None:
@@ -355,13 +356,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             async with self.read_grants.hold(caller.name, order):  # tenants share; earlier Gets first
                 hold = holdable and channel.can_pin(chunk_bytes)
                 return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, slot_bytes, hold,
-                                            caller.name)
+                                            caller)
 
         with self.admission.add_bytes(caller, min(len(keys), depth) * chunk_bytes):
             ready = []
             if holdable:  # the leading chunks raw in host RAM: pinned in one executor call, not one each
                 room = channel.max_pinned_bytes - channel.pinned_bytes
-                ready = await self._run(self._pin_leading, keys, chunk_bytes, room,
+                ready = await self.work.run(caller.label, self._pin_leading, keys, chunk_bytes, room,
                                         abandoned=lambda reads: [self._done(r) for r in reads])
             reads = ReadAhead(len(keys), depth, start, self._done, ready)
             try:
@@ -382,7 +383,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             finally:
                 await reads.close()
                 if self.quotas.bounded(bound.owner):  # the reads may have promoted chunks
-                    await self._run(self.quotas.enforce, bound.owner)
+                    await self.work.run(caller.label, self.quotas.enforce, bound.owner)
 
     async def Get(self, request, caller: Tenant):
         least = self.limits.min_piece_bytes
@@ -467,20 +468,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, READ)
-        return pb.CountReply(count=await self._served(caller, self.store.lookup, keys))
+        counts = await self._served_in_pieces(caller, self.store.lookup, keys, until=operator.lt)
+        return pb.CountReply(count=sum(counts))
+
+    def _contains(self, keys: list[ChunkKey]) -> list[bool]:
+        return [self.store.contains(k) for k in keys]
 
     async def Contains(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, READ)
-        present = await self._served(caller, lambda: [self.store.contains(k) for k in keys])
-        return pb.ContainsReply(present=present)
+        present = await self._served_in_pieces(caller, self._contains, keys)
+        return pb.ContainsReply(present=[p for piece in present for p in piece])
 
     def _prefetch(self, keys: list[ChunkKey]) -> list:
         return [next(iter(self.store.prefetch([k])), None) for k in keys]
 
+    def _prefetcher(self, caller: Tenant):
+        return functools.partial(self.work.run, caller.label, self._prefetch)
+
     async def Prefetch(self, request, caller: Tenant):
         bound, keys = await self._keys(request, caller, READ)
         with self.admission.admit(caller):
-            futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+            futures = await self.prefetches.start(caller, keys, self._prefetcher(caller))
             if request.wait:
                 await self._enforce_after(futures, bound.owner)
             else:
@@ -492,7 +500,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         a promotion must not leave a tenant over its quota."""
         await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         if futures and self.quotas.bounded(owner):
-            await self._run(self.quotas.enforce, owner)
+            await self.work.run(owner.label, self.quotas.enforce, owner)
 
     def _enforce_later(self, futures: list, owner: Tenant) -> None:
         """``_enforce_after`` in the background (a Prefetch that does not wait)."""
@@ -513,7 +521,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not (math.isfinite(ttl) and 0 < ttl <= self.limits.max_pin_ttl_s):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s must be in (0, {self.limits.max_pin_ttl_s:g}] seconds, got {ttl}")
-        return pb.CountReply(count=await self._served(caller, self.store.pin, keys, ttl))
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.pin, keys, ttl)))
 
     # -- agent sessions (advisory: docs/agents.md) --------------------------------------------
 
@@ -534,7 +542,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(ttl if ttl else pin_ttl(expected) if expected else MIN_PIN_S)
         if not keys:
             return pb.CountReply(count=0)
-        present, pinned = await self._served(caller, self._pin_present, keys, lease)
+        pieces = await self._served_in_pieces(caller, self._pin_present, keys, lease)
+        present, pinned = [k for piece, _ in pieces for k in piece], sum(n for _, n in pieces)
         if present:
             self.sessions.pause(caller.name, session, keys[0].namespace, present, lease)
         return pb.CountReply(count=pinned)
@@ -559,20 +568,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             shared = self.credentials.shared  # a record's keys are bound: the shared tenant's say so
             owner = shared if shared is not None and keys[0].namespace.tenant == shared.name else caller
             await self.key_rate.take(caller, len(keys))  # as a request naming them would be
-            await self._served(caller, self.store.pin, keys, lease)
+            await self._served_in_pieces(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
-                futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+                futures = await self.prefetches.start(caller, keys, self._prefetcher(caller))
             self._enforce_later(futures, owner)
             started += len(futures)
         return pb.CountReply(count=started)
 
     async def Unpin(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, WRITE)
-        return pb.CountReply(count=await self._served(caller, self.store.unpin, keys))
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.unpin, keys)))
 
     async def Delete(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, WRITE)
-        return pb.CountReply(count=await self._served(caller, self.store.delete, keys))
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.delete, keys)))
 
     async def Stats(self, request, caller: Tenant):
         stats = await self._served(caller, self.store.stats)
