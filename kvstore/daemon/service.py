@@ -17,22 +17,21 @@ import logging
 import math
 import operator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, aclosing, contextmanager
+from contextlib import aclosing, contextmanager
 from copy import deepcopy
 
 import grpc
 import numpy as np
-import torch
 
-from kernels.parallel_copy import copy, copy_pairs
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, decode_header, verify_blob
+from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, verify_blob
 from kvstore.codecs import codec_by_id
 from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
+from kvstore.daemon.chunk_reads import ChunkReads, copy_bytes, need_arena
 from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
 from kvstore.daemon.fair_share import FairShare
@@ -42,7 +41,6 @@ from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
 from kvstore.daemon.quotas import Quotas
 from kvstore.daemon.read_grants import ReadGrants
-from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
 from kvstore.daemon.tenant_scheduler import TenantScheduler
@@ -59,18 +57,6 @@ from tiers.redis import redact_url
 log = logging.getLogger("kvstore.daemon")
 
 
-def _copy(dst, src) -> None:
-    copy(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-def _copy_views(dst: memoryview, views: list[memoryview]) -> None:
-    pairs, off = [], 0
-    for v in views:
-        pairs.append((np.frombuffer(dst[off : off + v.nbytes], dtype=np.uint8), np.frombuffer(v, dtype=np.uint8)))
-        off += v.nbytes
-    copy_pairs(pairs)
-
-
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: Store, config: DaemonConfig, executor: ThreadPoolExecutor,
                  arena: SlotArena | None, bulk: BulkServer | None, metrics: DaemonMetrics, pool: BufferPool,
@@ -80,7 +66,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.limits = config.limits
         self.address = ""
         self.work = TenantWork(executor, TenantScheduler(self.limits.scheduler_half_life_s, self.limits.scheduler_idle_s,
-                                                         self.limits.scheduler_max_wait_s))
+                                                         self.limits.scheduler_max_wait_s, metrics))
         self.boundary = RpcBoundary(metrics)
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
@@ -100,10 +86,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                     max_groups=self.limits.max_paused_namespaces_per_session,
                                     max_keys=self.limits.max_paused_keys_per_tenant)
         self._background: set[asyncio.Task] = set()  # quota enforcement after prefetches
-        self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
+        self.reads = ChunkReads(store, pool, arena, self.pool_path, self.limits, self.admission,
+                                ReadGrants(io_workers(config)), quotas, metrics, self.work)
 
     @property
     def io_inflight(self) -> int:
@@ -159,9 +146,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"chunk of {nbytes} bytes exceeds the limit of {self.limits.max_chunk_bytes}")
 
     def _need_arena(self) -> SlotArena:
-        if self.arena is None:
-            raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this daemon")
-        return self.arena
+        return need_arena(self.arena)
 
     # -- put ------------------------------------------------------------------------------
 
@@ -201,7 +186,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if h.HasField("slot"):  # copied out first: the client may still write into its slot
                         ref = (h.slot.lease_id, h.slot.index, h.slot.generation)
                         with self._need_arena().using([ref], size, caller.name) as (view,):
-                            await self.work.run(caller.label, _copy, buf, view)
+                            await self.work.run(caller.label, copy_bytes, buf, view)
                     else:
                         await inline(memoryview(buf), size)
                     await self.work.run(caller.label, self._verify_and_put, bound, key, buf, parent, h.durable)
@@ -252,139 +237,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- get ------------------------------------------------------------------------------
 
-    def _read(self, bound: Bound, key: ChunkKey, payload: int, slot_view, hold: bool) -> Read | None:
-        """Read one chunk (in an executor thread). ``hold``: answer with its pinned host-pool
-        ranges if it lies there raw. Else into ``slot_view``, or into a pooled buffer
-        (TENSOR) or as the blob (BLOB). None on a miss. The Store reads only into memory
-        of the daemon's own; a slot gets a copy."""
-        chunk_bytes = bound.chunk_bytes
-        if payload == pb.TENSOR and (hold or slot_view is not None) and self.store.host_pool is not None:
-            pin = ExitStack()
-            runs = pin.enter_context(self.store.pinned_payload(key))
-            if runs is not None and hold:
-                return Read(chunk_bytes, pool_runs=runs, release=pin.close)
-            with pin:
-                if runs is not None:
-                    _copy_views(slot_view, self.store.host_pool.views(runs))
-                    return Read(chunk_bytes)
-        if not self.store.contains(key):  # nothing is sized by the request before the chunk is known to exist
-            self.store.get_blob(key)  # ... but the Store counts the miss (its policies learn from misses)
-            return None
-        if payload == pb.TENSOR:
-            buf = self.pool.take(chunk_bytes)
-            out = torch.from_numpy(buf).view(getattr(torch, bound.ns.dtype)).view(bound.ns.chunk_shape)
-            if not self.store.get_into(key, out):
-                self.pool.give(buf)
-                return None
-            if slot_view is None:
-                return Read(chunk_bytes, data=buf, pooled=buf)
-            _copy(slot_view, buf)
-            self.pool.give(buf)
-            return Read(chunk_bytes)
-        blob = self.store.get_blob(key)
-        if blob is None:
-            return None
-        parts = [blob]
-        if bound.rekeyed:
-            payload_view = memoryview(blob)[HEADER_BYTES:]
-            parts = [bound.header_for(decode_header(blob), payload_view, claimed=True), payload_view]
-        if slot_view is None:
-            return Read(len(blob), data=parts)
-        if len(blob) > len(slot_view):
-            raise Fail(grpc.StatusCode.OUT_OF_RANGE, f"blob of {len(blob)} bytes does not fit the slot")
-        _copy_views(slot_view, [memoryview(p) for p in parts])
-        return Read(len(blob))
-
-    def _pin_leading(self, keys: list[ChunkKey], chunk_bytes: int, room: int) -> list[Read]:
-        """Pins of the leading ``keys`` that lie raw in host RAM, up to ``room`` bytes (in an
-        executor thread); it stops at the first that does not."""
-        if self.store.host_pool is None:
-            return []
-        reads = []
-        for key in keys[: room // chunk_bytes]:
-            pin = ExitStack()
-            runs = pin.enter_context(self.store.pinned_payload(key))
-            if runs is None:
-                pin.close()
-                break
-            reads.append(Read(chunk_bytes, pool_runs=runs, release=pin.close))
-        return reads
-
-    async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, slot_bytes: int, hold: bool,
-                        caller: Tenant):
-        if slot is None:
-            return await self.work.run(caller.label, self._read, bound, key, payload, None, hold, abandoned=self._done)
-        with self.arena.using([(slot.lease_id, slot.index, slot.generation)], slot_bytes, caller.name) as (view,):
-            return await self.work.run(caller.label, self._read, bound, key, payload, view, hold, abandoned=self._done)
-
-    def _done(self, read: Read | None) -> None:
-        if read is None:
-            return
-        if read.release is not None:
-            read.release()
-        if read.pooled is not None:
-            self.pool.give(read.pooled)
-
-    async def _chunks(self, request, caller: Tenant, channel: Channel | None = None):
-        """Validate a GetRequest, then yield one ``Read`` per chunk, in order, until the first
-        miss. On a bulk ``channel``, chunks raw in the host pool come pinned; they stay so for
-        a client that copies them out itself (pool views) until its RELEASE. Anything else a
-        chunk holds is released when the consumer asks for the next, unless the consumer took
-        it over (``handover``)."""
-        bound, keys = await self._keys(request, caller, READ)
-        payload = request.payload
-        if payload not in (pb.BLOB, pb.TENSOR):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {payload}")
-        slots = list(request.slots)
-        slot_bytes = 0  # what each slot must hold
-        if slots:
-            arena = self._need_arena()
-            if len(slots) != len(keys):
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
-            slot_bytes = bound.chunk_bytes if payload == pb.TENSOR else arena.slot_bytes
-            arena.check([(s.lease_id, s.index, s.generation) for s in slots], slot_bytes, caller.name)
-        if request.pool_views and (channel is None or not slots):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
-        # the socket of a bulk channel sends from the pool; a client that maps it copies from it
-        holdable = payload == pb.TENSOR and channel is not None and (
-            not slots or (request.pool_views and self.pool_path is not None))
-        chunk_bytes = bound.chunk_bytes
-        depth = self.limits.get_read_ahead
-        order = self.read_grants.next_get()
-
-        async def start(i: int):  # at most max_pinned_bytes held, plus the reads ahead
-            async with self.read_grants.hold(caller.name, order):  # tenants share; earlier Gets first
-                hold = holdable and channel.can_pin(chunk_bytes)
-                return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, slot_bytes, hold,
-                                            caller)
-
-        with self.admission.add_bytes(caller, min(len(keys), depth) * chunk_bytes):
-            ready = []
-            if holdable:  # the leading chunks raw in host RAM: pinned in one executor call, not one each
-                room = channel.max_pinned_bytes - channel.pinned_bytes
-                ready = await self.work.run(caller.label, self._pin_leading, keys, chunk_bytes, room,
-                                        abandoned=lambda reads: [self._done(r) for r in reads])
-            reads = ReadAhead(len(keys), depth, start, self._done, ready)
-            try:
-                for i in range(len(keys)):
-                    read = await reads.next()
-                    if read is None:
-                        self.metrics.miss(caller.label)
-                        break
-                    read.index = i
-                    self.metrics.hit(caller.label, read.nbytes)
-                    if read.pool_runs is not None and request.pool_views:
-                        channel.hold(read.release, read.nbytes)  # pinned until the client's RELEASE
-                        read.release = None
-                    try:
-                        yield read
-                    finally:
-                        self._done(read)
-            finally:
-                await reads.close()
-                if self.quotas.bounded(bound.owner):  # the reads may have promoted chunks
-                    await self.work.run(caller.label, self.quotas.enforce, bound.owner)
-
     async def Get(self, request, caller: Tenant):
         least = self.limits.min_piece_bytes
         if 0 < request.piece_bytes < least:
@@ -392,7 +244,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"piece_bytes {request.piece_bytes} is below limits.min_piece_bytes = {least}")
         piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
         with self.admission.admit(caller):
-            async with aclosing(self._chunks(request, caller)) as chunks:
+            bound, keys = await self._keys(request, caller, READ)
+            async with aclosing(self.reads.chunks(request, caller, bound, keys)) as chunks:
                 async for read in chunks:
                     if read.data is None:
                         yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
@@ -413,8 +266,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.admission.admit(owner, data_bytes), self.receiving.hold(owner, meta_bytes + data_bytes):
             yield
 
+    async def charged(self, caller: Tenant, awaitable):
+        """``awaitable``, the handling of one of ``caller``'s requests, with the event-loop time
+        it takes charged to ``caller`` (kvstore/daemon/tenant_work.py)."""
+        return await self.work.charged(caller.label, awaitable)
+
     async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None,
                            refused: Exception | None) -> None:
+        await self.charged(channel.owner, self._bulk_request(channel, kind, meta, data, refused))
+
+    async def _bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None,
+                            refused: Exception | None) -> None:
         """Answer one request of a bulk channel (see kvstore/daemon/bulk.py): the same work
         as the Get and Put RPCs, with replies as frames. Connection errors propagate (the
         channel closes); request errors, and ``refused`` (the frame's admission failed),
@@ -446,7 +308,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with its frame and released once the frame is written (copied into the socket)."""
         sent = 0
         pool = self.store.host_pool
-        async with aclosing(self._chunks(request, channel.owner, channel)) as chunks:
+        bound, keys = await self._keys(request, channel.owner, READ)
+        async with aclosing(self.reads.chunks(request, channel.owner, bound, keys, channel)) as chunks:
             async for read in chunks:
                 reply = pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
                 if request.pool_views and read.pool_runs is not None:
@@ -454,15 +317,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     await channel.send(CHUNK, reply.SerializeToString())
                 else:
                     data = read.data if read.pool_runs is None else pool.views(read.pool_runs)
-                    await channel.send(CHUNK, reply.SerializeToString(), data, then=self._handover(read))
+                    await channel.send(CHUNK, reply.SerializeToString(), data, then=self.reads.handover(read))
                 sent += 1
         await channel.send(END, pb.CountReply(count=sent).SerializeToString())
-
-    def _handover(self, read: Read):
-        """What ``read`` holds, to release later; ``read`` itself then holds nothing."""
-        held = Read(read.nbytes, release=read.release, pooled=read.pooled)
-        read.release = read.pooled = None
-        return lambda: self._done(held)
 
     # -- index operations -----------------------------------------------------------------
 
@@ -681,7 +538,7 @@ def _unary(service: KVStoreService, name: str, body, stream: bool):
         async with service.boundary.scope(name, _aborter(context)):
             caller = service.caller(context)
             with service.rpcs.hold(caller):
-                return await body(_messages(request) if stream else parsed(request), caller)
+                return await service.charged(caller, body(_messages(request) if stream else parsed(request), caller))
 
     return handle
 
@@ -692,7 +549,11 @@ def _streaming(service: KVStoreService, name: str, body):
             caller = service.caller(context)
             with service.rpcs.hold(caller):
                 async with aclosing(body(parsed(request), caller)) as replies:
-                    async for reply in replies:
+                    while True:
+                        try:
+                            reply = await service.charged(caller, anext(replies))
+                        except StopAsyncIteration:
+                            break
                         yield reply
 
     return handle

@@ -2,9 +2,11 @@
 (so the event loop never blocks on file I/O or large copies), per-key work on the event loop,
 each after its tenant's turn (kvstore/daemon/tenant_scheduler.py) and charged to it.
 
-What a piece took is the CPU time of the thread that ran it (``time.thread_time``): its wall
-time would also count the time it waited for the interpreter lock while other tenants' pieces
-ran. Requests naming many keys are run in pieces of ``PIECE_KEYS`` keys, so another tenant's
+What a piece took is the CPU time of the thread that ran it (``time.thread_time``): an
+executor call, or a step of the request's handling on the event loop. Wall time would also
+count the time a piece waited for the interpreter lock, or the disk, or for the CPU while the
+machine's other processes had it: on a busy machine every tenant would seem to use more than
+its share, the well-behaved one too. Requests naming many keys are run in pieces of ``PIECE_KEYS`` keys, so another tenant's
 piece never waits behind a long one (a Contains of 4,096 keys held the interpreter ~4 ms).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -26,6 +29,26 @@ def _timed(call: Callable[[], object]) -> tuple[object, float]:
     start = time.thread_time()
     result = call()
     return result, time.thread_time() - start
+
+
+@types.coroutine
+def _charged(awaitable, charge: Callable[[float], None]):
+    """Await ``awaitable``, passing ``charge`` the CPU time of each of its steps (those between
+    its waits: what it took of the event loop)."""
+    steps = awaitable.__await__()
+    sent, thrown = None, None
+    while True:
+        start = time.thread_time()
+        try:
+            waiting_on = steps.send(sent) if thrown is None else steps.throw(thrown)
+        except StopIteration as done:
+            return done.value
+        finally:
+            charge(time.thread_time() - start)
+        try:
+            sent, thrown = (yield waiting_on), None
+        except BaseException as exc:  # a cancellation, or a future's error: the awaitable's to handle
+            sent, thrown = None, exc
 
 
 class TenantWork:
@@ -51,11 +74,14 @@ class TenantWork:
 
     async def on_loop(self, label: str, fn, *args):
         """``fn(*args)`` on the event loop once tenant ``label`` has its turn (work too small
-        to hand to a thread, such as binding a batch of keys)."""
+        to hand to a thread, such as binding a batch of keys); ``charged`` counts its time."""
         async with self.scheduler.turn(label):
-            result, seconds = _timed(functools.partial(fn, *args))
-            self.scheduler.charge(label, seconds)
-            return result
+            return fn(*args)
+
+    async def charged(self, label: str, awaitable):
+        """Await ``awaitable`` (a request's handling on the event loop), charging tenant
+        ``label`` the event-loop time its steps take."""
+        return await _charged(awaitable, functools.partial(self.scheduler.charge, label))
 
     async def in_pieces(self, label: str, fn, keys: Sequence, *args, until: Callable[[object, int], bool] = None) -> list:
         """``fn(piece, *args)`` for each piece of ``PIECE_KEYS`` of ``keys``, in order, each
