@@ -44,6 +44,7 @@ class TenantScheduler:
         self._busy: Counter[str] = Counter()  # pieces waiting or running
         self._ended: dict[str, float] = {}  # when the tenant's last piece ended
         self._changed = asyncio.Event()  # set, and replaced, when a use or a busy count changes
+        self._waiting = 0  # pieces waiting for their turn (none: nobody to wake)
         self.delayed = 0  # pieces that waited
 
     def use(self, label: str) -> float:
@@ -80,7 +81,11 @@ class TenantScheduler:
                 self.delayed += 1
                 if self.metrics is not None:
                     self.metrics.scheduler_waits.labels(label).inc()
-                await self._wait(label)
+                self._waiting += 1
+                try:
+                    await self._wait(label)
+                finally:
+                    self._waiting -= 1
             yield
         finally:
             self._busy[label] -= 1
@@ -115,5 +120,6 @@ class TenantScheduler:
         return self.half_life_s * math.log2(rate / share) if rate > share else 0.0
 
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._waiting:
+            self._changed.set()
+            self._changed = asyncio.Event()
