@@ -141,6 +141,15 @@ class LimitsConfig:
     # expiring first go. At least max_keys_per_request, so one Pause is always recorded whole.
     max_paused_keys_per_tenant: int = 262144
     max_session_id_bytes: int = 256
+    # Daemon time shared among tenants by their recent use of it (kvstore/daemon/tenant_scheduler.py):
+    # a tenant's use (CPU time of its work) halves every scheduler_half_life_s; while another
+    # tenant is active (work in flight, or done less than scheduler_idle_s ago), a tenant over
+    # its share of the active tenants' use, or that used more than a tenant whose work waits,
+    # waits before its next piece of work, at most scheduler_max_wait_s each time (0: never).
+    # A tenant alone never waits, and nothing is refused for it.
+    scheduler_half_life_s: float = 0.25
+    scheduler_idle_s: float = 0.05
+    scheduler_max_wait_s: float = 0.5
 
     def validate(self) -> None:
         _at_least(self, 1, "max_chunk_bytes", "max_keys_per_request", "max_keys_per_s_per_tenant",
@@ -150,7 +159,9 @@ class LimitsConfig:
                   "max_paused_namespaces_per_session")
         if self.max_message_bytes <= 1024:  # a Get's pieces are this less 1 KiB
             raise ConfigError(f"max_message_bytes: must be more than 1024, got {self.max_message_bytes}")
-        _positive(self, "handshake_timeout_s", "max_pin_ttl_s", "stream_idle_timeout_s")
+        _positive(self, "handshake_timeout_s", "max_pin_ttl_s", "stream_idle_timeout_s", "scheduler_half_life_s",
+                  "scheduler_idle_s")
+        _at_least(self, 0, "scheduler_max_wait_s")
         if self.max_paused_keys_per_tenant < self.max_keys_per_request:
             raise ConfigError(f"max_paused_keys_per_tenant: must be at least max_keys_per_request "
                               f"({self.max_keys_per_request}), got {self.max_paused_keys_per_tenant}")

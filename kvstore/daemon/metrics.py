@@ -71,6 +71,8 @@ class DaemonMetrics:
         self.misses = Counter("kvstore_tenant_misses", "chunks asked for and absent", labels, registry=self.registry)
         self.bytes_read = Counter("kvstore_tenant_bytes_read", "bytes served", labels, registry=self.registry)
         self.bytes_written = Counter("kvstore_tenant_bytes_written", "bytes stored", labels, registry=self.registry)
+        self.scheduler_waits = Counter("kvstore_tenant_scheduler_waits", "pieces of a tenant's work that waited "
+                                       "for its turn, its use over its share", labels, registry=self.registry)
         self.shed = Counter("kvstore_shed_requests", "requests refused at once with RESOURCE_EXHAUSTED",
                             ["limit"], registry=self.registry)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "RPC latency", ["method"],

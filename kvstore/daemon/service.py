@@ -1,5 +1,6 @@
 """The KVStore gRPC service: who the caller is, what it may touch, then the Store call in a
-bounded executor so the event loop never blocks on file I/O or large copies.
+bounded executor so the event loop never blocks on file I/O or large copies, each piece of
+work after its tenant's turn (kvstore/daemon/tenant_work.py).
 
 Every request is bound to the caller's tenant (kvstore/daemon/tenancy.py) and admitted
 against its limits (kvstore/daemon/admission.py) before any work; every Store call runs in
@@ -14,23 +15,23 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, aclosing, contextmanager
+from contextlib import aclosing, contextmanager
 from copy import deepcopy
 
 import grpc
 import numpy as np
-import torch
 
-from kernels.parallel_copy import copy, copy_pairs
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, decode_header, verify_blob
+from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, verify_blob
 from kvstore.codecs import codec_by_id
 from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
+from kvstore.daemon.chunk_reads import ChunkReads, copy_bytes, need_arena
 from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
 from kvstore.daemon.fair_share import FairShare
@@ -40,10 +41,10 @@ from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.prefetch import Prefetches
 from kvstore.daemon.quotas import Quotas
 from kvstore.daemon.read_grants import ReadGrants
-from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
 from kvstore.daemon.tenancy import READ, WRITE, Bound, bind
-from kvstore.wire.fence import fenced
+from kvstore.daemon.tenant_scheduler import TenantScheduler
+from kvstore.daemon.tenant_work import PIECE_KEYS, TenantWork
 from kvstore.keys import ChunkKey
 from kvstore.daemon.sessions import SessionBook
 from kvstore.api import MIN_PIN_S, pin_ttl, valid_duration
@@ -54,21 +55,6 @@ from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
 from tiers.redis import redact_url
 
 log = logging.getLogger("kvstore.daemon")
-# keys bound at a time on the event loop (~1 us each): a request of 4,096 bound at once held
-# the loop for ~4 ms, and every other tenant's requests waited for it
-BIND_BATCH = 512
-
-
-def _copy(dst, src) -> None:
-    copy(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-def _copy_views(dst: memoryview, views: list[memoryview]) -> None:
-    pairs, off = [], 0
-    for v in views:
-        pairs.append((np.frombuffer(dst[off : off + v.nbytes], dtype=np.uint8), np.frombuffer(v, dtype=np.uint8)))
-        off += v.nbytes
-    copy_pairs(pairs)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -79,7 +65,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.arena, self.bulk, self.metrics, self.credentials = arena, bulk, metrics, credentials
         self.limits = config.limits
         self.address = ""
-        self.io_inflight = 0
+        self.work = TenantWork(executor, TenantScheduler(self.limits.scheduler_half_life_s, self.limits.scheduler_idle_s,
+                                                         self.limits.scheduler_max_wait_s, metrics))
         self.boundary = RpcBoundary(metrics)
         self.admission = Admission(self.limits.max_requests_per_tenant, self.limits.max_bytes_in_flight_per_tenant,
                                    metrics)
@@ -99,27 +86,28 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                     max_groups=self.limits.max_paused_namespaces_per_session,
                                     max_keys=self.limits.max_paused_keys_per_tenant)
         self._background: set[asyncio.Task] = set()  # quota enforcement after prefetches
-        self.read_grants = ReadGrants(io_workers(config))  # chunk reads in flight: one an executor thread
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
+        self.reads = ChunkReads(store, pool, arena, self.pool_path, self.limits, self.admission,
+                                ReadGrants(io_workers(config)), quotas, metrics, self.work)
 
-    async def _run(self, fn, *args, abandoned=lambda result: None):
-        """Run a blocking call in the bounded executor, fenced (kvstore/wire/fence.py);
-        ``io_inflight`` counts queued + running calls."""
-        loop = asyncio.get_running_loop()
-        self.io_inflight += 1
-        try:
-            return await fenced(loop.run_in_executor(self.executor, functools.partial(fn, *args)), abandoned)
-        finally:
-            self.io_inflight -= 1
+    @property
+    def io_inflight(self) -> int:
+        """Executor calls queued, waiting for their tenant's turn or running."""
+        return self.work.inflight
 
     async def _served(self, caller: Tenant, fn, *args):
-        """``_run`` within one of ``caller``'s request slots: a tenant's flood of small calls
-        (lookups, pins, deletes) is shed at its limit instead of filling the executor that
-        every tenant's calls wait for."""
+        """``fn(*args)`` in the executor within one of ``caller``'s request slots: a tenant's
+        flood of small calls (lookups, pins, deletes) is shed at its limit instead of filling
+        the executor that every tenant's calls wait for."""
         with self.admission.admit(caller):
-            return await self._run(fn, *args)
+            return await self.work.run(caller.label, fn, *args)
+
+    async def _served_in_pieces(self, caller: Tenant, fn, keys: list[ChunkKey], *args, until=None) -> list:
+        """``_served`` for ``fn(piece, *args)`` on each piece of ``keys`` (tenant_work.py)."""
+        with self.admission.admit(caller):
+            return await self.work.in_pieces(caller.label, fn, keys, *args, until=until)
 
     # -- who is calling, and on what -------------------------------------------------------
 
@@ -142,10 +130,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"{len(hashes)} keys in one request; the limit is {self.limits.max_keys_per_request}")
         await self.key_rate.take(caller, len(hashes))  # before any per-key work
         keys = []
-        for first in range(0, len(hashes), BIND_BATCH):  # others' requests run in between
+        for first in range(0, len(hashes), PIECE_KEYS):  # others' requests run in between
             if first:
                 await asyncio.sleep(0)
-            keys += bound.keys(hashes[first : first + BIND_BATCH], first)
+            keys += await self.work.on_loop(caller.label, bound.keys, hashes[first : first + PIECE_KEYS], first)
         if keys:  # what the namespace's chunks occupy is its owner's, read or written
             self.quotas.charge(keys[0], bound.owner)
         return bound, keys
@@ -158,9 +146,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"chunk of {nbytes} bytes exceeds the limit of {self.limits.max_chunk_bytes}")
 
     def _need_arena(self) -> SlotArena:
-        if self.arena is None:
-            raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this daemon")
-        return self.arena
+        return need_arena(self.arena)
 
     # -- put ------------------------------------------------------------------------------
 
@@ -193,7 +179,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if blob is not None:
             if blob.nbytes != size:
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
-            await self._run(self._verify_and_put, bound, key, blob, parent, h.durable)
+            await self.work.run(caller.label, self._verify_and_put, bound, key, blob, parent, h.durable)
         else:
             with self.admission.add_bytes(caller, size):
                 buf = self.pool.take(size)
@@ -201,10 +187,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if h.HasField("slot"):  # copied out first: the client may still write into its slot
                         ref = (h.slot.lease_id, h.slot.index, h.slot.generation)
                         with self._need_arena().using([ref], size, caller.name) as (view,):
-                            await self._run(_copy, buf, view)
+                            await self.work.run(caller.label, copy_bytes, buf, view)
                     else:
                         await inline(memoryview(buf), size)
-                    await self._run(self._verify_and_put, bound, key, buf, parent, h.durable)
+                    await self.work.run(caller.label, self._verify_and_put, bound, key, buf, parent, h.durable)
                 finally:
                     self.pool.give(buf)
         self.metrics.wrote(caller.label, size)
@@ -252,139 +238,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- get ------------------------------------------------------------------------------
 
-    def _read(self, bound: Bound, key: ChunkKey, payload: int, slot_view, hold: bool) -> Read | None:
-        """Read one chunk (in an executor thread). ``hold``: answer with its pinned host-pool
-        ranges if it lies there raw. Else into ``slot_view``, or into a pooled buffer
-        (TENSOR) or as the blob (BLOB). None on a miss. The Store reads only into memory
-        of the daemon's own; a slot gets a copy."""
-        chunk_bytes = bound.chunk_bytes
-        if payload == pb.TENSOR and (hold or slot_view is not None) and self.store.host_pool is not None:
-            pin = ExitStack()
-            runs = pin.enter_context(self.store.pinned_payload(key))
-            if runs is not None and hold:
-                return Read(chunk_bytes, pool_runs=runs, release=pin.close)
-            with pin:
-                if runs is not None:
-                    _copy_views(slot_view, self.store.host_pool.views(runs))
-                    return Read(chunk_bytes)
-        if not self.store.contains(key):  # nothing is sized by the request before the chunk is known to exist
-            self.store.get_blob(key)  # ... but the Store counts the miss (its policies learn from misses)
-            return None
-        if payload == pb.TENSOR:
-            buf = self.pool.take(chunk_bytes)
-            out = torch.from_numpy(buf).view(getattr(torch, bound.ns.dtype)).view(bound.ns.chunk_shape)
-            if not self.store.get_into(key, out):
-                self.pool.give(buf)
-                return None
-            if slot_view is None:
-                return Read(chunk_bytes, data=buf, pooled=buf)
-            _copy(slot_view, buf)
-            self.pool.give(buf)
-            return Read(chunk_bytes)
-        blob = self.store.get_blob(key)
-        if blob is None:
-            return None
-        parts = [blob]
-        if bound.rekeyed:
-            payload_view = memoryview(blob)[HEADER_BYTES:]
-            parts = [bound.header_for(decode_header(blob), payload_view, claimed=True), payload_view]
-        if slot_view is None:
-            return Read(len(blob), data=parts)
-        if len(blob) > len(slot_view):
-            raise Fail(grpc.StatusCode.OUT_OF_RANGE, f"blob of {len(blob)} bytes does not fit the slot")
-        _copy_views(slot_view, [memoryview(p) for p in parts])
-        return Read(len(blob))
-
-    def _pin_leading(self, keys: list[ChunkKey], chunk_bytes: int, room: int) -> list[Read]:
-        """Pins of the leading ``keys`` that lie raw in host RAM, up to ``room`` bytes (in an
-        executor thread); it stops at the first that does not."""
-        if self.store.host_pool is None:
-            return []
-        reads = []
-        for key in keys[: room // chunk_bytes]:
-            pin = ExitStack()
-            runs = pin.enter_context(self.store.pinned_payload(key))
-            if runs is None:
-                pin.close()
-                break
-            reads.append(Read(chunk_bytes, pool_runs=runs, release=pin.close))
-        return reads
-
-    async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, slot_bytes: int, hold: bool,
-                        owner: str):
-        if slot is None:
-            return await self._run(self._read, bound, key, payload, None, hold, abandoned=self._done)
-        with self.arena.using([(slot.lease_id, slot.index, slot.generation)], slot_bytes, owner) as (view,):
-            return await self._run(self._read, bound, key, payload, view, hold, abandoned=self._done)
-
-    def _done(self, read: Read | None) -> None:
-        if read is None:
-            return
-        if read.release is not None:
-            read.release()
-        if read.pooled is not None:
-            self.pool.give(read.pooled)
-
-    async def _chunks(self, request, caller: Tenant, channel: Channel | None = None):
-        """Validate a GetRequest, then yield one ``Read`` per chunk, in order, until the first
-        miss. On a bulk ``channel``, chunks raw in the host pool come pinned; they stay so for
-        a client that copies them out itself (pool views) until its RELEASE. Anything else a
-        chunk holds is released when the consumer asks for the next, unless the consumer took
-        it over (``handover``)."""
-        bound, keys = await self._keys(request, caller, READ)
-        payload = request.payload
-        if payload not in (pb.BLOB, pb.TENSOR):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {payload}")
-        slots = list(request.slots)
-        slot_bytes = 0  # what each slot must hold
-        if slots:
-            arena = self._need_arena()
-            if len(slots) != len(keys):
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
-            slot_bytes = bound.chunk_bytes if payload == pb.TENSOR else arena.slot_bytes
-            arena.check([(s.lease_id, s.index, s.generation) for s in slots], slot_bytes, caller.name)
-        if request.pool_views and (channel is None or not slots):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
-        # the socket of a bulk channel sends from the pool; a client that maps it copies from it
-        holdable = payload == pb.TENSOR and channel is not None and (
-            not slots or (request.pool_views and self.pool_path is not None))
-        chunk_bytes = bound.chunk_bytes
-        depth = self.limits.get_read_ahead
-        order = self.read_grants.next_get()
-
-        async def start(i: int):  # at most max_pinned_bytes held, plus the reads ahead
-            async with self.read_grants.hold(caller.name, order):  # tenants share; earlier Gets first
-                hold = holdable and channel.can_pin(chunk_bytes)
-                return await self._read_one(bound, keys[i], payload, slots[i] if slots else None, slot_bytes, hold,
-                                            caller.name)
-
-        with self.admission.add_bytes(caller, min(len(keys), depth) * chunk_bytes):
-            ready = []
-            if holdable:  # the leading chunks raw in host RAM: pinned in one executor call, not one each
-                room = channel.max_pinned_bytes - channel.pinned_bytes
-                ready = await self._run(self._pin_leading, keys, chunk_bytes, room,
-                                        abandoned=lambda reads: [self._done(r) for r in reads])
-            reads = ReadAhead(len(keys), depth, start, self._done, ready)
-            try:
-                for i in range(len(keys)):
-                    read = await reads.next()
-                    if read is None:
-                        self.metrics.miss(caller.label)
-                        break
-                    read.index = i
-                    self.metrics.hit(caller.label, read.nbytes)
-                    if read.pool_runs is not None and request.pool_views:
-                        channel.hold(read.release, read.nbytes)  # pinned until the client's RELEASE
-                        read.release = None
-                    try:
-                        yield read
-                    finally:
-                        self._done(read)
-            finally:
-                await reads.close()
-                if self.quotas.bounded(bound.owner):  # the reads may have promoted chunks
-                    await self._run(self.quotas.enforce, bound.owner)
-
     async def Get(self, request, caller: Tenant):
         least = self.limits.min_piece_bytes
         if 0 < request.piece_bytes < least:
@@ -392,7 +245,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                        f"piece_bytes {request.piece_bytes} is below limits.min_piece_bytes = {least}")
         piece = min(request.piece_bytes or self.limits.inline_piece_bytes, self.limits.max_message_bytes - 1024)
         with self.admission.admit(caller):
-            async with aclosing(self._chunks(request, caller)) as chunks:
+            bound, keys = await self._keys(request, caller, READ)
+            async with aclosing(self.reads.chunks(request, caller, bound, keys)) as chunks:
                 async for read in chunks:
                     if read.data is None:
                         yield pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
@@ -413,8 +267,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.admission.admit(owner, data_bytes), self.receiving.hold(owner, meta_bytes + data_bytes):
             yield
 
+    async def charged(self, caller: Tenant, awaitable):
+        """``awaitable``, the handling of one of ``caller``'s requests, with the event-loop time
+        it takes charged to ``caller`` (kvstore/daemon/tenant_work.py)."""
+        return await self.work.charged(caller.label, awaitable)
+
     async def bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None,
                            refused: Exception | None) -> None:
+        await self.charged(channel.owner, self._bulk_request(channel, kind, meta, data, refused))
+
+    async def _bulk_request(self, channel: Channel, kind: int, meta: bytes, data: np.ndarray | None,
+                            refused: Exception | None) -> None:
         """Answer one request of a bulk channel (see kvstore/daemon/bulk.py): the same work
         as the Get and Put RPCs, with replies as frames. Connection errors propagate (the
         channel closes); request errors, and ``refused`` (the frame's admission failed),
@@ -446,7 +309,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with its frame and released once the frame is written (copied into the socket)."""
         sent = 0
         pool = self.store.host_pool
-        async with aclosing(self._chunks(request, channel.owner, channel)) as chunks:
+        bound, keys = await self._keys(request, channel.owner, READ)
+        async with aclosing(self.reads.chunks(request, channel.owner, bound, keys, channel)) as chunks:
             async for read in chunks:
                 reply = pb.GetReply(index=read.index, chunk_bytes=read.nbytes, last=True)
                 if request.pool_views and read.pool_runs is not None:
@@ -454,34 +318,35 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     await channel.send(CHUNK, reply.SerializeToString())
                 else:
                     data = read.data if read.pool_runs is None else pool.views(read.pool_runs)
-                    await channel.send(CHUNK, reply.SerializeToString(), data, then=self._handover(read))
+                    await channel.send(CHUNK, reply.SerializeToString(), data, then=self.reads.handover(read))
                 sent += 1
         await channel.send(END, pb.CountReply(count=sent).SerializeToString())
-
-    def _handover(self, read: Read):
-        """What ``read`` holds, to release later; ``read`` itself then holds nothing."""
-        held = Read(read.nbytes, release=read.release, pooled=read.pooled)
-        read.release = read.pooled = None
-        return lambda: self._done(held)
 
     # -- index operations -----------------------------------------------------------------
 
     async def Lookup(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, READ)
-        return pb.CountReply(count=await self._served(caller, self.store.lookup, keys))
+        counts = await self._served_in_pieces(caller, self.store.lookup, keys, until=operator.lt)
+        return pb.CountReply(count=sum(counts))
+
+    def _contains(self, keys: list[ChunkKey]) -> list[bool]:
+        return [self.store.contains(k) for k in keys]
 
     async def Contains(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, READ)
-        present = await self._served(caller, lambda: [self.store.contains(k) for k in keys])
-        return pb.ContainsReply(present=present)
+        present = await self._served_in_pieces(caller, self._contains, keys)
+        return pb.ContainsReply(present=[p for piece in present for p in piece])
 
     def _prefetch(self, keys: list[ChunkKey]) -> list:
         return [next(iter(self.store.prefetch([k])), None) for k in keys]
 
+    def _prefetcher(self, caller: Tenant):
+        return functools.partial(self.work.run, caller.label, self._prefetch)
+
     async def Prefetch(self, request, caller: Tenant):
         bound, keys = await self._keys(request, caller, READ)
         with self.admission.admit(caller):
-            futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+            futures = await self.prefetches.start(caller, keys, self._prefetcher(caller))
             if request.wait:
                 await self._enforce_after(futures, bound.owner)
             else:
@@ -493,7 +358,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         a promotion must not leave a tenant over its quota."""
         await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         if futures and self.quotas.bounded(owner):
-            await self._run(self.quotas.enforce, owner)
+            await self.work.run(owner.label, self.quotas.enforce, owner)
 
     def _enforce_later(self, futures: list, owner: Tenant) -> None:
         """``_enforce_after`` in the background (a Prefetch that does not wait)."""
@@ -514,7 +379,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not (math.isfinite(ttl) and 0 < ttl <= self.limits.max_pin_ttl_s):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s must be in (0, {self.limits.max_pin_ttl_s:g}] seconds, got {ttl}")
-        return pb.CountReply(count=await self._served(caller, self.store.pin, keys, ttl))
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.pin, keys, ttl)))
 
     # -- agent sessions (advisory: docs/agents.md) --------------------------------------------
 
@@ -535,7 +400,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(ttl if ttl else pin_ttl(expected) if expected else MIN_PIN_S)
         if not keys:
             return pb.CountReply(count=0)
-        present, pinned = await self._served(caller, self._pin_present, keys, lease)
+        pieces = await self._served_in_pieces(caller, self._pin_present, keys, lease)
+        present, pinned = [k for piece, _ in pieces for k in piece], sum(n for _, n in pieces)
         if present:
             self.sessions.pause(caller.name, session, keys[0].namespace, present, lease)
         return pb.CountReply(count=pinned)
@@ -560,20 +426,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             shared = self.credentials.shared  # a record's keys are bound: the shared tenant's say so
             owner = shared if shared is not None and keys[0].namespace.tenant == shared.name else caller
             await self.key_rate.take(caller, len(keys))  # as a request naming them would be
-            await self._served(caller, self.store.pin, keys, lease)
+            await self._served_in_pieces(caller, self.store.pin, keys, lease)
             with self.admission.admit(caller):
-                futures = await self.prefetches.start(caller, keys, lambda todo: self._run(self._prefetch, todo))
+                futures = await self.prefetches.start(caller, keys, self._prefetcher(caller))
             self._enforce_later(futures, owner)
             started += len(futures)
         return pb.CountReply(count=started)
 
     async def Unpin(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, WRITE)
-        return pb.CountReply(count=await self._served(caller, self.store.unpin, keys))
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.unpin, keys)))
 
     async def Delete(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, WRITE)
-        return pb.CountReply(count=await self._served(caller, self.store.delete, keys))
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.delete, keys)))
 
     async def Stats(self, request, caller: Tenant):
         stats = await self._served(caller, self.store.stats)
@@ -673,7 +539,7 @@ def _unary(service: KVStoreService, name: str, body, stream: bool):
         async with service.boundary.scope(name, _aborter(context)):
             caller = service.caller(context)
             with service.rpcs.hold(caller):
-                return await body(_messages(request) if stream else parsed(request), caller)
+                return await service.charged(caller, body(_messages(request) if stream else parsed(request), caller))
 
     return handle
 
@@ -684,7 +550,11 @@ def _streaming(service: KVStoreService, name: str, body):
             caller = service.caller(context)
             with service.rpcs.hold(caller):
                 async with aclosing(body(parsed(request), caller)) as replies:
-                    async for reply in replies:
+                    while True:
+                        try:
+                            reply = await service.charged(caller, anext(replies))
+                        except StopAsyncIteration:
+                            break
                         yield reply
 
     return handle

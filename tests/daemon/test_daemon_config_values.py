@@ -27,6 +27,8 @@ def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     ("limits", "max_requests_per_tenant = 0", "limits.max_requests_per_tenant"),
     ("limits", "max_chunk_bytes = 0", "limits.max_chunk_bytes"),
     ("limits", "max_concurrent_streams = 0", "limits.max_concurrent_streams"),
+    ("limits", "scheduler_half_life_s = 0", "limits.scheduler_half_life_s"),
+    ("limits", "scheduler_max_wait_s = -1", "limits.scheduler_max_wait_s"),
     ("bulk", "frame_timeout_s = 0", "bulk.frame_timeout_s"),
     ("bulk", "port = 70000", "bulk.port"),
     (None, "flush_timeout_s = -1", "flush_timeout_s"),

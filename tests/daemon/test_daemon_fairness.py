@@ -6,9 +6,11 @@ answered RESOURCE_EXHAUSTED or INVALID_ARGUMENT with a message naming the limit.
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -27,9 +29,10 @@ TOKENS = {"alice": "alice-secret", "bob": "bob-secret", "carol": "carol-secret"}
 FAIR_NS = Namespace("fair-model", 2, 2, 32, chunk_tokens=32)  # 16 KiB fp16 chunks
 
 
-def start(tmp_path, extra: str = "", tenants_extra: str = "") -> DaemonProcess:
-    """A daemon on loopback with tenants alice, bob and carol; ``extra`` is appended to its
-    configuration file (after a [store.disk] table: start with a table of your own)."""
+def start(tmp_path, extra: str = "", tenants_extra: str = "", args: tuple[str, ...] = ()) -> DaemonProcess:
+    """A daemon on loopback with tenants alice, bob and carol (metrics labels tenant1, tenant2,
+    tenant3); ``extra`` is appended to its configuration file (after a [store.disk] table:
+    start with a table of your own), ``args`` to its command line."""
     text = ""
     for name, token in TOKENS.items():
         text += f'[tenants.{name}]\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n{tenants_extra}'
@@ -38,7 +41,8 @@ def start(tmp_path, extra: str = "", tenants_extra: str = "") -> DaemonProcess:
         '[shm]\nenabled = false\n[store.host]\ncapacity_bytes = "16MiB"\npage_bytes = 4096\nprefault = false\n'
         f'[store.disk]\ncapacity_bytes = "64MiB"\n{extra}')
     return DaemonProcess(["--config", str(tmp_path / "daemon.toml"), "--listen", "127.0.0.1:0",
-                          "--data-dir", str(tmp_path / "data"), "--tenants-file", str(tmp_path / "tenants.toml")])
+                          "--data-dir", str(tmp_path / "data"), "--tenants-file", str(tmp_path / "tenants.toml"),
+                          *args])
 
 
 def auth(name: str):
@@ -456,3 +460,57 @@ def test_resume_soon_counts_its_sessions_keys_against_the_tenants_rate(tmp_path)
                 calls += 1
             elapsed = time.monotonic() - began
     assert calls * 64 <= burst + rate * elapsed + 64, f"{calls} ResumeSoon calls of 64 keys in {elapsed:.1f} s"
+
+
+def scheduler_waits(daemon: DaemonProcess) -> dict[str, float]:
+    """``kvstore_tenant_scheduler_waits_total`` by tenant label, from the daemon's /metrics."""
+    port = re.search(r"metrics 127\.0\.0\.1:(\d+)", daemon.text).group(1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r'kvstore_tenant_scheduler_waits_total\{tenant="(\w+)"\} (\S+)', text)}
+
+
+def test_a_tenant_over_its_share_of_the_daemon_waits_only_while_another_is_served(tmp_path):
+    """Issue 36: bob keeps the daemon's event loop busy binding keys (Contains of 4,096 keys
+    from 8 threads, his key rate set out of reach), first alone, then while alice looks up one
+    key after another. Alone he never waits for his turn (kvstore/daemon/tenant_scheduler.py);
+    beside alice, over his share of the interpreter, his pieces of work wait, hers never do,
+    and nothing of either is refused."""
+    with start(tmp_path, '[limits]\nmax_keys_per_s_per_tenant = 100000000\n', args=("--metrics", "127.0.0.1:0")) as daemon:
+        bob_ch = grpc.insecure_channel(daemon.addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        stub = pb_grpc.KVStoreStub(bob_ch)
+        hashes = [hashlib.sha256(i.to_bytes(4, "little")).digest()[:16] for i in range(4096)]
+        request = pb.KeysRequest(namespace=ns_to_proto(FAIR_NS), prefix_hashes=hashes)
+        served, refused = [0], []
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                try:
+                    assert len(stub.Contains(request, metadata=auth("bob"), timeout=30).present) == 4096
+                    served[0] += 1
+                except grpc.RpcError as exc:
+                    refused.append(exc)
+
+        keys = chunk_keys(list(range(32)), FAIR_NS)
+        threads = [threading.Thread(target=flood) for _ in range(8)]
+        try:
+            with Client(daemon.addr, token=TOKENS["alice"], retries=0, timeout_s=30) as alice:
+                alice.put(keys[0], torch.ones(FAIR_NS.chunk_shape, dtype=torch.float16))
+                for t in threads:
+                    t.start()
+                wait_until(lambda: served[0] >= 40, "bob's Contains to be served")
+                alone = scheduler_waits(daemon)
+                deadline = time.monotonic() + 60
+                while not scheduler_waits(daemon).get("tenant2"):
+                    for _ in range(20):
+                        assert alice.lookup(keys[:1]) == 1
+                    assert time.monotonic() < deadline, "bob never waited for his turn beside alice"
+                beside = scheduler_waits(daemon)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            bob_ch.close()
+    assert not refused, refused[:1]
+    assert not alone.get("tenant2"), f"bob waited {alone} while alone"
+    assert beside["tenant2"] > 0 and not beside.get("tenant1"), beside
