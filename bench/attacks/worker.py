@@ -59,7 +59,7 @@ def pin_and_hold(client: Client, start: int, count: int) -> None:
     for i, k in enumerate(ks):
         client.put(k, content(start + i))
     client.pin(ks, 600)
-    lease = client._drive(client._core._shm())
+    lease = client._drive(client._core.transports.lease())
     attach = client._drive(client._core._call("BulkAttach", pb.BulkAttachRequest()))
     sock = socket.create_connection(("127.0.0.1", attach.port))
     sock.sendall(HELLO.pack(attach.session, attach.token))

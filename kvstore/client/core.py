@@ -91,11 +91,6 @@ class ClientCore:
     def _call(self, method: str, request, health: bool = False):
         return self.retrier.rpc(method, request, health)
 
-    def _shm(self):
-        """This client's slot lease, taken the first time (None: not on the daemon's host, or
-        shared memory is not wanted)."""
-        return self.transports.lease()
-
     def path(self):
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
         return self.transports.path()

@@ -5,7 +5,7 @@ The daemon renews a lease when one of its slots is copied into or out of (``Slot
 and docs/daemon.md says "Any use renews the lease". A Get whose chunks all lie raw in host RAM
 (same-host client, pool views, bulk channel) names the lease's slots but is answered by
 ``_pin_leading`` alone: ``SlotArena.check`` validates the slots and renews nothing. The client
-counts that Get as a use (``ShmLease.touch`` in ``ClientCore._shm``, even for ``path``) and
+counts that Get as a use (``ShmLease.touch`` in ``Transports.lease``, even for ``path``) and
 skips ``RenewLease`` while its last use is less than ``lease_ttl_s / 2`` old. So a client that
 reads hot chunks every 25 s and puts one chunk a minute (lease_ttl_s = 60) has its lease
 reclaimed by the daemon while the client thinks it fresh; the slots go to the next client that

@@ -1,7 +1,7 @@
 """A client that called while its daemon was restarting never used shared memory again.
 
 After the daemon went away, the client's next call finds its bulk session broken, retires
-its lease and asks for a new one (``ClientCore._shm``). The daemon is not back yet: the
+its lease and asks for a new one (``Transports.lease``). The daemon is not back yet: the
 Lease RPC failed with UNAVAILABLE, which ``_shm`` took for "shared memory is out of reach"
 (``self._shm_tried = True``); nothing reset that flag while the client held no lease, so
 once the daemon was back (same address, same host) every Get and Put of this client took
