@@ -9,9 +9,11 @@ scattered straight from the store's pages, with no staging copy, in order on one
 only wait, else a loader thread; what it does not lend is read as above. A store that hands
 chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
 pool mapped here) has each group's chunks scattered as they are handed over, again with no
-staging copy. Layer-wise loads keep
-the staged chunks until every read is in, then scatter layer by layer on a thread of their
-own, so layer ``i`` lands while the model computes layer ``i - 1``.
+staging copy: for a synchronous load group after group on the engine's thread, so that
+every copy into the CPU cache runs with the engine's own threads (``_run_here``), else on
+the loader threads. Layer-wise loads keep the staged chunks until every read is in, then
+scatter layer by layer on a thread of their own, so layer ``i`` lands while the model
+computes layer ``i - 1``.
 
 Who may write what: a group's buffers belong to its read call until the call returns; the
 request's destination blocks belong to the load until ``finish`` returns. ``finish`` (the
@@ -87,12 +89,16 @@ class LoadTask:
     def submit(self, pool: Executor, here: bool = False) -> None:
         """Start the load on the loader threads; with ``here`` (a synchronous load: the
         caller would only wait) the chunks the store lends are scattered on the calling
-        thread before this returns, and only the reads go to the pool."""
+        thread before this returns, and only the reads go to the pool; a store that hands
+        chunks over is read and scattered on the calling thread alone (``_run_here``)."""
         if self.lends:
             if here:
                 self._run_lent_first(pool)
             else:
                 pool.submit(self._run_lent_first, pool)
+            return
+        if self.hands_over and here:
+            self._run_here()
             return
         for group in self.groups:
             pool.submit(self._run, group)
@@ -108,6 +114,20 @@ class LoadTask:
             if not self._run(group):
                 for rest in self.groups[i + 1:]:
                     pool.submit(self._run, rest)
+                return
+
+    def _run_here(self) -> None:
+        """The groups in order on the engine's thread, up to the first that comes back short
+        or the deadline. Why not the loader threads: a torch copy on another thread runs on
+        an OpenMP thread team of that thread's own, and in vLLM's CPU Worker (its OpenMP
+        threads bound one per core) those extra teams slowed every later forward (docs/vllm.md,
+        "Where a hit's time goes"); the engine's thread copies with the team the forward
+        uses, and would only wait meanwhile."""
+        for group in self.groups:
+            if time.monotonic() >= self.deadline:
+                return  # the rest is abandoned by ``finish``: a timed-out load, as on the loader threads
+            self._run(group)
+            if group.state is not GroupState.DONE:
                 return
 
     def _run(self, group: _Group) -> bool:
