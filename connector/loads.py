@@ -60,6 +60,20 @@ class _Group:
 RESOLVED = (GroupState.DONE, GroupState.SHORT)
 
 
+def _groups(chunks: list[ChunkLoad], per_read: int) -> list[_Group]:
+    """``chunks`` in read calls of up to ``per_read``; one read call names one namespace (the
+    daemon's Client refuses a mix), so a session's tail, in a namespace of its own, is a group
+    of its own."""
+    groups: list[_Group] = []
+    for chunk in chunks:
+        last = groups[-1] if groups else None
+        if last is None or len(last.chunks) == per_read or last.chunks[0].key.namespace != chunk.key.namespace:
+            groups.append(_Group([chunk]))
+        else:
+            last.chunks.append(chunk)
+    return groups
+
+
 class LoadTask:
     def __init__(self, request: RequestLoad, store: ChunkStore, staging: StagingPool, mover: ChunkMover,
                  availability: Availability, cond: Condition, chunks_per_read: int, timeout_s: float,
@@ -72,15 +86,7 @@ class LoadTask:
         # the pinned staging buffers are the DMA path, and layer-wise loads keep staged chunks.
         self.lends = isinstance(store, LendsChunks) and not layerwise and not mover.cuda
         self.hands_over = isinstance(store, HandsOverChunks) and not layerwise and not mover.cuda
-        # one read call names one namespace (the daemon's Client refuses a mix): a session's
-        # tail, in a namespace of its own, is a group of its own
-        self.groups: list[_Group] = []
-        for chunk in request.chunks:
-            last = self.groups[-1] if self.groups else None
-            if last is None or len(last.chunks) == chunks_per_read or last.chunks[0].key.namespace != chunk.key.namespace:
-                self.groups.append(_Group([chunk]))
-            else:
-                last.chunks.append(chunk)
+        self.groups = _groups(request.chunks, chunks_per_read)
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + timeout_s
         self.error: BaseException | None = None
@@ -98,6 +104,7 @@ class LoadTask:
                 pool.submit(self._run_lent_first, pool)
             return
         if self.hands_over and here:
+            self.groups = _groups(self.request.chunks, len(self.request.chunks))
             self._run_here()
             return
         for group in self.groups:
@@ -118,11 +125,12 @@ class LoadTask:
 
     def _run_here(self) -> None:
         """The groups in order on the engine's thread, up to the first that comes back short
-        or the deadline. Why not the loader threads: a torch copy on another thread runs on
-        an OpenMP thread team of that thread's own, and in vLLM's CPU Worker (its OpenMP
-        threads bound one per core) those extra teams slowed every later forward (docs/vllm.md,
-        "Where a hit's time goes"); the engine's thread copies with the team the forward
-        uses, and would only wait meanwhile."""
+        or the deadline; one group per namespace, as one thread gains nothing from splitting
+        a read but round trips. Why not the loader threads: a torch copy on another thread
+        runs on an OpenMP thread team of that thread's own, and in vLLM's CPU Worker (its
+        OpenMP threads bound one per core) those extra teams slowed every later forward
+        (docs/vllm.md, "Where a hit's time goes"); the engine's thread copies with the team
+        the forward uses, and would only wait meanwhile."""
         for group in self.groups:
             if time.monotonic() >= self.deadline:
                 return  # the rest is abandoned by ``finish``: a timed-out load, as on the loader threads
