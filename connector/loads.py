@@ -9,9 +9,11 @@ scattered straight from the store's pages, with no staging copy, in order on one
 only wait, else a loader thread; what it does not lend is read as above. A store that hands
 chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
 pool mapped here) has each group's chunks scattered as they are handed over, again with no
-staging copy. Layer-wise loads keep
-the staged chunks until every read is in, then scatter layer by layer on a thread of their
-own, so layer ``i`` lands while the model computes layer ``i - 1``.
+staging copy: for a synchronous load group after group on the engine's thread, so that
+every copy into the CPU cache runs with the engine's own threads (``_run_here``), else on
+the loader threads. Layer-wise loads keep the staged chunks until every read is in, then
+scatter layer by layer on a thread of their own, so layer ``i`` lands while the model
+computes layer ``i - 1``.
 
 Who may write what: a group's buffers belong to its read call until the call returns; the
 request's destination blocks belong to the load until ``finish`` returns. ``finish`` (the
@@ -58,6 +60,20 @@ class _Group:
 RESOLVED = (GroupState.DONE, GroupState.SHORT)
 
 
+def _groups(chunks: list[ChunkLoad], per_read: int) -> list[_Group]:
+    """``chunks`` in read calls of up to ``per_read``; one read call names one namespace (the
+    daemon's Client refuses a mix), so a session's tail, in a namespace of its own, is a group
+    of its own."""
+    groups: list[_Group] = []
+    for chunk in chunks:
+        last = groups[-1] if groups else None
+        if last is None or len(last.chunks) == per_read or last.chunks[0].key.namespace != chunk.key.namespace:
+            groups.append(_Group([chunk]))
+        else:
+            last.chunks.append(chunk)
+    return groups
+
+
 class LoadTask:
     def __init__(self, request: RequestLoad, store: ChunkStore, staging: StagingPool, mover: ChunkMover,
                  availability: Availability, cond: Condition, chunks_per_read: int, timeout_s: float,
@@ -70,15 +86,7 @@ class LoadTask:
         # the pinned staging buffers are the DMA path, and layer-wise loads keep staged chunks.
         self.lends = isinstance(store, LendsChunks) and not layerwise and not mover.cuda
         self.hands_over = isinstance(store, HandsOverChunks) and not layerwise and not mover.cuda
-        # one read call names one namespace (the daemon's Client refuses a mix): a session's
-        # tail, in a namespace of its own, is a group of its own
-        self.groups: list[_Group] = []
-        for chunk in request.chunks:
-            last = self.groups[-1] if self.groups else None
-            if last is None or len(last.chunks) == chunks_per_read or last.chunks[0].key.namespace != chunk.key.namespace:
-                self.groups.append(_Group([chunk]))
-            else:
-                last.chunks.append(chunk)
+        self.groups = _groups(request.chunks, chunks_per_read)
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + timeout_s
         self.error: BaseException | None = None
@@ -87,12 +95,17 @@ class LoadTask:
     def submit(self, pool: Executor, here: bool = False) -> None:
         """Start the load on the loader threads; with ``here`` (a synchronous load: the
         caller would only wait) the chunks the store lends are scattered on the calling
-        thread before this returns, and only the reads go to the pool."""
+        thread before this returns, and only the reads go to the pool; a store that hands
+        chunks over is read and scattered on the calling thread alone (``_run_here``)."""
         if self.lends:
             if here:
                 self._run_lent_first(pool)
             else:
                 pool.submit(self._run_lent_first, pool)
+            return
+        if self.hands_over and here:
+            self.groups = _groups(self.request.chunks, len(self.request.chunks))
+            self._run_here()
             return
         for group in self.groups:
             pool.submit(self._run, group)
@@ -108,6 +121,21 @@ class LoadTask:
             if not self._run(group):
                 for rest in self.groups[i + 1:]:
                     pool.submit(self._run, rest)
+                return
+
+    def _run_here(self) -> None:
+        """The groups in order on the engine's thread, up to the first that comes back short
+        or the deadline; one group per namespace, as one thread gains nothing from splitting
+        a read but round trips. Why not the loader threads: a torch copy on another thread
+        runs on an OpenMP thread team of that thread's own, and in vLLM's CPU Worker (its
+        OpenMP threads bound one per core) those extra teams slowed every later forward
+        (docs/vllm.md, "Where a hit's time goes"); the engine's thread copies with the team
+        the forward uses, and would only wait meanwhile."""
+        for group in self.groups:
+            if time.monotonic() >= self.deadline:
+                return  # the rest is abandoned by ``finish``: a timed-out load, as on the loader threads
+            self._run(group)
+            if group.state is not GroupState.DONE:
                 return
 
     def _run(self, group: _Group) -> bool:

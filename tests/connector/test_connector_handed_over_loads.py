@@ -1,10 +1,12 @@
 """Loads from a real daemon through ``Client.get_with`` (connector/loads.py, the path vLLM's
 synchronous loads take on the daemon's host): chunks are scattered into a CPU paged cache
-straight from the daemon's host pool, never through a staging buffer, and once ``finish`` has
-settled a load nothing writes its blocks again."""
+straight from the daemon's host pool, never through a staging buffer, a synchronous load's on
+the engine's own thread, and once ``finish`` has settled a load nothing writes its blocks
+again."""
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,9 +18,11 @@ from connector.staging import StagingPool
 from connector.transfer import ChunkMover
 from kv_daemon import start_daemon
 from kvstore.client import Client
+from kvstore.keys import Namespace
 from tests.helpers import NS, chunks
 
 BLOCK = 4  # tokens per block: a chunk of NS (8 tokens) is two blocks
+NS_FIELDS = {f: getattr(NS, f) for f in ("model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens")}
 
 
 @pytest.fixture
@@ -43,7 +47,47 @@ def task_for(keys, client, mover, cond) -> LoadTask:
                     layerwise=False)
 
 
+class NoThreads(Executor):
+    """A loader pool a load must not use."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        raise AssertionError("a synchronous handed-over load used a loader thread")
+
+
+def settle(task: LoadTask, cond: threading.Condition):
+    with cond:
+        task.wait()
+        return task.finish()
+
+
+def recording_scatters(mover: ChunkMover) -> list[tuple[int, object]]:
+    """(thread, key) of every scatter ``mover`` makes from now on."""
+    seen = []
+    scatter = mover.scatter
+
+    def recorded(buf, load):
+        seen.append((threading.get_ident(), load.key))
+        scatter(buf, load)
+
+    mover.scatter = recorded
+    return seen
+
+
+def recording_reads(client: Client) -> list[list]:
+    """The keys of every ``get_with`` call ``client`` makes from now on."""
+    reads = []
+    get_with = client.get_with
+
+    def recorded(keys, consume):
+        reads.append(list(keys))
+        return get_with(keys, consume)
+
+    client.get_with = recorded
+    return reads
+
+
 def test_chunks_land_in_their_blocks_without_a_staging_buffer(client):
+    """On the loader threads (an asynchronous load)."""
     keys, kvs = chunks(3)
     for key, kv in zip(keys, kvs):
         client.put(key, kv)
@@ -52,13 +96,80 @@ def test_chunks_land_in_their_blocks_without_a_staging_buffer(client):
     task = task_for(keys, client, ChunkMover(cache), cond)
     assert task.hands_over and not task.lends
     with ThreadPoolExecutor(2) as pool:
-        task.submit(pool, here=True)
-        with cond:
-            task.wait()
-            result = task.finish()
+        task.submit(pool)
+        result = settle(task, cond)
     assert result.loaded_chunks == 3 and result.failed_block_ids == ()
     for i, kv in enumerate(kvs):
         assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3), kv)
+
+
+def test_a_synchronous_load_reads_and_scatters_on_the_calling_thread(client):
+    """vLLM's CPU Worker computes its forward with the OpenMP threads of its own thread; a
+    copy on a loader thread ran on a second team of them, which slowed every later forward.
+    A synchronous load is read and scattered before ``submit`` returns, on the caller's
+    thread, in order, in one read call (one round trip); no loader thread is used."""
+    keys, kvs = chunks(5, seed=2)
+    for key, kv in zip(keys, kvs):
+        client.put(key, kv)
+    cache = kv_cache(10)
+    mover = ChunkMover(cache)
+    seen = recording_scatters(mover)
+    reads = recording_reads(client)
+    cond = threading.Condition()
+    task = task_for(keys, client, mover, cond)
+    task.submit(NoThreads(), here=True)
+    assert task.known()  # in place when submit returns: nothing left to wait for
+    result = settle(task, cond)
+    assert result.loaded_chunks == 5 and result.failed_block_ids == ()
+    assert seen == [(threading.get_ident(), k) for k in keys] and reads == [keys]
+    for i, kv in enumerate(kvs):
+        assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3), kv)
+
+
+def test_a_synchronous_load_stops_at_the_first_missing_chunk(client):
+    """Chunk 2 is missing: chunks 0 and 1 are loaded, and chunks 3 and 4, though stored, are
+    not scattered, since a load is a prefix of the request's chunks."""
+    keys, kvs = chunks(5, seed=3)
+    for i, (key, kv) in enumerate(zip(keys, kvs)):
+        if i != 2:
+            client.put(key, kv)
+    cache = kv_cache(10)
+    mover = ChunkMover(cache)
+    seen = recording_scatters(mover)
+    cond = threading.Condition()
+    task = task_for(keys, client, mover, cond)
+    task.submit(NoThreads(), here=True)
+    result = settle(task, cond)
+    assert [k for _, k in seen] == keys[:2]
+    assert result.loaded_chunks == 2 and set(result.failed_block_ids) == set(range(4, 10))
+    assert not cache[:, :, 4:].any()
+
+
+def test_a_synchronous_load_past_its_deadline_starts_no_further_read(client):
+    """A request's chunks and then a chunk of another namespace (a session's tail): two read
+    calls. The deadline passes while the first is scattering: the second is not made, and the
+    load is reported timed out with the first call's chunks in place (as a load on the loader
+    threads is)."""
+    keys, kvs = chunks(2, seed=4)
+    (tail,), (tail_kv,) = chunks(1, Namespace(**{**NS_FIELDS, "tenant": "session"}), seed=5)
+    for key, kv in zip(keys + [tail], kvs + [tail_kv]):
+        client.put(key, kv)
+    cache = kv_cache(6)
+    mover = ChunkMover(cache)
+    cond = threading.Condition()
+    task = task_for(keys + [tail], client, mover, cond)
+    reads = recording_reads(client)
+    scatter = mover.scatter
+
+    def scatter_then_expire(buf, load):
+        scatter(buf, load)
+        task.deadline = time.monotonic()  # the load's time is up once this chunk is in
+
+    mover.scatter = scatter_then_expire
+    task.submit(NoThreads(), here=True)
+    result = settle(task, cond)
+    assert reads == [keys]
+    assert result.timed_out and result.loaded_chunks == 2 and set(result.failed_block_ids) == {4, 5}
 
 
 def test_a_group_scattering_when_its_load_settles_writes_no_block_after(client):
