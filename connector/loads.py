@@ -58,6 +58,12 @@ class _Group:
 
 
 RESOLVED = (GroupState.DONE, GroupState.SHORT)
+# A read call on the engine's thread names at most this many chunk bytes: where the daemon's
+# slots are smaller than a chunk (or the daemon is remote) the Client receives a call's chunks
+# into fresh buffers before handing any over, so a long prompt in one call would hold all of
+# its KV at once. 256 MiB is a 2k-token hit of a 7B model in one call (a round trip each
+# saved 1-3 ms in vLLM), and bounds what a 128k-token prompt holds.
+HERE_READ_BYTES = 256 << 20
 
 
 def _groups(chunks: list[ChunkLoad], per_read: int) -> list[_Group]:
@@ -104,7 +110,8 @@ class LoadTask:
                 pool.submit(self._run_lent_first, pool)
             return
         if self.hands_over and here:
-            self.groups = _groups(self.request.chunks, len(self.request.chunks))
+            chunk_bytes = self.request.chunks[0].key.namespace.chunk_bytes
+            self.groups = _groups(self.request.chunks, max(1, HERE_READ_BYTES // chunk_bytes))
             self._run_here()
             return
         for group in self.groups:
@@ -125,8 +132,8 @@ class LoadTask:
 
     def _run_here(self) -> None:
         """The groups in order on the engine's thread, up to the first that comes back short
-        or the deadline; one group per namespace, as one thread gains nothing from splitting
-        a read but round trips. Why not the loader threads: a torch copy on another thread
+        or the deadline; groups as large as ``HERE_READ_BYTES`` allows, as one thread gains
+        nothing from splitting a read but round trips. Why not the loader threads: a torch copy on another thread
         runs on an OpenMP thread team of that thread's own, and in vLLM's CPU Worker (its
         OpenMP threads bound one per core) those extra teams slowed every later forward
         (docs/vllm.md, "Where a hit's time goes"); the engine's thread copies with the team

@@ -126,6 +126,25 @@ def test_a_synchronous_load_reads_and_scatters_on_the_calling_thread(client):
         assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3), kv)
 
 
+def test_a_synchronous_loads_read_calls_hold_at_most_here_read_bytes(client, monkeypatch):
+    """Where the Client receives a call's chunks before handing them over, one call of a long
+    prompt would hold all its KV at once: calls are cut at ``HERE_READ_BYTES``."""
+    monkeypatch.setattr("connector.loads.HERE_READ_BYTES", 2 * NS.chunk_bytes + 1)
+    keys, kvs = chunks(5, seed=4)
+    for key, kv in zip(keys, kvs):
+        client.put(key, kv)
+    cache = kv_cache(10)
+    mover = ChunkMover(cache)
+    reads = recording_reads(client)
+    cond = threading.Condition()
+    task = task_for(keys, client, mover, cond)
+    task.submit(NoThreads(), here=True)
+    result = settle(task, cond)
+    assert result.loaded_chunks == 5 and reads == [keys[:2], keys[2:4], keys[4:]]
+    for i, kv in enumerate(kvs):
+        assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3), kv)
+
+
 def test_a_synchronous_load_stops_at_the_first_missing_chunk(client):
     """Chunk 2 is missing: chunks 0 and 1 are loaded, and chunks 3 and 4, though stored, are
     not scattered, since a load is a prefix of the request's chunks."""
