@@ -5,7 +5,8 @@ work after its tenant's turn (kvstore/daemon/tenant_work.py).
 Every request is bound to the caller's tenant (kvstore/daemon/tenancy.py) and admitted
 against its limits (kvstore/daemon/admission.py) before any work; every Store call runs in
 the executor and is fenced (kvstore/daemon/reads.py); every error goes through one boundary
-(kvstore/daemon/errors.py). Nothing is stored unless the whole blob arrived and verified.
+(kvstore/daemon/errors.py). A Get's chunks are read by kvstore/daemon/chunk_reads.py, a
+Put's stored by kvstore/daemon/chunk_writes.py.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import numpy as np
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, verify_blob
-from kvstore.codecs import codec_by_id
 from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
 from kvstore.daemon.bulk import BulkServer, Channel
-from kvstore.daemon.chunk_reads import ChunkReads, copy_bytes, need_arena
+from kvstore.daemon.chunk_reads import ChunkReads, need_arena
+from kvstore.daemon.chunk_writes import ChunkWrites
 from kvstore.daemon.config import DaemonConfig, io_workers
 from kvstore.daemon.errors import Fail, RpcBoundary, parsed, safe_parser
 from kvstore.daemon.fair_share import FairShare
@@ -91,6 +91,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
         self.reads = ChunkReads(store, pool, arena, self.pool_path, self.limits, self.admission,
                                 ReadGrants(io_workers(config)), quotas, metrics, self.work)
+        self.writes = ChunkWrites(store, pool, arena, credentials.shared, self.limits, self.admission, quotas,
+                                  metrics, self.work)
 
     @property
     def io_inflight(self) -> int:
@@ -138,103 +140,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.quotas.charge(keys[0], bound.owner)
         return bound, keys
 
-    def _check_size(self, nbytes: int) -> None:
-        if nbytes <= HEADER_BYTES:
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"blob_bytes {nbytes} is not larger than the {HEADER_BYTES}-byte header")
-        if nbytes > self.limits.max_chunk_bytes:
-            raise Fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"chunk of {nbytes} bytes exceeds the limit of {self.limits.max_chunk_bytes}")
-
     def _need_arena(self) -> SlotArena:
         return need_arena(self.arena)
 
     # -- put ------------------------------------------------------------------------------
 
-    def _verify_and_put(self, bound: Bound, key: ChunkKey, blob, parent: bytes | None, durable: bool) -> None:
-        header, payload = verify_blob(blob, ChunkKey(bound.claimed, key.prefix_hash))
-        try:
-            codec_by_id(header.codec_id)
-        except KeyError:
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"blob uses codec id {header.codec_id}, "
-                       "which this daemon does not know") from None
-        ns = key.namespace
-        if DTYPE_NAMES[header.dtype] != ns.dtype or header.shape != ns.chunk_shape:
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"blob holds {DTYPE_NAMES[header.dtype]}{list(header.shape)}, the namespace needs "
-                       f"{ns.dtype}{list(ns.chunk_shape)}")
-        parts = [bound.header_for(header, payload, claimed=False), payload] if bound.rekeyed else [blob]
-        stored = dataclasses.replace(header, namespace_fp=bound.ns.fingerprint) if bound.rekeyed else header
-        self.quotas.make_room(bound.owner, key, len(memoryview(blob).cast("B")))
-        self.store.put_blob(key, parts, parent=parent, durable=durable, header=stored)  # parsed once, above
-
-    async def _store(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
-        """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame,
-        whose bytes the bulk server admitted when the frame announced them), or arriving as
-        the ``inline`` pieces of a Put stream. The caller holds one of ``caller``'s requests."""
-        bound = self._bind(h.namespace, caller, WRITE)
-        key = bound.keys([h.prefix_hash])[0]
-        parent = bound.keys([h.parent_hash])[0].id if h.parent_hash else None
-        size = h.blob_bytes
-        self._check_size(size)
-        if blob is not None:
-            if blob.nbytes != size:
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"bulk frame has {blob.nbytes} bytes, header says {size}")
-            await self.work.run(caller.label, self._verify_and_put, bound, key, blob, parent, h.durable)
-        else:
-            with self.admission.add_bytes(caller, size):
-                buf = self.pool.take(size)
-                try:
-                    if h.HasField("slot"):  # copied out first: the client may still write into its slot
-                        ref = (h.slot.lease_id, h.slot.index, h.slot.generation)
-                        with self._need_arena().using([ref], size, caller.name) as (view,):
-                            await self.work.run(caller.label, copy_bytes, buf, view)
-                    else:
-                        await inline(memoryview(buf), size)
-                    await self.work.run(caller.label, self._verify_and_put, bound, key, buf, parent, h.durable)
-                finally:
-                    self.pool.give(buf)
-        self.metrics.wrote(caller.label, size)
-
     async def Put(self, messages, caller: Tenant):
-        """A Put stream is one of its tenant's requests from the moment it opens, and each of
-        its messages, the first included, must come within ``stream_idle_timeout_s``: before,
-        a stream that sent nothing held a place of the daemon-wide RPC limit, uncounted."""
-        with self.admission.admit(caller):
-            first = await self._next(messages)
-            if first is None or not first.HasField("header"):
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put stream must start with a header message")
-            await self._store(first.header, caller, inline=functools.partial(self._put_inline, first, messages))
+        await self.writes.put_stream(messages, caller)
         return pb.PutReply()
-
-    async def _next(self, messages):
-        """The next message of a Put stream (None at its end), within ``stream_idle_timeout_s``."""
-        limit = self.limits.stream_idle_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                return await anext(messages, None)
-        except TimeoutError:
-            raise Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the Put stream sent nothing for {limit:g} s "
-                       f"(limits.stream_idle_timeout_s = {limit:g})") from None
-
-    async def _put_inline(self, first, messages, view: memoryview, size: int) -> None:
-        got = 0
-        piece = first.data  # every access copies: read each message's data once
-        while True:
-            if got + len(piece) > size:
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream carries more than blob_bytes={size}")
-            view[got : got + len(piece)] = piece
-            got += len(piece)
-            msg = await self._next(messages)
-            if msg is None:
-                break
-            if msg.HasField("header"):
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Put carries a header")
-            piece = msg.data
-            if len(piece) < self.limits.min_piece_bytes and got + len(piece) < size:  # only the last may be small
-                raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"a Put piece of {len(piece)} bytes that is not the "
-                           f"last; pieces are at least limits.min_piece_bytes = {self.limits.min_piece_bytes}")
-        if got != size:
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"Put stream ended after {got} of {size} bytes")
 
     # -- get ------------------------------------------------------------------------------
 
@@ -298,7 +211,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put names a slot and carries bytes")
                     if not header.HasField("slot") and data is None:
                         raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "a Put carries neither bytes nor a slot")
-                    await self._store(header, channel.owner, blob=data)
+                    await self.writes.put(header, channel.owner, blob=data)
                     await channel.send(DONE)
         finally:
             if data is not None:
