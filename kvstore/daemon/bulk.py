@@ -7,7 +7,9 @@ its Gets and Puts there instead: the requests are the RPCs' own messages (GetReq
 PutHeader), so validation, limits and errors are the same; chunk bytes follow their reply
 as raw bytes, or stay in shared-memory slots. gRPC keeps everything else (leases, lookups,
 stats, the attach itself) and serves Get/Put for clients without a channel (TLS, other
-languages). The frames and the attach handshake are in kvstore/wire/frames.py.
+languages). The frames and the attach handshake are in kvstore/wire/frames.py; this module
+accepts and attaches connections and reads their requests, and an attached connection's
+replies and pins are kvstore/daemon/bulk_channel.py's ``Channel``.
 
 Floods and dead peers: the accept loop survives every accept() error (out of descriptors:
 it backs off and logs); a connection that has not presented its session token is one of at
@@ -25,15 +27,11 @@ or released early).
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
-import functools
 import hmac
 import logging
 import secrets
-import select
 import socket
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +42,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from kvstore.daemon.buffers import BufferPool
+from kvstore.daemon.bulk_channel import Channel
 from kvstore.daemon.config import BulkConfig
 from kvstore.daemon.identity import Tenant
 from kvstore.wire.frames import FRAME, HELLO, MAX_META_BYTES, RELEASE, REQUEST_KINDS, TOKEN_BYTES
@@ -52,8 +51,6 @@ log = logging.getLogger(__name__)
 
 # accept() errors that mean "out of something, for now": back off instead of spinning
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-OUTBOX_BYTES = 16 << 20  # reply bytes a channel queues for its sender thread at most
-SMALL_FRAME_BYTES = 64 << 10  # written at once from the event loop when nothing is queued
 
 
 class BulkError(Exception):
@@ -81,189 +78,6 @@ class _Every:
         if now - self._last >= self.period_s:
             log.warning(message + " (%d times since the last such message)", *args, self._count)
             self._last, self._count = now, 0
-
-
-class Channel:
-    """An attached connection, as the request handler sees it: it sends reply frames and
-    holds the pins of the chunks its client is reading."""
-
-    def __init__(self, sock: socket.socket, timeout_s: float, owner: Tenant, pin_ttl_s: float,
-                 max_pinned_bytes: int, senders: ThreadPoolExecutor) -> None:
-        self.sock, self.timeout_s, self.owner, self._senders = sock, timeout_s, owner, senders
-        self.pin_ttl_s, self.max_pinned_bytes = pin_ttl_s, max_pinned_bytes
-        self._held: list[Callable[[], object]] = []
-        self.pinned_bytes = 0
-        self._expiry: asyncio.TimerHandle | None = None
-        # frames queued for the sender thread: (write(deadline), bytes, then), in order
-        self._outbox: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-        self._writer: asyncio.Future | None = None  # the sender thread's run, while one runs
-        self._queued_bytes = 0
-        self._room, self._flushed = asyncio.Event(), asyncio.Event()
-        self._broken: BaseException | None = None
-
-    def can_pin(self, nbytes: int) -> bool:
-        return self.pinned_bytes + nbytes <= self.max_pinned_bytes
-
-    def hold(self, release: Callable[[], object], nbytes: int) -> None:
-        """Keep a chunk's pin until RELEASE, or ``pin_ttl_s`` from the first pin held."""
-        self._held.append(release)
-        self.pinned_bytes += nbytes
-        if self._expiry is None:
-            self._expiry = asyncio.get_running_loop().call_later(self.pin_ttl_s, self._expire)
-
-    def release(self) -> None:
-        held, self._held, self.pinned_bytes = self._held, [], 0
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        for release in held:
-            release()
-
-    def _expire(self) -> None:
-        self._expiry = None
-        log.info("bulk: a client held %d pinned chunks for %.0f s without RELEASE; releasing them and "
-                 "closing its connection", len(self._held), self.pin_ttl_s)
-        self.release()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop sees the end and cleans up
-        except OSError:
-            pass
-
-    async def send(self, kind: int, meta: bytes = b"", data=None, then: Callable[[], object] | None = None) -> None:
-        """Queue one frame; ``data`` is a buffer, a list of buffers (sent back to back), or
-        None. The frame's memory is in use until it is written: ``then`` (on the event loop)
-        runs after that, or once it is abandoned (a broken connection)."""
-        parts = [] if data is None else data if isinstance(data, list) else [data]
-        views = [memoryview(p).cast("B") for p in parts]
-        nbytes = sum(v.nbytes for v in views)
-        views.insert(0, memoryview(FRAME.pack(kind, len(meta), nbytes) + meta))
-        if nbytes < SMALL_FRAME_BYTES and self._writer is None and self._broken is None:
-            try:
-                views = self._write_now(views)  # nothing queued before it: no thread hop for a small frame
-            except OSError as exc:  # the peer is gone: what the frame holds is released all the same
-                self._broken = exc
-                if then is not None:
-                    then()
-                raise ConnectionError(f"the bulk connection broke: {exc}") from exc
-            if not views:
-                if then is not None:
-                    then()
-                return
-        await self._post(functools.partial(self._write_all, views), nbytes, then)
-
-    async def _post(self, write, nbytes: int, then) -> None:
-        """Put a frame in the outbox, started by a sender thread if none runs; wait while
-        more than OUTBOX_BYTES are queued. The thread writes frame after frame without coming
-        back to the event loop (a turn per frame left the socket idle between chunks), and
-        waits for socket room in poll(), far more cheaply than an event-loop turn per wake-up.
-        A frame the peer has not taken within ``timeout_s`` cuts the connection off: what a
-        Get holds for it must not stay held forever."""
-        if self._broken is not None:
-            if then is not None:
-                then()
-            raise ConnectionError(f"the bulk connection broke: {self._broken}")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        while self._queued_bytes and self._queued_bytes + nbytes > OUTBOX_BYTES:
-            self._room.clear()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await self._room.wait()
-            except TimeoutError:
-                if then is not None:
-                    then()
-                raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s") from None
-            if self._broken is not None:
-                if then is not None:
-                    then()
-                raise ConnectionError(f"the bulk connection broke: {self._broken}")
-        self._queued_bytes += nbytes
-        with self._lock:
-            self._outbox.append((write, nbytes, then))
-            start = self._writer is None
-            if start:
-                self._writer = loop.run_in_executor(self._senders, self._drain, loop)
-
-    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The sender thread: write queued frames in order until the outbox is empty."""
-        while True:
-            with self._lock:
-                if not self._outbox:
-                    self._writer = None
-                    # flush() and close() wait for this too: the last _written may have run first
-                    loop.call_soon_threadsafe(self._flushed.set)
-                    return
-                write, nbytes, then = self._outbox.popleft()
-            if self._broken is None:
-                try:
-                    write(time.monotonic() + self.timeout_s)
-                except OSError as exc:
-                    self._broken = exc
-                    try:
-                        self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop sees the end too
-                    except OSError:
-                        pass
-            loop.call_soon_threadsafe(self._written, nbytes, then)
-
-    def _written(self, nbytes: int, then) -> None:
-        self._queued_bytes -= nbytes
-        self._room.set()
-        if then is not None:
-            then()
-        if self._queued_bytes == 0:
-            self._flushed.set()
-
-    async def flush(self) -> None:
-        """Wait until every queued frame is written (ConnectionError if the connection broke)."""
-        while self._queued_bytes or self._writer is not None:
-            self._flushed.clear()
-            await self._flushed.wait()
-        if self._broken is not None:
-            raise ConnectionError(f"the bulk connection broke: {self._broken}")
-
-    async def close(self) -> None:
-        """End the connection once no sender thread uses its socket any more."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        while self._queued_bytes or self._writer is not None:
-            self._flushed.clear()
-            try:
-                await self._flushed.wait()
-            except asyncio.CancelledError:
-                continue  # the socket must not close under the thread
-        self.sock.close()
-
-    def _wait_writable(self, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        poll = select.poll()
-        poll.register(self.sock, select.POLLOUT)
-        if left <= 0 or not poll.poll(left * 1000):
-            raise ConnectionError(f"the bulk peer read nothing for {self.timeout_s} s")
-        if self._broken is not None:
-            raise ConnectionError("the bulk connection was closed")
-
-    def _write_all(self, views: list[memoryview], deadline: float) -> None:
-        """All of ``views``, in as few system calls as the socket's room allows (sendmsg)."""
-        while views := self._write_now(views):
-            self._wait_writable(deadline)
-
-    def _write_now(self, views: list[memoryview]) -> list[memoryview]:
-        """Write what the socket takes now; the views still to write."""
-        views = [v for v in views if v.nbytes]
-        while views:
-            try:
-                sent = self.sock.sendmsg(views[:1024])
-            except BlockingIOError:
-                return views
-            while views and sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            if sent:
-                views[0] = views[0][sent:]
-        return views
 
 
 # handler(channel, kind, meta, data, refused): answer one request; data is a pool buffer or

@@ -19,7 +19,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.blob import HEADER_BYTES, decode_header
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
-from kvstore.daemon.bulk import Channel
+from kvstore.daemon.bulk_channel import Channel
 from kvstore.daemon.config import LimitsConfig
 from kvstore.daemon.errors import Fail
 from kvstore.daemon.identity import Tenant

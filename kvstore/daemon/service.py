@@ -29,7 +29,8 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
-from kvstore.daemon.bulk import BulkServer, Channel
+from kvstore.daemon.bulk import BulkServer
+from kvstore.daemon.bulk_channel import Channel
 from kvstore.daemon.chunk_reads import ChunkReads, need_arena
 from kvstore.daemon.chunk_writes import ChunkWrites
 from kvstore.daemon.config import DaemonConfig, io_workers

@@ -1,4 +1,4 @@
-"""The daemon side of a bulk connection (kvstore/daemon/bulk.py: ``Channel``) over a real
+"""The daemon side of a bulk connection (kvstore/daemon/bulk_channel.py: ``Channel``) over a real
 socket pair: what a reply frame holds (a pinned chunk, a pooled buffer) is released however
 the frame ends, and closing never waits for a sender thread that is already done."""
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvstore.daemon.bulk import SMALL_FRAME_BYTES, Channel
+from kvstore.daemon.bulk_channel import SMALL_FRAME_BYTES, Channel
 from kvstore.daemon.identity import DEFAULT
 from kvstore.wire.frames import END
 
