@@ -16,10 +16,10 @@ from connector.loads import LoadTask
 from connector.metadata import ChunkLoad, RequestLoad
 from connector.staging import StagingPool
 from connector.transfer import ChunkMover
+from helpers import NS, chunks
 from kv_daemon import start_daemon
 from kvstore.client import Client
 from kvstore.keys import Namespace
-from tests.helpers import NS, chunks
 
 BLOCK = 4  # tokens per block: a chunk of NS (8 tokens) is two blocks
 NS_FIELDS = {f: getattr(NS, f) for f in ("model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens")}

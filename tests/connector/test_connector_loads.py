@@ -12,8 +12,8 @@ from connector.loads import LoadTask
 from connector.metadata import ChunkLoad, RequestLoad
 from connector.staging import StagingPool
 from connector.transfer import ChunkMover
+from helpers import NS, chunks, store_config
 from kvstore.store import Store
-from tests.helpers import NS, chunks, store_config
 
 BLOCK = 4  # tokens per block: a chunk of NS (8 tokens) is two blocks
 

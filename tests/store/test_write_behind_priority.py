@@ -16,10 +16,10 @@ import time
 
 import pytest
 
+from helpers import chunks, store_config
 from kernels import parallel_copy
 from kvstore.config import ConfigError, WriteBehindConfig
 from kvstore.store import Store
-from tests.helpers import chunks, store_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
 
