@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import ipaddress
 import logging
 import os
@@ -288,6 +289,19 @@ async def serve(config: DaemonConfig) -> None:
     daemon = Daemon(config)
     try:
         await daemon.start()
+        _freeze_startup_objects()
         await stop.wait()
     finally:
         await daemon.stop()
+
+
+def _freeze_startup_objects() -> None:
+    """Take what the daemon holds once started (its imports, torch's most of all, and the index
+    of recovered chunks) out of the cyclic garbage collector's full passes. Each full pass
+    walked all of it: under a tenant that allocates fast (a flood of many-key requests) one
+    ran every few seconds and stopped the daemon for ~54 ms, every tenant's requests with it;
+    after this it took ~0.4 ms. Reference counting still frees these objects; only a cycle
+    among them that became garbage would stay: the daemon's parts live as long as it does,
+    and the index's entries hold no cycles."""
+    gc.freeze()
+    log.info("took %d startup objects out of the cyclic garbage collector", gc.get_freeze_count())
