@@ -7,7 +7,8 @@ meanwhile runs one pattern: idle Put streams, bulk frames whose body it withhold
 it pins, its disk chunks read back and pinned, Pause floods and Contains floods of random
 keys, Gets and Puts in one-byte pieces. Each pattern's report says the victim's slowdown
 (its P99 against its P99 alone), its refusals, the health checks that failed, the
-attacker's requests refused, and the daemon's RSS before and after.
+attacker's requests refused, the victim's slowest operation, and the daemon's RSS before and
+after.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Phase:
         out = {
             "put_p50_ms": _percentile(self.put_ms, 50), "put_p99_ms": _percentile(self.put_ms, 99),
             "get_p50_ms": _percentile(self.get_ms, 50), "get_p99_ms": _percentile(self.get_ms, 99),
+            "max_ms": round(max(self.put_ms + self.get_ms, default=0.0), 2),
             "ops_per_s": round(len(self.put_ms + self.get_ms) / self.seconds, 1) if self.seconds else 0.0,
             "victim_refused": self.victim_refused, "health_failed": self.health_failed,
             "health_asked": self.health_asked, "health_errors": dict(self.health_errors), "attacker_refused": self.attacker_refused,
