@@ -130,6 +130,11 @@ class ConnectorConfig:
         self.transfer.check()
 
     @property
+    def store_host_bytes(self) -> int:
+        """Host RAM of the in-process Store this config builds (``backend = "store"``)."""
+        return self.store.host.capacity_bytes
+
+    @property
     def saves(self) -> bool:
         """Whether this engine writes the store: a consumer never saves a producer's chunks."""
         return self.save and self.role != "consumer"

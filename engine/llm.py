@@ -130,7 +130,7 @@ class LLM:
         if cfg.agents.pin_budget_bytes is not None or cfg.connector is None:
             return cfg.agents.pin_budget_bytes
         if self._owns_store and self._backend == "store":
-            return cfg.connector.store.host.capacity_bytes // 2
+            return cfg.connector.store_host_bytes // 2
         return None
 
     def with_config(self, kv_store: ChunkStore | None = None, **overrides) -> "LLM":

@@ -378,3 +378,25 @@ def test_auto_releases_kept_blocks_under_pressure(tiny, store):
     llm.end_session("a")
     assert_idle(llm, store)
     llm.close()
+
+
+def test_paused_sessions_pin_at_most_half_the_host_ram_of_a_store_the_engine_builds(tiny, tmp_path):
+    """Without ``agents.pin_budget_bytes``, an engine that builds its own Store bounds paused
+    sessions' pins by half that Store's host RAM (read from the connector's config, not by
+    reaching into it); on a store it is given, it sets no bound of its own."""
+    host = HostTierConfig(capacity_bytes=32 << 20, page_bytes=64 << 10)
+    built = ConnectorConfig(chunk_tokens=tiny.chunk, backend="store",
+                            store=StoreConfig(host=host, disk=DiskTierConfig(path=str(tmp_path / "disk"),
+                                                                             capacity_bytes=64 << 20)))
+    llm = tiny.llm.with_config(num_blocks=tiny.num_blocks, block_size=tiny.block, connector=built)
+    try:
+        assert llm.sessions.pin_budget_bytes == 16 << 20
+    finally:
+        llm.close()
+    cfg = StoreConfig(host=host, disk=DiskTierConfig(path=str(tmp_path / "given"), capacity_bytes=64 << 20))
+    with Store(cfg) as given:
+        other = engine(tiny, given)
+        try:
+            assert other.sessions.pin_budget_bytes is None
+        finally:
+            other.close()
