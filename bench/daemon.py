@@ -47,7 +47,7 @@ from kvstore.client import Client
 from kvstore.config import parse_size
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace
-from kvstore.malloc import keep_large_blocks_in_heap
+from kvstore.wire.malloc import keep_large_blocks_in_heap
 
 TOKENS = 256
 

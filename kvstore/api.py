@@ -37,7 +37,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from kvstore.keys import ChunkKey
-from kvstore.stats import StoreStats
+from kvstore.wire.stats import StoreStats
 
 # The lease on a paused agent session's chunks (TokenCake's rule, docs/agents.md): one rule for
 # the engine's pauses and the daemon's session book.

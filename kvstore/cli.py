@@ -94,7 +94,7 @@ def _daemon_config(args):
 def cmd_serve(args) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT. The configuration and the
     addresses are checked before the daemon (and torch) is imported: a typo fails at once."""
-    from kvstore.malloc import keep_large_blocks_in_heap, limit_arenas
+    from kvstore.wire.malloc import keep_large_blocks_in_heap, limit_arenas
     from kvstore.wire.convert import split_host_port
 
     cfg = _daemon_config(args)

@@ -51,5 +51,5 @@ def test_imports_point_one_way(wing):
 
 
 def test_the_check_sees_a_crossing_inside_a_function():
-    source = "def f():\n    from kvstore.store.facade import Store\nimport kvstore.stats\n"
-    assert imports(source) == [(2, "kvstore.store.facade"), (3, "kvstore.stats")]
+    source = "def f():\n    from kvstore.store.facade import Store\nimport kvstore.wire.stats\n"
+    assert imports(source) == [(2, "kvstore.store.facade"), (3, "kvstore.wire.stats")]

@@ -37,7 +37,7 @@ from kvstore.client.requests import Requests
 from kvstore.client.retries import Retrier
 from kvstore.client.transports import Transports
 from kvstore.keys import ChunkKey
-from kvstore.malloc import keep_large_blocks_in_heap
+from kvstore.wire.malloc import keep_large_blocks_in_heap
 from kvstore.wire.auth import bearer, read_token_file
 from kvstore.wire.convert import split_host_port, stats_from_proto
 

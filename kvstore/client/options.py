@@ -23,7 +23,7 @@ class ClientOptions:
     shm_slots: int = 8
     piece_bytes: int = 4 << 20  # inline gRPC pieces
     socket_buffer_bytes: int = 4 << 20
-    # Keep chunk-sized blocks in this process's heap (kvstore/malloc.py): without it every
+    # Keep chunk-sized blocks in this process's heap (kvstore/wire/malloc.py): without it every
     # chunk buffer ``get`` allocates faults in all its pages, which costs more than receiving it.
     tune_malloc: bool = True
     copy_threads: int = 4  # AsyncClient: threads for copies into and out of shared memory

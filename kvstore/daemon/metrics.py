@@ -15,7 +15,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore.stats import StoreStats
+from kvstore.wire.stats import StoreStats
 
 _TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "corruptions", "errors",
                   "recodes", "lossy_hits")

@@ -38,7 +38,7 @@ from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey
 from kvstore.policies import make_policy
-from kvstore.stats import StoreStats, TierStats
+from kvstore.wire.stats import StoreStats, TierStats
 from kvstore.store.deletes import TierIO
 from kvstore.store.discovery import discover
 from kvstore.store.eviction import Evictor

@@ -43,7 +43,7 @@ from kvstore.blob import BlobHeader
 from kvstore.codecs import codec_by_id
 from kvstore.policies.base import EvictionPolicy
 from kvstore.store.quota import NO_USAGE, ReplicaUsage
-from kvstore.stats import EWMA_ALPHA, TierStats
+from kvstore.wire.stats import EWMA_ALPHA, TierStats
 
 STALE = -1  # the version of a recovered copy holding another blob than the first one found
 

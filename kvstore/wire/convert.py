@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
-from kvstore.stats import StoreStats, TierStats
+from kvstore.wire.stats import StoreStats, TierStats
 
 _NS_FIELDS = ("model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens",
               "layout", "tp_rank", "tp_size", "tenant")

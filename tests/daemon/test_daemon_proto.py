@@ -41,7 +41,7 @@ def test_stats_cross_the_wire_whole():
     from dataclasses import fields
 
     from kvstore.wire.convert import stats_from_proto, stats_to_proto
-    from kvstore.stats import StoreStats, TierStats
+    from kvstore.wire.stats import StoreStats, TierStats
 
     tier = TierStats(**{f.name: (7.5 if f.type in (float, "float") else "host" if f.name == "name" else i + 1)
                         for i, f in enumerate(fields(TierStats))})
