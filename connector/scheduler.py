@@ -113,17 +113,12 @@ class SchedulerConnector:
         keys = self._keys(tracker, request.token_ids)[first:]
         if not self.availability.available():
             return _Claim(num_local, first, 0)
-        hit = pinned = 0
-        if keys:
+        hit = 0
+        if keys:  # found and pinned in one store call: nothing is evicted in between
             self.stats.add(lookups=1)
-            hit = self._store_call("lookup", lambda: self.store.lookup(keys), 0)
-        if hit:
-            pinned = hit  # the pin covers every chunk of these still there, past a gap too
-            if self._store_call("pin", lambda: self.store.pin(keys[:hit], self.config.pin_ttl_s), 0) < hit:
-                # evicted between the lookup and the pin: what is pinned now is what is there
-                hit = self._store_call("lookup", lambda: self.store.lookup(keys[:hit]), 0)
-        if pinned:  # held until the request lets go, so chunks pinned past a gap are unpinned then too
-            self.pins.hold(request.request_id, keys[:pinned])
+            hit = self._store_call("pin_leading", lambda: self.store.pin_leading(keys, self.config.pin_ttl_s), 0)
+        if hit:  # held until the request lets go
+            self.pins.hold(request.request_id, keys[:hit])
         claim = _Claim(num_local, first, hit)
         self._claim_tail(request, tracker, claim)
         return claim

@@ -77,6 +77,11 @@ class ChunkStore(Protocol):
     def pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
         """Keep present chunks from eviction for ``ttl_s`` (> 0) seconds; returns how many were present."""
 
+    def pin_leading(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
+        """``lookup`` and ``pin`` in one step: pin the leading stored chunks (up to the first
+        missing one) for ``ttl_s`` (> 0) seconds; returns how many. None of them can be evicted
+        between being found and being pinned."""
+
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
         """End pins early; returns how many of the keys were pinned."""
 

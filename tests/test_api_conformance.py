@@ -154,12 +154,29 @@ def test_pins_count_present_chunks_and_their_lease_expires(chunk_store, ns):
     assert chunk_store.unpin(keys[:1]) == 0
 
 
+def test_pin_leading_pins_the_leading_present_chunks_and_nothing_past_a_gap(chunk_store, ns):
+    """A lookup and a pin in one call (the connector's hit): the count is the lookup's, and
+    exactly those chunks are pinned; through a daemon, across its pieces of 512 keys too."""
+    keys, kvs = chunks(ns, 4)
+    put_all(chunk_store, [keys[0], keys[1], keys[3]], [kvs[0], kvs[1], kvs[3]])
+    before = chunk_store.stats().pinned
+    assert chunk_store.pin_leading(keys, ttl_s=30.0) == 2
+    assert chunk_store.stats().pinned == before + 2
+    assert chunk_store.unpin(keys) == 2  # the chunk past the gap was not pinned
+    assert chunk_store.pin_leading(keys[2:], ttl_s=30.0) == 0
+    many, many_kvs = chunks(ns, 530, seed=5)
+    put_all(chunk_store, many[:520], many_kvs[:520])
+    assert chunk_store.pin_leading(many, ttl_s=30.0) == 520
+    assert chunk_store.unpin(many) == 520
+
+
 @pytest.mark.parametrize("ttl_s", [0.0, -1.0])
-def test_a_pin_without_a_positive_lease_is_a_value_error(chunk_store, ns, ttl_s):
+@pytest.mark.parametrize("verb", ["pin", "pin_leading"])
+def test_a_pin_without_a_positive_lease_is_a_value_error(chunk_store, ns, ttl_s, verb):
     keys, kvs = chunks(ns, 1)
     chunk_store.put(keys[0], kvs[0])
     with pytest.raises(ValueError):
-        chunk_store.pin(keys, ttl_s=ttl_s)
+        getattr(chunk_store, verb)(keys, ttl_s=ttl_s)
 
 
 def test_chunks_evicted_from_host_ram_are_read_and_prefetched_from_disk(chunk_store, ns):

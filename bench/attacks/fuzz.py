@@ -114,7 +114,7 @@ class _Messages:
             return pb.KeysRequest(namespace=self.spec(), prefix_hashes=self.hashes())
         if method == "Prefetch":
             return pb.PrefetchRequest(namespace=self.spec(), prefix_hashes=self.hashes(), wait=r.random() < 0.2)
-        if method == "Pin":
+        if method in ("Pin", "PinLeading"):
             return pb.PinRequest(namespace=self.spec(), prefix_hashes=self.hashes(),
                                  ttl_s=r.choice([0.0, -1.0, float("nan"), float("inf"), 1e300, 0.01, 5.0]))
         if method == "Lease":

@@ -64,6 +64,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
+        self.PinLeading = channel.unary_unary(
+                '/kvstore.v1.KVStore/PinLeading',
+                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/kvstore.v1.KVStore/Unpin',
                 request_serializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
@@ -156,6 +161,14 @@ class KVStoreServicer:
 
     def Pin(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinLeading(self, request, context):
+        """Lookup and Pin in one step: pin the longest present prefix of `prefix_hashes`;
+        `count` = its length. A daemon older than this call answers UNIMPLEMENTED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -261,6 +274,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
+                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+            ),
+            'PinLeading': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinLeading,
                     request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.FromString,
                     response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
@@ -475,6 +493,33 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Pin',
+            kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinLeading(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PinLeading',
             kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
             kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,

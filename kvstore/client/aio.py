@@ -161,6 +161,7 @@ class AsyncClient:
     lookup = _awaitable(ClientCore.lookup)
     contains = _awaitable(ClientCore.contains)
     pin = _awaitable(ClientCore.pin)
+    pin_leading = _awaitable(ClientCore.pin_leading)
     unpin = _awaitable(ClientCore.unpin)
     prefetch = _awaitable(ClientCore.prefetch)
     pause = _awaitable(ClientCore.pause)

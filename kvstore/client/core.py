@@ -154,6 +154,12 @@ class ClientCore:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         return (yield from self._count("Pin", pb.PinRequest, keys, ttl_s=ttl_s))
 
+    def pin_leading(self, keys: Sequence[ChunkKey], ttl_s: float):
+        """Pin the leading present keys in one call; how many (``ChunkStore.pin_leading``)."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        return (yield from self._count("PinLeading", pb.PinRequest, keys, ttl_s=ttl_s))
+
     def unpin(self, keys: Sequence[ChunkKey]):
         return (yield from self._count("Unpin", pb.KeysRequest, keys))
 

@@ -135,6 +135,7 @@ class Client:
     lookup = _blocking(ClientCore.lookup)
     contains = _blocking(ClientCore.contains)
     pin = _blocking(ClientCore.pin)
+    pin_leading = _blocking(ClientCore.pin_leading)
     unpin = _blocking(ClientCore.unpin)
     prefetch = _blocking(ClientCore.prefetch)
     pause = _blocking(ClientCore.pause)

@@ -97,7 +97,7 @@ class LimitsConfig:
     max_chunk_bytes: int = 64 << 20
     max_keys_per_request: int = 4096
     # Keys per second one tenant's requests may name (every RPC that names keys: Lookup,
-    # Contains, Get, Prefetch, Pin, Unpin, Pause, Delete; ResumeSoon's recorded keys), after
+    # Contains, Get, Prefetch, Pin, PinLeading, Unpin, Pause, Delete; ResumeSoon's recorded keys), after
     # a burst of a quarter of a second of them (one max_keys_per_request at least); past it a
     # request waits up to a second, then is refused. Each key costs ~1 us of the daemon's
     # interpreter; an engine names a few thousand a second (kvstore/daemon/key_rate.py).

@@ -289,11 +289,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Pin(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, READ)
-        ttl = request.ttl_s
+        ttl = self._pin_ttl(request.ttl_s)
+        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.pin, keys, ttl)))
+
+    async def PinLeading(self, request, caller: Tenant):
+        _, keys = await self._keys(request, caller, READ)
+        ttl = self._pin_ttl(request.ttl_s)
+        pinned = await self._served_in_pieces(caller, self.store.pin_leading, keys, ttl, until=operator.lt)
+        return pb.CountReply(count=sum(pinned))
+
+    def _pin_ttl(self, ttl: float) -> float:
         if not (math.isfinite(ttl) and 0 < ttl <= self.limits.max_pin_ttl_s):
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"ttl_s must be in (0, {self.limits.max_pin_ttl_s:g}] seconds, got {ttl}")
-        return pb.CountReply(count=sum(await self._served_in_pieces(caller, self.store.pin, keys, ttl)))
+        return ttl
 
     # -- agent sessions (advisory: docs/agents.md) --------------------------------------------
 

@@ -206,6 +206,18 @@ class Store:
     def pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
         """Keep present chunks from eviction in every tier for ``ttl_s`` seconds, at most
         ``max_pin_ttl_s`` (extends, never shortens, an earlier pin). Returns how many were present."""
+        return self._pin(keys, ttl_s, leading=False)
+
+    def pin_leading(self, keys: Sequence[ChunkKey], ttl_s: float) -> int:
+        """``lookup`` and ``pin`` in one step: pin the leading stored chunks of ``keys`` (up to
+        the first missing one) as ``pin`` does; returns how many. They are found and pinned
+        under one index lock, so none is evicted in between (a lookup then a pin had to look
+        the keys up again when one was)."""
+        if self.shared_tiers and (i := self._first_missing(keys)) < len(keys):
+            discover(self.index, self.shared_tiers, self.shared_index, [k.id for k in keys[i:]], self._io)
+        return self._pin(keys, ttl_s, leading=True)
+
+    def _pin(self, keys: Sequence[ChunkKey], ttl_s: float, leading: bool) -> int:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         until = time.monotonic() + min(ttl_s, self.config.max_pin_ttl_s)
@@ -218,6 +230,8 @@ class Store:
                 if entry is not None and entry.readable():
                     self.index.pin(key.id, entry, until)
                     pinned.append(key.id)
+                elif leading:
+                    break
         if self.cluster is not None:  # other members must not evict them from the shared tiers
             self.cluster.pin(pinned, min(ttl_s, self.config.max_pin_ttl_s))
         return len(pinned)

@@ -183,7 +183,7 @@ def test_a_dead_daemon_turns_the_connector_off_with_one_log_line(caplog):
         for i in range(5):
             assert kv.scheduler.get_num_new_matched_tokens(request(request_id=str(i)), 0) == (0, False)
     lines = [r for r in caplog.records if r.name == "connector"]
-    assert len(lines) == 1 and "store unavailable (lookup: DaemonError: UNAVAILABLE" in lines[0].getMessage()
+    assert len(lines) == 1 and "store unavailable (pin_leading: DaemonError: UNAVAILABLE" in lines[0].getMessage()
     assert kv.stats().outages == 1 and kv.stats().lookups == 1  # off: later requests do not ask
     client.close()
 
@@ -233,23 +233,17 @@ def test_the_configuration_loads_from_toml_with_the_store_as_a_subtree(tmp_path)
         config_from_dict({"daemon": {"transport": "udp"}}, ConnectorConfig)
 
 
-def test_chunks_pinned_past_a_chunk_that_left_before_the_pin_are_unpinned_with_the_request(store):
-    """The lookup found 3 chunks; the second left before the pin, which pinned the first and
-    the third. The claim shrank to the first, and only it was held: the third stayed pinned
-    in the store after the request ended (until its lease ran out)."""
+def test_a_hit_pins_only_its_leading_chunks_and_the_request_unpins_them(store):
+    """The hit is found and pinned in one store call (``pin_leading``): with the second of 3
+    chunks gone, the first is the hit and the only chunk pinned, and it is unpinned when the
+    request ends. (Looked up, then pinned, a chunk that left in between shrank the claim
+    while the chunks past it stayed pinned after the request ended.)"""
     keys = put_chunks(store, 3)
-    pin = store.pin
-
-    def pin_after_a_delete(ks, ttl_s):
-        store.delete([keys[1]])
-        return pin(ks, ttl_s)
-
-    store.pin = pin_after_a_delete
+    store.delete([keys[1]])
     conn = connector(store).scheduler
     seq = request()
     assert conn.get_num_new_matched_tokens(seq, 0) == (CHUNK, False)
-    store.pin = pin
-    assert store.stats().pinned == 2
+    assert store.stats().pinned == 1
     conn.request_finished(seq)
     assert store.stats().pinned == 0 and len(conn.pins) == 0
 
