@@ -1,8 +1,10 @@
 """Dispatch: CPU tensors take the torch references, and the package works without triton."""
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 
 import kernels._triton as backend
 from kernels import block_copy, cache_write, paged_attention, quant
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -61,7 +65,7 @@ def test_use_triton_needs_triton_and_all_tensors_on_cuda(monkeypatch):
     assert not backend.use_triton(cuda, cpu)
     monkeypatch.setattr(backend, "triton", None)
     assert not backend.use_triton(cuda, cuda)
-    with pytest.raises(RuntimeError, match="triton is not installed"):
+    with pytest.raises(RuntimeError, match="triton is not loaded"):
         quant.quantize_int8_triton(torch.zeros(1, 4))
 
 
@@ -82,3 +86,25 @@ def test_package_imports_and_runs_without_triton():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a CUDA device triton is loaded")
+def test_a_cpu_process_does_not_load_triton_unless_it_interprets_kernels():
+    """No kernel can run on a CPU: loading triton there only cost every process, the daemon
+    included, ~73 MB of memory and ~70 ms (kernels/_triton.py)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        import kvstore.daemon.server
+        from kernels import quant
+        quant.quantize_int8(torch.randn(2, 8))
+        print("triton loaded" if "triton" in sys.modules else "no triton")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for extra, expected in (({}, "no triton"), ({"TRITON_INTERPRET": "1"}, "triton loaded")):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                                cwd=ROOT, env={**env, **extra})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected
