@@ -9,11 +9,12 @@ scattered straight from the store's pages, with no staging copy, in order on one
 only wait, else a loader thread; what it does not lend is read as above. A store that hands
 chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
 pool mapped here) has each group's chunks scattered as they are handed over, again with no
-staging copy: for a synchronous load group after group on the engine's thread, so that
-every copy into the CPU cache runs with the engine's own threads (``_run_here``), else on
-the loader threads. Layer-wise loads keep the staged chunks until every read is in, then
-scatter layer by layer on a thread of their own, so layer ``i`` lands while the model
-computes layer ``i - 1``.
+staging copy: for a synchronous load from the daemon's host pool group after group on the
+engine's thread, so that every copy into the CPU cache runs with the engine's own threads
+(``_run_here``), else (an asynchronous load, or a remote daemon: there the loader threads
+overlap receiving and scattering) on the loader threads. Layer-wise loads keep the staged
+chunks until every read is in, then scatter layer by layer on a thread of their own, so
+layer ``i`` lands while the model computes layer ``i - 1``.
 
 Who may write what: a group's buffers belong to its read call until the call returns; the
 request's destination blocks belong to the load until ``finish`` returns. ``finish`` (the
@@ -102,14 +103,16 @@ class LoadTask:
         """Start the load on the loader threads; with ``here`` (a synchronous load: the
         caller would only wait) the chunks the store lends are scattered on the calling
         thread before this returns, and only the reads go to the pool; a store that hands
-        chunks over is read and scattered on the calling thread alone (``_run_here``)."""
+        chunks over in place is read and scattered on the calling thread alone (``_run_here``);
+        one that receives each read call whole first (a remote daemon) goes to the loader
+        threads, where receiving one group overlaps scattering another."""
         if self.lends:
             if here:
                 self._run_lent_first(pool)
             else:
                 pool.submit(self._run_lent_first, pool)
             return
-        if self.hands_over and here:
+        if self.hands_over and here and self.store.hands_over_in_place():
             chunk_bytes = self.request.chunks[0].key.namespace.chunk_bytes
             self.groups = _groups(self.request.chunks, max(1, HERE_READ_BYTES // chunk_bytes))
             self._run_here()

@@ -135,6 +135,11 @@ class HandsOverChunks(Protocol):
     def get_with(self, keys: Sequence[ChunkKey], consume: Callable[[int, torch.Tensor], bool]) -> int:
         ...
 
+    def hands_over_in_place(self) -> bool:
+        """Whether chunks are handed over from memory shared with the daemon as they are read
+        (its host pool mapped here), not received whole per read call first (a remote daemon)."""
+        ...
+
 
 @runtime_checkable
 class PausesSessions(Protocol):

@@ -151,6 +151,11 @@ class Client:
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
         return self._drive(self._core.call(self._core.path()))
 
+    def hands_over_in_place(self) -> bool:
+        """``HandsOverChunks.hands_over_in_place``: over shared memory (the daemon's host pool
+        mapped here), not over a socket."""
+        return self.path == "shm"
+
     def flush(self) -> None:
         """Nothing is buffered client-side: every acknowledged put is in the daemon."""
 
