@@ -95,6 +95,11 @@ class ClientCore:
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
         return self.transports.path()
 
+    def hands_over_in_place(self) -> bool:
+        """``HandsOverChunks.hands_over_in_place``: a lease is held (the daemon's host pool is
+        mapped here). No I/O: a load asks it before it reads, and must not fail on it."""
+        return self.transports.leased()
+
     # -- chunk bytes ------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None, durable: bool = False,

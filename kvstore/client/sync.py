@@ -152,9 +152,7 @@ class Client:
         return self._drive(self._core.call(self._core.path()))
 
     def hands_over_in_place(self) -> bool:
-        """``HandsOverChunks.hands_over_in_place``: over shared memory (the daemon's host pool
-        mapped here), not over a socket."""
-        return self.path == "shm"
+        return self._core.hands_over_in_place()
 
     def flush(self) -> None:
         """Nothing is buffered client-side: every acknowledged put is in the daemon."""

@@ -196,6 +196,11 @@ class Transports:
 
     # -- both -------------------------------------------------------------------------------
 
+    def leased(self) -> bool:
+        """Whether this client holds a lease now (chunk bytes go through shared memory), known
+        without asking the daemon."""
+        return self._lease is not None
+
     def path(self):
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
         if (yield from self.lease()) is not None:

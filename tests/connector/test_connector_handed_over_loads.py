@@ -25,12 +25,21 @@ BLOCK = 4  # tokens per block: a chunk of NS (8 tokens) is two blocks
 NS_FIELDS = {f: getattr(NS, f) for f in ("model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens")}
 
 
-@pytest.fixture
-def client(tmp_path):
+def daemon_client(tmp_path, **options):
     daemon = start_daemon(tmp_path / "daemon")
-    with Client(daemon.addr, token_file=daemon.token_file) as c:
+    with Client(daemon.addr, token_file=daemon.token_file, **options) as c:
         yield c
     daemon.stop()
+
+
+@pytest.fixture
+def client(tmp_path):
+    yield from daemon_client(tmp_path)
+
+
+@pytest.fixture
+def remote(tmp_path):
+    yield from daemon_client(tmp_path, transport="remote")
 
 
 def kv_cache(num_blocks: int) -> torch.Tensor:
@@ -126,28 +135,23 @@ def test_a_synchronous_load_reads_and_scatters_on_the_calling_thread(client):
         assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3), kv)
 
 
-def test_a_synchronous_load_from_a_remote_daemon_runs_on_the_loader_threads(tmp_path):
+def test_a_synchronous_load_from_a_remote_daemon_runs_on_the_loader_threads(remote):
     """Over the socket the Client receives a read call whole before handing its chunks over:
     on the engine's thread alone, receiving and scattering took turns, and the connector's
     load from a remote daemon fell from 1.9 to 1.5-1.6 GB/s (docs/benchmarks.md). There the
     loader threads overlap one group's receiving with another's scattering."""
-    daemon = start_daemon(tmp_path / "daemon")
-    try:
-        with Client(daemon.addr, token_file=daemon.token_file, transport="remote") as remote:
-            assert not remote.hands_over_in_place()
-            keys, kvs = chunks(4, seed=6)
-            for key, kv in zip(keys, kvs):
-                remote.put(key, kv)
-            cache = kv_cache(8)
-            mover = ChunkMover(cache)
-            seen = recording_scatters(mover)
-            cond = threading.Condition()
-            task = task_for(keys, remote, mover, cond)
-            with ThreadPoolExecutor(2) as pool:
-                task.submit(pool, here=True)
-                result = settle(task, cond)
-    finally:
-        daemon.stop()
+    assert not remote.hands_over_in_place()
+    keys, kvs = chunks(4, seed=6)
+    for key, kv in zip(keys, kvs):
+        remote.put(key, kv)
+    cache = kv_cache(8)
+    mover = ChunkMover(cache)
+    seen = recording_scatters(mover)
+    cond = threading.Condition()
+    task = task_for(keys, remote, mover, cond)
+    with ThreadPoolExecutor(2) as pool:
+        task.submit(pool, here=True)
+        result = settle(task, cond)
     assert result.loaded_chunks == 4 and result.failed_block_ids == ()
     assert sorted(k.id for _, k in seen) == sorted(k.id for k in keys)
     assert all(thread != threading.get_ident() for thread, _ in seen)
