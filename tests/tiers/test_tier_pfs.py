@@ -153,6 +153,27 @@ def test_parallel_reads_and_device_read_on_cpu(tmp_path):
     assert b.read_into_device(key(99), t) is None
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gpu_direct", [True, False], ids=["kvikio", "through-host"])
+def test_device_read_into_a_cuda_tensor(tmp_path, monkeypatch, gpu_direct):
+    import tiers.pfs
+
+    if gpu_direct and tiers.pfs.kvikio is None:
+        pytest.skip("kvikio is not installed")
+    if not gpu_direct:
+        monkeypatch.setattr(tiers.pfs, "kvikio", None)
+    tier = PfsTier(tmp_path, 1 << 23)
+    tier.write(key(3), [blob(100_000, 3)])
+    out = torch.zeros(25_001, dtype=torch.float32, device="cuda")
+    assert tier.read_into_device(key(3), out) == 100_000
+    assert out[:25_000].cpu().numpy().tobytes() == blob(100_000, 3)
+    assert out[25_000].item() == 0  # nothing past the value's bytes is written
+    assert tier.read_into_device(key(99), out) is None
+    with pytest.raises(ValueError, match="too small"):
+        tier.read_into_device(key(3), torch.zeros(100, dtype=torch.float32, device="cuda"))
+
+
 WRITER = """
 import sys
 import numpy as np
