@@ -6,8 +6,9 @@ returns, so reading and scattering overlap across the loader threads. Into a CPU
 chunks a store lends (``LendsChunks``: the in-process Store, for raw chunks in host RAM) are
 scattered straight from the store's pages, with no staging copy, in order on one thread
 (each copy uses every core already): the engine's own for a synchronous load, which would
-only wait, else a loader thread; what it does not lend is read as above. A store that hands
-chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
+only wait, else a loader thread; what it does not lend is read as above. Into a GPU cache,
+lent chunks (host RAM registered for DMA) are scattered on the loader threads, group by
+group. A store that hands chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
 pool mapped here) has each group's chunks scattered as they are handed over, again with no
 staging copy: for a synchronous load from the daemon's host pool group after group on the
 engine's thread, so that every copy into the CPU cache runs with the engine's own threads
@@ -84,14 +85,16 @@ def _groups(chunks: list[ChunkLoad], per_read: int) -> list[_Group]:
 class LoadTask:
     def __init__(self, request: RequestLoad, store: ChunkStore, staging: StagingPool, mover: ChunkMover,
                  availability: Availability, cond: Condition, chunks_per_read: int, timeout_s: float,
-                 layerwise: bool) -> None:
+                 layerwise: bool, lends_to_gpu: bool = False) -> None:
+        """``lends_to_gpu``: the store's lent chunks are a DMA source for the GPU cache
+        (``LendsChunks.prepare_lending`` said so); else a GPU cache loads through pinned staging."""
         self.request = request
         self.store, self.staging, self.mover, self.availability = store, staging, mover, availability
         self.cond = cond  # shared by the worker's tasks: any group's progress wakes its waiters
         self.layerwise = layerwise
-        # Direct loads into a CPU cache borrow chunks from a store that lends them; on a GPU
-        # the pinned staging buffers are the DMA path, and layer-wise loads keep staged chunks.
-        self.lends = isinstance(store, LendsChunks) and not layerwise and not mover.cuda
+        # Direct loads borrow chunks from a store that lends them, into a GPU cache only from
+        # host RAM registered for DMA; layer-wise loads keep staged chunks.
+        self.lends = isinstance(store, LendsChunks) and not layerwise and (lends_to_gpu or not mover.cuda)
         self.hands_over = isinstance(store, HandsOverChunks) and not layerwise and not mover.cuda
         self.groups = _groups(request.chunks, chunks_per_read)
         self.started = time.perf_counter()
@@ -105,8 +108,10 @@ class LoadTask:
         thread before this returns, and only the reads go to the pool; a store that hands
         chunks over in place is read and scattered on the calling thread alone (``_run_here``);
         one that receives each read call whole first (a remote daemon) goes to the loader
-        threads, where receiving one group overlaps scattering another."""
-        if self.lends:
+        threads, where receiving one group overlaps scattering another. Into a GPU cache every
+        group goes to the loader threads, lent or not: each thread's copies run on its own
+        stream, and two streams in flight fill the link that one leaves idle between copies."""
+        if self.lends and not self.mover.cuda:
             if here:
                 self._run_lent_first(pool)
             else:

@@ -46,6 +46,7 @@ class ChunkMover:
         self.block_size = kv_cache.shape[3]
         self.num_layers = kv_cache.shape[0]
         self.cuda = kv_cache.is_cuda
+        self.device = kv_cache.device
         self._on_device = CopyStreams(kv_cache.device).run
 
     def _ids(self, block_ids) -> torch.Tensor:

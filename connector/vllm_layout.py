@@ -71,6 +71,7 @@ class PagedLayers:
         self.num_layers = len(layers)
         self.dtype = layers[0].dtype
         self.cuda = layers[0].is_cuda
+        self.device = layers[0].device
         self._on_device = CopyStreams(layers[0].device).run
 
     def _runs(self, block_ids) -> list[tuple[int, int, int]]:

@@ -26,7 +26,7 @@ from connector.saver import Saver
 from connector.staging import StagingPool
 from connector.stats import StatsRecorder
 from connector.transfer import ChunkMover
-from kvstore.api import ChunkStore
+from kvstore.api import ChunkStore, LendsChunks
 from kvstore.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class WorkerConnector:
         self._attention: dict = {}
         self._told_dropped = False
         self.mover: ChunkMover | None = None
+        self.lends_to_gpu = False  # the store's lent chunks are a DMA source for the GPU cache
 
     def register_kv_cache(self, kv_cache: torch.Tensor, chunk_shape: tuple[int, ...], max_step_tokens: int) -> None:
         """The engine's ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache, once."""
@@ -63,6 +64,7 @@ class WorkerConnector:
         chunks (and tails), so a prompt is never cut for want of a buffer while the store keeps up."""
         self.mover = mover
         pin = mover.cuda
+        self.lends_to_gpu = pin and isinstance(self.store, LendsChunks) and self.store.prepare_lending(mover.device)
         in_flight = self.config.load_workers * self.config.chunks_per_read  # buffers one direct load uses
         self.load_staging = StagingPool(chunk_shape, dtype, pin, keep=self.config.staging_chunks,
                                         prefault=in_flight)
@@ -79,7 +81,8 @@ class WorkerConnector:
 
     def _task(self, request) -> LoadTask:
         return LoadTask(request, self.store, self.load_staging, self.mover, self.availability, self._cond,
-                        self.config.chunks_per_read, self.config.load_timeout_s, layerwise=self.mode == "layerwise")
+                        self.config.chunks_per_read, self.config.load_timeout_s, layerwise=self.mode == "layerwise",
+                        lends_to_gpu=self.lends_to_gpu)
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         """Start this step's loads; synchronous ones are in place when this returns."""

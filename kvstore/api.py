@@ -123,6 +123,11 @@ class LendsChunks(Protocol):
     def borrow(self, key: ChunkKey) -> AbstractContextManager[torch.Tensor | None]:
         ...
 
+    def prepare_lending(self, device: torch.device | str) -> bool:
+        """Make lent tensors a source ``device`` copies from directly (a CUDA device: by DMA,
+        the store's host RAM page-locked for it); whether they are. Ask once, before lending."""
+        ...
+
 
 @runtime_checkable
 class HandsOverChunks(Protocol):

@@ -1,7 +1,9 @@
 """Check the compiled Triton kernels against their torch references on a GPU, then measure
 paged decode attention's memory bandwidth as a fraction of the GPU's peak; then run the
 engine on the GPU with the KV connector (sync and layer-wise loads, a store with host RAM
-and disk, and one with the GPU tier) and check its outputs equal the engine's without a store.
+and disk, and one with the GPU tier) and check its outputs equal the engine's without a store;
+last, time chunk loads from the store's host RAM into a GPU paged cache, each way the
+connector's loader can move them, against a pinned host -> device copy.
 
 CI has no GPU, so the kernels only ever run there under the Triton interpreter; run this by
 hand where a GPU is lent:
@@ -21,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -236,6 +239,117 @@ def check_connector(device, workdir: Path) -> tuple[list[Check], dict]:
     return checks, figures
 
 
+@dataclass
+class LoadRate:
+    path: str
+    threads: int
+    chunk_bytes: int
+    chunks: int
+    gbps: float
+    fraction_of_pinned_copy: float
+
+
+def measure_chunk_loads(device, shape: ModelShape = SHAPES[1], dtype=torch.float16, chunk_tokens: int = 256,
+                        chunks: int = 64, threads=(1, 2, 4), rounds: int = 3) -> list[LoadRate]:
+    """Chunks of ``shape`` from a store's host RAM into a paged KV cache on ``device``, each
+    way the connector's loader threads can move them: ``get_into`` a pinned staging buffer,
+    then a host -> device copy and the scatter kernel on the thread's stream; borrowing the
+    store's pages unregistered (one copy fewer, but from pageable memory); borrowing them
+    once ``prepare_lending`` registered them with CUDA (what the connector does on a GPU).
+    Against a bare host -> device copy of the same bytes from pinned memory, the machine's
+    limit. Median of ``rounds``."""
+    from connector.metadata import ChunkLoad
+    from connector.staging import StagingPool
+    from connector.transfer import ChunkMover
+    from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
+    from kvstore.keys import Namespace, chunk_keys
+    from kvstore.store import Store
+
+    blocks = chunk_tokens // shape.block_size
+    ns = Namespace("gpu-check", shape.layers, shape.kv_heads, shape.head_dim, dtype=str(dtype).removeprefix("torch."),
+                   chunk_tokens=chunk_tokens)
+    keys = chunk_keys(list(range(chunks * chunk_tokens)), ns)
+    chunk_shape = (shape.layers, 2, chunk_tokens, shape.kv_heads, shape.head_dim)
+    kv_cache = torch.zeros(shape.layers, 2, chunks * blocks, shape.block_size, shape.kv_heads, shape.head_dim,
+                           dtype=dtype, device=device)
+    mover = ChunkMover(kv_cache)
+    loads = [ChunkLoad(k, tuple(range(i * blocks, (i + 1) * blocks))) for i, k in enumerate(keys)]
+    chunk_bytes = ns.chunk_bytes
+    rates = []
+
+    def rate(path, nthreads, seconds, limit):
+        gbps = chunk_bytes * chunks / seconds / 1e9
+        rates.append(LoadRate(path, nthreads, chunk_bytes, chunks, gbps, gbps / limit if limit else 1.0))
+
+    pin = device.type == "cuda"
+    pinned = torch.empty(chunk_shape, dtype=dtype, pin_memory=pin)
+    target = torch.empty(chunk_shape, dtype=dtype, device=device)
+
+    def copies():
+        for _ in range(chunks):
+            target.copy_(pinned, non_blocking=True)
+        if pin:
+            torch.cuda.synchronize(device)
+
+    copies()
+    seconds = statistics.median(_wall(copies) for _ in range(rounds))
+    limit = chunk_bytes * chunks / seconds / 1e9
+    rate("pinned host -> device copy (limit)", 1, seconds, limit)
+
+    with Store(StoreConfig(host=HostTierConfig(capacity_bytes=2 * chunks * chunk_bytes + (16 << 20)),
+                           disk=DiskTierConfig(enabled=False))) as store:
+        gen = torch.Generator().manual_seed(3)
+        for k in keys:
+            store.put(k, torch.randn(chunk_shape, generator=gen).to(dtype))
+
+        def borrowed(load):
+            with store.borrow(load.key) as src:
+                if src is None:
+                    raise AssertionError("the store did not lend a chunk it holds raw in host RAM")
+                mover.scatter(src, load)
+
+        for nthreads in threads:
+            staging = StagingPool(chunk_shape, dtype, pin_memory=pin, keep=nthreads, prefault=nthreads)
+
+            def staged(load):
+                buf = staging.take()
+                assert store.get_into(load.key, buf)
+                mover.scatter(buf, load)
+                staging.give(buf)
+
+            paths = [("get_into pinned staging + scatter", staged)]
+            paths += [("borrow pageable + scatter", borrowed)] if pin else []
+            for path, fn in paths:
+                rate(path, nthreads, _median_wall(fn, loads, nthreads, rounds), limit)
+        if not store.prepare_lending(device):
+            raise AssertionError(f"the store could not make its host RAM a DMA source for {device}")
+        for nthreads in threads:
+            rate("borrow registered + scatter (prepare_lending)", nthreads,
+                 _median_wall(borrowed, loads, nthreads, rounds), limit)
+        want = torch.stack([store.get([k])[0] for k in keys[-2:]]).to(device)
+        got = torch.stack([kv_cache[:, :, b.block_ids[0]:b.block_ids[-1] + 1].flatten(2, 3) for b in loads[-2:]])
+        if not torch.equal(got, want):
+            raise AssertionError("a chunk loaded into the GPU cache differs from the store's")
+    return rates
+
+
+def _median_wall(fn, items, nthreads: int, rounds: int) -> float:
+    """Median seconds of ``fn`` over every item on ``nthreads`` threads, after one warm-up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(nthreads) as pool:
+        def run():
+            list(pool.map(fn, items))
+        run()
+        return statistics.median(_wall(run) for _ in range(rounds))
+
+
+def _wall(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def time_kernel(fn, warmup: int, iters: int, rounds: int = 5) -> float:
     """Seconds per call: CUDA events around ``iters`` back-to-back calls (so the GPU queue stays
     full and Python launch overhead hides behind the kernels), median over ``rounds``; the
@@ -312,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
           + format_table([asdict(c) for c in connector_checks]))
     print(json.dumps(connector_figures, indent=2))
 
+    loads = measure_chunk_loads(device)
+    print("\nchunk loads into the GPU's paged KV cache (llama-8b chunks of 256 tokens, fp16)\n"
+          + format_table([asdict(r) for r in loads]))
+
     ok = all(c.ok for c in checks + connector_checks)
     result = {
         "device": props.name,
@@ -321,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": [asdict(c) for c in checks],
         "bandwidth": [asdict(b) for b in bandwidth],
         "connector": {"checks": [asdict(c) for c in connector_checks], "figures": connector_figures},
+        "chunk_loads": [asdict(r) for r in loads],
     }
     args.json_path.write_text(json.dumps(result, indent=2))
     print(f"\n{'all checks pass' if ok else 'SOME CHECKS FAILED'}; results written to {args.json_path}")

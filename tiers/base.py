@@ -46,6 +46,10 @@ class SharedPool(Protocol):
     def views(self, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Views of pinned ranges, in this process."""
 
+    def register_with_cuda(self) -> bool:
+        """Make the pool a source CUDA copies from by DMA (page-locked until the tier closes),
+        once; whether it is."""
+
 
 class Tier(ABC):
     # Whether other daemons read and write this medium too (a PFS, Redis): their chunks may

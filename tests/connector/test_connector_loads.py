@@ -5,6 +5,7 @@ whatever its loader threads were doing at that moment."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from connector.availability import Availability
@@ -77,3 +78,31 @@ def test_a_lent_group_in_flight_when_its_load_settles_writes_no_block_after(tmp_
         settled.set()
         pool.shutdown(wait=True)
         assert late_writes == [] and not cache.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lends_to_gpu", [True, False], ids=["lent", "staged"])
+def test_a_load_into_a_gpu_cache_borrows_host_ram_registered_for_it_else_stages(tmp_path, lends_to_gpu):
+    keys, kvs = chunks(6)
+    with Store(store_config(tmp_path)) as store:
+        for key, kv in zip(keys, kvs):
+            store.put(key, kv)
+        assert store.prepare_lending("cuda")
+        cache = kv_cache(12).cuda()
+        staging = StagingPool(NS.chunk_shape, NS.torch_dtype, True, keep=4)
+        taken, take = [], staging.take
+        staging.take = lambda: taken.append(1) or take()
+        cond = threading.Condition()
+        request = RequestLoad("r", 0, [ChunkLoad(k, (2 * i, 2 * i + 1)) for i, k in enumerate(keys)])
+        task = LoadTask(request, store, staging, ChunkMover(cache), Availability(30), cond, chunks_per_read=2,
+                        timeout_s=30, layerwise=False, lends_to_gpu=lends_to_gpu)
+        assert task.lends == lends_to_gpu
+        with ThreadPoolExecutor(2) as pool:
+            task.submit(pool, here=True)
+            with cond:
+                task.wait()
+                result = task.finish()
+        assert result.loaded_chunks == 6 and not result.failed_block_ids
+        assert len(taken) == (0 if lends_to_gpu else 6)
+        for i, kv in enumerate(kvs):
+            assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3).cpu(), kv)

@@ -67,3 +67,14 @@ def test_connector_check_runs_on_a_cpu(gpu_check, tmp_path):
     assert [c.ok for c in checks] == [True] * 4
     assert all(f["loaded_tokens"] > 0 for k, f in figures.items() if isinstance(f, dict))
     assert figures["kvikio_used"] is False
+
+
+def test_chunk_load_measurement_runs_on_a_cpu(gpu_check):
+    """The script's load figures, on CPU tensors: every path loads every chunk it times."""
+    tiny = gpu_check.ModelShape("tiny", layers=2, q_heads=2, kv_heads=1, head_dim=8, block_size=16)
+    rates = gpu_check.measure_chunk_loads(torch.device("cpu"), tiny, chunk_tokens=32, chunks=6, threads=(1, 2),
+                                          rounds=1)
+    assert [(r.path.split()[:2], r.threads) for r in rates] == [
+        (["pinned", "host"], 1), (["get_into", "pinned"], 1), (["get_into", "pinned"], 2),
+        (["borrow", "registered"], 1), (["borrow", "registered"], 2)]
+    assert all(r.gbps > 0 and r.chunk_bytes == 2 * 2 * 32 * 8 * 2 for r in rates)

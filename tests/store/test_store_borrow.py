@@ -83,3 +83,31 @@ def test_a_closed_store_lends_nothing(tmp_path):
     with pytest.raises(StoreClosed):
         with store.borrow(keys[0]):
             pass
+
+
+def test_lent_chunks_are_ready_for_a_cpu_and_for_no_device_without_cuda(tmp_path):
+    with Store(store_config(tmp_path)) as store:
+        assert store.prepare_lending("cpu")
+        if not torch.cuda.is_available():
+            assert not store.prepare_lending("cuda")
+        with pytest.raises(RuntimeError):
+            store.prepare_lending("no-such-device")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lent_chunks_are_page_locked_for_a_cuda_device_until_the_store_closes(tmp_path):
+    keys, kvs = chunks(2, BIG)
+    with Store(store_config(tmp_path)) as store:
+        store.put(keys[0], kvs[0])
+        with store.borrow(keys[0]) as src:
+            assert not src.is_pinned()
+        assert store.prepare_lending(torch.device("cuda")) and store.prepare_lending("cuda:0")
+        store.put(keys[1], kvs[1])
+        for key, kv in zip(keys, kvs):
+            with store.borrow(key) as src:
+                assert src.is_pinned()  # a host -> device copy from it is DMA, not staged
+                on_gpu = src.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
+            assert same(on_gpu.cpu(), kv)
+    with Store(store_config(tmp_path)) as again:  # the pool was unregistered: registering anew works
+        assert again.prepare_lending("cuda")

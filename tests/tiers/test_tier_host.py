@@ -4,6 +4,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from tiers.base import TierFull, TierUnavailable
 from tiers.host import HostTier
@@ -181,3 +182,37 @@ def test_a_pool_file_replaced_under_a_tier_is_not_unlinked_by_it(tmp_path):
         assert os.path.exists(path), "closing the old tier removed the newer tier's pool file"
     finally:
         newer.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shm-file"])
+def test_the_pool_registers_with_cuda_once_where_there_is_cuda(tmp_path, shared):
+    # CUDA page-locks a shared mapping of tmpfs (the daemon's /dev/shm pools), not of a disk file
+    if shared and not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    tier = HostTier(1 << 20, page_bytes=4096, shm_path=f"/dev/shm/kvstore-test-{os.getpid()}" if shared else None)
+    tier.write(b"k", [b"\x07" * 10_000])
+    with tier.pinned(b"k") as views:
+        src = torch.frombuffer(views[0], dtype=torch.uint8)
+        if not torch.cuda.is_available():
+            assert not tier.register_with_cuda()
+        else:
+            assert not src.is_pinned()
+            assert tier.register_with_cuda() and tier.register_with_cuda()
+            assert src.is_pinned()
+            assert torch.equal(src.to("cuda", non_blocking=True).cpu(), src)
+        del src
+    tier.close()
+    assert not tier.register_with_cuda()  # a closed pool is never registered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pool_cuda_refuses_leaves_no_error_behind_for_the_next_kernel(tmp_path):
+    """CUDA page-locks no shared mapping of a disk file. Before the fix the refusal stayed the
+    thread's pending CUDA error, and the next torch kernel launched on the thread failed with it."""
+    tier = HostTier(1 << 20, page_bytes=4096, shm_path=str(tmp_path / "pool"))
+    try:
+        assert not tier.register_with_cuda()
+        x = torch.arange(6, device="cuda").reshape(2, 3).t()
+        assert x.contiguous().cpu().tolist() == [[0, 3], [1, 4], [2, 5]]  # a copy kernel launch
+    finally:
+        tier.close()
