@@ -206,7 +206,7 @@ def cmd_cluster(args) -> int:
 
     from kvstore.daemon.config import DaemonConfig
     from kvstore.cluster.ledger import Ledger
-    from tiers.redis import redact_url
+    from tiers.url import redact_url
 
     store = (load_config(args.config, DaemonConfig) if args.config else DaemonConfig()).store
     si = store.shared_index

@@ -11,9 +11,11 @@ TOKEN = "connector-tests-token"
 
 
 def start_daemon(root: Path, host_bytes: str = "64MiB", disk_bytes: str = "256MiB",
-                 slot_bytes: str = "1MiB", page_bytes: int = 4096, listen: str = "127.0.0.1:0") -> DaemonProcess:
+                 slot_bytes: str = "1MiB", page_bytes: int = 4096, listen: str = "127.0.0.1:0",
+                 env: dict[str, str] | None = None) -> DaemonProcess:
     """Start ``kvstore serve`` under ``root`` (again on the same data after a stop: ``listen``
-    then names the address it had); ``proc.token_file`` holds its token."""
+    then names the address it had; ``env``: added to its environment); ``proc.token_file``
+    holds its token."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "token").write_text(TOKEN + "\n")
     (root / "daemon.toml").write_text(
@@ -22,7 +24,7 @@ def start_daemon(root: Path, host_bytes: str = "64MiB", disk_bytes: str = "256Mi
         f'[store.disk]\ncapacity_bytes = "{disk_bytes}"\n'
     )
     proc = DaemonProcess(["--config", str(root / "daemon.toml"), "--listen", listen,
-                          "--data-dir", str(root / "data"), "--auth-token-file", str(root / "token")])
+                          "--data-dir", str(root / "data"), "--auth-token-file", str(root / "token")], env=env)
     proc.token_file = str(root / "token")
     proc.data_dir = root / "data"
     return proc

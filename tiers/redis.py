@@ -16,7 +16,6 @@ the connection pool reconnects by itself when the server is back.
 from __future__ import annotations
 
 import threading
-import urllib.parse
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -27,26 +26,10 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from tiers.base import Buffer, Tier, TierError, TierFull, TierUnavailable, as_buffers
+from tiers.url import redact_url
 
 # what an unreachable or failing-over server raises
 REDIS_DOWN = (rex.ConnectionError, rex.TimeoutError, rex.ClusterError, rex.RedisClusterException)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "***"  # not a URL we can take apart: say nothing of it
-    netloc = parts.netloc
-    if password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:***@{hostport}"
-    query = urllib.parse.urlencode([(k, "***" if k.lower() == "password" else v)
-                                    for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)], safe="*")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def connect(

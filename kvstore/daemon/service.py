@@ -53,7 +53,7 @@ from kvstore.store import Store
 from kvstore.wire.auth import METADATA_KEY
 from kvstore.wire.convert import stats_to_proto
 from kvstore.wire.frames import CHUNK, DONE, END, ERROR, GET
-from tiers.redis import redact_url
+from tiers.url import redact_url
 
 log = logging.getLogger("kvstore.daemon")
 

@@ -196,3 +196,25 @@ def test_a_started_daemon_takes_its_startup_objects_out_of_the_cyclic_collector(
             assert time.monotonic() < deadline, daemon.text
             time.sleep(0.05)
     assert int(frozen.group(1)) > 100_000  # torch alone brings more
+
+
+def test_a_daemon_without_the_optional_redis_package_starts_and_serves(tmp_path):
+    """``redis`` is an extra (``kvstore[redis]``), so a base install has none. Before the fix
+    the service imported the Redis tier for one URL helper, and ``kvstore serve`` died on
+    ``import redis`` (found on a GPU machine without it)."""
+    from kv_daemon import start_daemon
+
+    hidden = tmp_path / "no-redis" / "redis"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('no module named redis (hidden by a test)')\n")
+    daemon = start_daemon(tmp_path / "daemon", env={"PYTHONPATH": str(hidden.parent)})
+    try:
+        ns = Namespace("no-redis", num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=4)
+        (key,) = chunk_keys(list(range(4)), ns)
+        kv = torch.randn(ns.chunk_shape).half()
+        with Client(daemon.addr, token_file=daemon.token_file) as client:
+            client.put(key, kv)
+            assert torch.equal(client.get([key])[0], kv)
+            assert "capacity_bytes" in client.config()  # answered through the URL redaction
+    finally:
+        daemon.stop()
