@@ -95,7 +95,9 @@ class LoadTask:
         # Direct loads borrow chunks from a store that lends them, into a GPU cache only from
         # host RAM registered for DMA; layer-wise loads keep staged chunks.
         self.lends = isinstance(store, LendsChunks) and not layerwise and (lends_to_gpu or not mover.cuda)
-        self.hands_over = isinstance(store, HandsOverChunks) and not layerwise and not mover.cuda
+        # into a GPU cache only from the daemon's shared memory registered for DMA
+        self.hands_over = isinstance(store, HandsOverChunks) and not layerwise and (
+            not mover.cuda or store.hands_over_in_place(mover.device))
         self.groups = _groups(request.chunks, chunks_per_read)
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + timeout_s

@@ -140,9 +140,11 @@ class HandsOverChunks(Protocol):
     def get_with(self, keys: Sequence[ChunkKey], consume: Callable[[int, torch.Tensor], bool]) -> int:
         ...
 
-    def hands_over_in_place(self) -> bool:
+    def hands_over_in_place(self, device: torch.device | str = "cpu") -> bool:
         """Whether chunks are handed over from memory shared with the daemon as they are read
-        (its host pool mapped here), not received whole per read call first (a remote daemon)."""
+        (its host pool mapped here), not received whole per read call first (a remote daemon);
+        for a CUDA ``device``, also whether that memory is a DMA source for it (registered
+        with CUDA the first time this is asked)."""
         ...
 
 

@@ -12,7 +12,6 @@ lock is independent of the ``flock`` the daemon claims the path with (kvstore/da
 from __future__ import annotations
 
 import fcntl
-import logging
 import mmap
 import os
 import struct
@@ -22,13 +21,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kernels import host_register
 from kernels.parallel_copy import copy_pairs
 from tiers.base import Buffer, FirstTier, TierUnavailable, as_buffers
 from tiers.pages import PagedTier, segments
 
 SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when ``write_sealed`` hashes it
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
-log = logging.getLogger(__name__)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
 
 
@@ -44,18 +43,6 @@ def _own(fd: int, path: str) -> None:
 
 def _byte_view(buf) -> np.ndarray:
     return buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-
-
-def _take_cuda_error() -> None:
-    """A failed CUDA runtime call stays this thread's 'last error' until something asks for
-    it, and torch asks after its next kernel launch on the thread, which then fails in its
-    stead (the engine's forward, say); a launch of our own takes it here."""
-    import torch
-
-    try:
-        torch.ones(1, device="cuda").add_(1)
-    except RuntimeError:
-        pass
 
 
 class HostTier(PagedTier, FirstTier):
@@ -75,7 +62,7 @@ class HostTier(PagedTier, FirstTier):
         self._pool_fd = -1  # the locked descriptor of the pool file, while the tier is open
         self._mmap = self._map_pool(shm_path)
         self._pool = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._cuda_registered = False
+        self._cuda_address: int | None = None  # the pool's, while registered with CUDA
         self._cuda_lock = threading.Lock()  # two connectors of one store may ask at once
         if prefault:
             self._prefault()
@@ -108,35 +95,20 @@ class HostTier(PagedTier, FirstTier):
         return self
 
     def register_with_cuda(self) -> bool:
-        """Page-lock the pool for CUDA's copy engines (``cudaHostRegister``), once; until the
-        tier closes, a host -> device copy straight out of it runs as DMA at the link's
+        """Page-lock the pool for CUDA's copy engines (kernels/host_register.py), once; until
+        the tier closes, a host -> device copy straight out of it runs as DMA at the link's
         speed, as from a pinned buffer: no staging copy. Whether the pool is registered
         (False without CUDA, or where the driver refuses). An unprefaulted pool is faulted in."""
-        import torch
-
         with self._cuda_lock:
-            if self._cuda_registered:
-                return True
-            if self._pool is None or not torch.cuda.is_available():
-                return False
-            cudart = torch.cuda.cudart()
-            rc = cudart.cudaHostRegister(self._pool.ctypes.data, self._pool.nbytes, 0)
-            if rc != cudart.cudaError.success:
-                _take_cuda_error()
-                log.warning("%s: CUDA refused to register the %d-byte host pool (error %d; a shared pool must "
-                            "be on tmpfs, like /dev/shm): chunks go to the GPU through pinned staging buffers",
-                            self.name, self._pool.nbytes, int(rc))
-                return False
-            self._cuda_registered = True
-            return True
+            if self._cuda_address is None and self._pool is not None:
+                self._cuda_address = host_register.register(self._pool, f"the {self.name} pool")
+            return self._cuda_address is not None
 
     def _unregister_from_cuda(self) -> None:
         with self._cuda_lock:
-            if self._cuda_registered:
-                import torch
-
-                torch.cuda.cudart().cudaHostUnregister(self._pool.ctypes.data)
-                self._cuda_registered = False
+            if self._cuda_address is not None:
+                host_register.unregister(self._cuda_address)
+                self._cuda_address = None
 
     def _prefault(self) -> None:
         try:

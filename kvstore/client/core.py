@@ -95,9 +95,12 @@ class ClientCore:
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
         return self.transports.path()
 
-    def hands_over_in_place(self) -> bool:
+    def hands_over_in_place(self, device: torch.device | str = "cpu") -> bool:
         """``HandsOverChunks.hands_over_in_place``: a lease is held (the daemon's host pool is
-        mapped here). No I/O: a load asks it before it reads, and must not fail on it."""
+        mapped here), and for a CUDA ``device`` its maps are registered with CUDA. No I/O: a
+        load asks it before it reads, and must not fail on it."""
+        if str(device).startswith("cuda"):
+            return self.transports.leased_for_cuda()
         return self.transports.leased()
 
     # -- chunk bytes ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 
+from kernels import host_register
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.wire.frames import NONCE_BYTES
 
@@ -48,6 +49,37 @@ class ShmLease:
         view = memoryview(self._mmap)
         self._free = [(ref, view[offset : offset + reply.slot_bytes]) for ref, offset in zip(reply.slots, reply.offsets)]
         self._lock = threading.Lock()
+        self._cuda_maps: list[int] = []  # addresses of the maps registered with CUDA
+        self._cuda_refused = False
+
+    def register_with_cuda(self) -> bool:
+        """Page-lock both maps (the arena, and the daemon's pool read-only) for CUDA's copy
+        engines (kernels/host_register.py), once, so a chunk handed over from either goes to
+        the GPU by DMA with no staging copy; whether they are (False without the pool, without
+        CUDA, or where the driver refuses: then it is not asked again). Undone by
+        ``unregister_from_cuda``."""
+        with self._lock:
+            if not self._cuda_maps and not self._cuda_refused and self.pool is not None and not self.retired:
+                for buf, what, read_only in ((self._mmap, "the daemon's slot arena", False),
+                                             (self.pool, "the daemon's host pool", True)):
+                    address = host_register.register(buf, what, read_only)
+                    if address is None:
+                        self._cuda_refused = True
+                        self._unregister()
+                        break
+                    self._cuda_maps.append(address)
+            return bool(self._cuda_maps)
+
+    def unregister_from_cuda(self) -> None:
+        """Undo ``register_with_cuda``, once nothing copies from the maps any more (every slot
+        taken from this lease came back: a chunk is handed over while its slot is out)."""
+        with self._lock:
+            self._unregister()
+
+    def _unregister(self) -> None:
+        for address in self._cuda_maps:
+            host_register.unregister(address)
+        self._cuda_maps = []
 
     def take(self, want: int) -> list:
         """Up to ``want`` free slots, as (SlotRef, view) pairs; none if all are busy or the

@@ -151,8 +151,8 @@ class Client:
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""
         return self._drive(self._core.call(self._core.path()))
 
-    def hands_over_in_place(self) -> bool:
-        return self._core.hands_over_in_place()
+    def hands_over_in_place(self, device: torch.device | str = "cpu") -> bool:
+        return self._core.hands_over_in_place(device)
 
     def flush(self) -> None:
         """Nothing is buffered client-side: every acknowledged put is in the daemon."""

@@ -124,6 +124,8 @@ class Transports:
             ready = [lease for lease in self._retired if lease.releasable()]
             self._retired = [lease for lease in self._retired if lease not in ready]
             unanswered, self._unanswered = self._unanswered, []
+        for lease in ready:
+            lease.unregister_from_cuda()
         refs = [pb.LeaseRef(request_id=r) for r in unanswered]
         refs += [pb.LeaseRef(lease_id=lease.lease_id) for lease in ready]
         for n, ref in enumerate(refs):
@@ -200,6 +202,12 @@ class Transports:
         """Whether this client holds a lease now (chunk bytes go through shared memory), known
         without asking the daemon."""
         return self._lease is not None
+
+    def leased_for_cuda(self) -> bool:
+        """Whether this client holds a lease whose maps are registered with CUDA (registering
+        them the first time it is asked), known without asking the daemon."""
+        lease = self._lease
+        return lease is not None and lease.register_with_cuda()
 
     def path(self):
         """The transport chunk bytes take now: "shm", "bulk" or "grpc"."""

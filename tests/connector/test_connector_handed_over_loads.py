@@ -265,3 +265,35 @@ def test_a_group_scattering_when_its_load_settles_writes_no_block_after(client):
     settled.set()
     pool.shutdown(wait=True)
     assert late_writes == [] and not cache.any()
+
+
+def test_a_load_into_a_gpu_cache_is_staged_unless_the_shared_memory_is_registered_for_it(client):
+    """Into a GPU cache, chunks are handed over only from the daemon's memory registered with
+    CUDA (a DMA source); anywhere else (no CUDA here) the load goes through staging buffers."""
+    keys, kvs = chunks(4)
+    for key, kv in zip(keys, kvs):
+        client.put(key, kv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = kv_cache(8).to(device)
+    mover = ChunkMover(cache)
+    if device == "cpu":  # what a GPU cache chooses; the copies themselves run on the CPU
+        mover.cuda, mover.device = True, torch.device("cuda")
+    staging = StagingPool(NS.chunk_shape, NS.torch_dtype, torch.cuda.is_available(), keep=4)
+    taken, take = [], staging.take
+    staging.take = lambda: taken.append(1) or take()
+    cond = threading.Condition()
+    request = RequestLoad("r", 0, [ChunkLoad(k, (2 * i, 2 * i + 1)) for i, k in enumerate(keys)])
+    task = LoadTask(request, client, staging, mover, Availability(30), cond, chunks_per_read=2, timeout_s=30,
+                    layerwise=False)
+    registered = client.hands_over_in_place(torch.device("cuda"))
+    assert registered == torch.cuda.is_available() and task.hands_over == registered
+    with ThreadPoolExecutor(2) as pool:
+        task.submit(pool, here=True)
+        result = settle(task, cond)
+    assert result.loaded_chunks == 4 and len(taken) == (0 if registered else 4)
+    for i, kv in enumerate(kvs):
+        assert torch.equal(cache[:, :, 2 * i:2 * i + 2].flatten(2, 3).cpu(), kv)
+    if registered:
+        seen = []
+        client.get_with(keys[:1], lambda i, src: seen.append(src.is_pinned()) or True)
+        assert seen == [True]  # a host -> device copy from it is DMA
