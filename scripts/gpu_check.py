@@ -282,17 +282,7 @@ def measure_chunk_loads(device, shape: ModelShape = SHAPES[1], dtype=torch.float
         rates.append(LoadRate(path, nthreads, chunk_bytes, chunks, gbps, gbps / limit if limit else 1.0))
 
     pin = device.type == "cuda"
-    pinned = torch.empty(chunk_shape, dtype=dtype, pin_memory=pin)
-    target = torch.empty(chunk_shape, dtype=dtype, device=device)
-
-    def copies():
-        for _ in range(chunks):
-            target.copy_(pinned, non_blocking=True)
-        if pin:
-            torch.cuda.synchronize(device)
-
-    copies()
-    seconds = statistics.median(_wall(copies) for _ in range(rounds))
+    seconds = _pinned_copy_seconds(chunk_shape, dtype, device, chunks, rounds)
     limit = chunk_bytes * chunks / seconds / 1e9
     rate("pinned host -> device copy (limit)", 1, seconds, limit)
 
@@ -331,6 +321,103 @@ def measure_chunk_loads(device, shape: ModelShape = SHAPES[1], dtype=torch.float
         if not torch.equal(got, want):
             raise AssertionError("a chunk loaded into the GPU cache differs from the store's")
     return rates
+
+
+def measure_daemon_loads(device, workdir: Path, shape: ModelShape = SHAPES[1], dtype=torch.float16,
+                         chunk_tokens: int = 256, chunks: int = 64, load_workers: int = 4, rounds: int = 5
+                         ) -> list[LoadRate]:
+    """Chunks from a daemon on this host into a paged KV cache on ``device``, as the connector
+    loads them (connector/loads.py, ``load_workers`` loader threads, 2 chunks a read call):
+    staged (read into pinned buffers, then copied) and handed over from the daemon's shared
+    memory (registered with CUDA by ``hands_over_in_place(device)``), rounds interleaved;
+    against a pinned host -> device copy of the same bytes. Medians of ``rounds``."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from connector.availability import Availability
+    from connector.loads import LoadTask
+    from connector.metadata import ChunkLoad, RequestLoad
+    from connector.staging import StagingPool
+    from connector.transfer import ChunkMover
+    from kvstore.client import Client
+    from kvstore.daemon.spawn import DaemonProcess
+    from kvstore.keys import Namespace, chunk_keys
+
+    blocks = chunk_tokens // shape.block_size
+    ns = Namespace("gpu-check", shape.layers, shape.kv_heads, shape.head_dim, dtype=str(dtype).removeprefix("torch."),
+                   chunk_tokens=chunk_tokens)
+    keys = chunk_keys(list(range(chunks * chunk_tokens)), ns)
+    total = ns.chunk_bytes * chunks
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "token").write_text("gpu-check-token\n")
+    (workdir / "daemon.toml").write_text(
+        f'[shm]\nslots = 16\nslot_bytes = {-(-ns.chunk_bytes // 4096) * 4096}\n'
+        f'[store.host]\ncapacity_bytes = {2 * total + (64 << 20)}\npage_bytes = {256 << 10}\n'
+        f'[store.disk]\nenabled = false\n')
+    daemon = DaemonProcess(["--config", str(workdir / "daemon.toml"), "--listen", "127.0.0.1:0",
+                            "--data-dir", str(workdir / "data"), "--auth-token-file", str(workdir / "token")])
+    try:
+        with Client(daemon.addr, token_file=str(workdir / "token")) as client:
+            gen = torch.Generator().manual_seed(4)
+            for key in keys:
+                client.put(key, torch.randn(ns.chunk_shape, generator=gen).to(dtype))
+            kv_cache = torch.zeros(shape.layers, 2, chunks * blocks, shape.block_size, shape.kv_heads,
+                                   shape.head_dim, dtype=dtype, device=device)
+            mover = ChunkMover(kv_cache)
+            staging = StagingPool(ns.chunk_shape, dtype, device.type == "cuda", keep=2 * load_workers,
+                                  prefault=2 * load_workers)
+            request = RequestLoad("gpu-check", 0, [ChunkLoad(k, tuple(range(i * blocks, (i + 1) * blocks)))
+                                                   for i, k in enumerate(keys)])
+            cond = threading.Condition()
+            if not client.hands_over_in_place(device):
+                raise AssertionError(f"the client cannot hand chunks over to {device} from shared memory")
+
+            def load(handed_over: bool) -> float:
+                task = LoadTask(request, client, staging, mover, Availability(30), cond, chunks_per_read=2,
+                                timeout_s=120, layerwise=False)
+                task.hands_over = handed_over  # the measurement's choice, not the load's
+                kv_cache.zero_()
+                start = time.perf_counter()
+                task.submit(pool, here=True)
+                with cond:
+                    task.wait()
+                    loaded = task.finish().loaded_chunks
+                seconds = time.perf_counter() - start
+                if loaded != chunks or not torch.equal(
+                        kv_cache[:, :, -blocks:].flatten(2, 3).cpu(), client.get(keys[-1:])[0]):
+                    raise AssertionError("a chunk loaded from the daemon differs from what it holds")
+                return seconds
+
+            times = {False: [], True: []}
+            with ThreadPoolExecutor(load_workers) as pool:
+                for _ in range(rounds):
+                    for handed_over in (False, True):
+                        times[handed_over].append(load(handed_over))
+    finally:
+        daemon.stop()
+    limit = total / _pinned_copy_seconds(ns.chunk_shape, dtype, device, chunks, rounds) / 1e9
+    rates = [LoadRate("pinned host -> device copy (limit)", 1, ns.chunk_bytes, chunks, limit, 1.0)]
+    for handed_over, path in ((False, "daemon: read into pinned staging + scatter"),
+                              (True, "daemon: handed over from registered shared memory")):
+        gbps = total / statistics.median(times[handed_over]) / 1e9
+        rates.append(LoadRate(path, load_workers, ns.chunk_bytes, chunks, gbps, gbps / limit))
+    return rates
+
+
+def _pinned_copy_seconds(chunk_shape, dtype, device, chunks: int, rounds: int) -> float:
+    """Median seconds of ``chunks`` host -> device copies of a chunk from pinned memory."""
+    pin = device.type == "cuda"
+    pinned = torch.empty(chunk_shape, dtype=dtype, pin_memory=pin)
+    target = torch.empty(chunk_shape, dtype=dtype, device=device)
+
+    def copies():
+        for _ in range(chunks):
+            target.copy_(pinned, non_blocking=True)
+        if pin:
+            torch.cuda.synchronize(device)
+
+    copies()
+    return statistics.median(_wall(copies) for _ in range(rounds))
 
 
 def _median_wall(fn, items, nthreads: int, rounds: int) -> float:
@@ -427,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(connector_figures, indent=2))
 
     loads = measure_chunk_loads(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        loads += measure_daemon_loads(device, Path(tmp))
     print("\nchunk loads into the GPU's paged KV cache (llama-8b chunks of 256 tokens, fp16)\n"
           + format_table([asdict(r) for r in loads]))
 

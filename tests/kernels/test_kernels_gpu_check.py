@@ -78,3 +78,13 @@ def test_chunk_load_measurement_runs_on_a_cpu(gpu_check):
         (["pinned", "host"], 1), (["get_into", "pinned"], 1), (["get_into", "pinned"], 2),
         (["borrow", "registered"], 1), (["borrow", "registered"], 2)]
     assert all(r.gbps > 0 and r.chunk_bytes == 2 * 2 * 32 * 8 * 2 for r in rates)
+
+
+def test_daemon_load_measurement_runs_on_a_cpu(gpu_check, tmp_path):
+    """The script's daemon figures, on CPU tensors against a real daemon: both load paths
+    load every chunk, and the loaded bytes equal the daemon's."""
+    tiny = gpu_check.ModelShape("tiny", layers=2, q_heads=2, kv_heads=1, head_dim=8, block_size=16)
+    rates = gpu_check.measure_daemon_loads(torch.device("cpu"), tmp_path, tiny, chunk_tokens=32, chunks=6,
+                                           load_workers=2, rounds=1)
+    assert [r.path.split(":")[0] for r in rates] == ["pinned host -> device copy (limit)", "daemon", "daemon"]
+    assert all(r.gbps > 0 for r in rates)
