@@ -3,7 +3,8 @@
 Each chunk is read in an executor thread as a piece of its tenant's work (tenant_work.py),
 at most ``limits.get_read_ahead`` ahead of the one being sent, fenced (reads.py): into a
 client's slot, a pooled buffer, or pinned where it lies raw in the host pool. Nothing is
-sized by a request before its chunk is known to exist.
+sized by a request before its chunk is known to exist (``Store.read_into`` takes the buffer
+only then), and a miss is one Store call, which counts it.
 """
 
 from __future__ import annotations
@@ -74,15 +75,18 @@ class ChunkReads:
                 if runs is not None:
                     _copy_views(slot_view, self.store.host_pool.views(runs))
                     return Read(chunk_bytes)
-        if not self.store.contains(key):  # nothing is sized by the request before the chunk is known to exist
-            self.store.get_blob(key)  # ... but the Store counts the miss (its policies learn from misses)
-            return None
         if payload == pb.TENSOR:
-            buf = self.pool.take(chunk_bytes)
-            out = torch.from_numpy(buf).view(getattr(torch, bound.ns.dtype)).view(bound.ns.chunk_shape)
-            if not self.store.get_into(key, out):
-                self.pool.give(buf)
+            taken = []
+
+            def take() -> torch.Tensor:  # only once the chunk is known to exist: a request sizes nothing
+                taken.append(self.pool.take(chunk_bytes))
+                return torch.from_numpy(taken[0]).view(getattr(torch, bound.ns.dtype)).view(bound.ns.chunk_shape)
+
+            if not self.store.read_into(key, take):
+                for buf in taken:
+                    self.pool.give(buf)
                 return None
+            (buf,) = taken
             if slot_view is None:
                 return Read(chunk_bytes, data=buf, pooled=buf)
             copy_bytes(slot_view, buf)

@@ -28,7 +28,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -286,10 +286,34 @@ class Store:
         self.index.check_open()
         return self._reads.read(key, out) is not None
 
-    def get_blob(self, key: ChunkKey) -> bytes | None:
-        """The verified blob (header + encoded payload) of a chunk, or None on a miss."""
+    def read_into(self, key: ChunkKey, take: Callable[[], torch.Tensor]) -> bool:
+        """``get_into`` a tensor ``take()`` gives (a contiguous CPU tensor of the chunk's shape
+        and dtype), called only once some tier holds the chunk; False on a miss, counted as
+        any. Why: a daemon reads chunks a request merely names, and sizes nothing for one that
+        does not exist, without asking the index first (a miss would then be two calls)."""
         self.index.check_open()
+
+        def checked() -> torch.Tensor:
+            out = take()
+            key.namespace.check(out, "out")
+            if not out.is_contiguous() or out.device.type != "cpu":
+                raise ValueError("out must be a contiguous CPU tensor")
+            return out
+
+        self._learn(key)
+        return self._reads.read(key, checked) is not None
+
+    def get_blob(self, key: ChunkKey) -> bytes | None:
+        """The verified blob (header + encoded payload) of a chunk, or None on a miss (counted);
+        a chunk a peer wrote on a shared tier is found as ``lookup`` finds it."""
+        self.index.check_open()
+        self._learn(key)
         return self._reads.read(key, None)
+
+    def _learn(self, key: ChunkKey) -> None:
+        """Index a chunk a peer wrote on a shared tier, if this store has none listed."""
+        if self.shared_tiers:
+            self.lookup([key])
 
     def replicas(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
         """The tiers holding each of the leading present keys (index only)."""

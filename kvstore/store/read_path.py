@@ -95,13 +95,17 @@ class ReadPath:
             entry = self.index.get(key_id)
             return [] if entry is None else [t for t in self.tiers if entry.current(t.name) is not None]
 
-    def read(self, key: ChunkKey, out: torch.Tensor | None):
+    def read(self, key: ChunkKey, out: torch.Tensor | Callable[[], torch.Tensor] | None):
         """True (``out`` filled) or the blob's bytes (``out`` None) from the fastest replica
-        that reads and verifies; None on a miss. Below the first tier, a tier with a read in
-        flight for each of its fetch workers comes after those with one free: reads of one
+        that reads and verifies; None on a miss. ``out`` may be a function giving the tensor,
+        called only once some tier holds the chunk. Below the first tier, a tier with a read
+        in flight for each of its fetch workers comes after those with one free: reads of one
         chunk each, many at once (a daemon's Gets), spread over every replica as a stream's
         do (free-tier fetching), instead of queueing on the fastest tier."""
-        for tier in self._least_busy_first(self.holding(key.id)):
+        holders = self.holding(key.id)
+        if holders and callable(out):
+            out = out()
+        for tier in self._least_busy_first(holders):
             with self._busy_lock:
                 self._busy[tier.name] = self._busy.get(tier.name, 0) + 1
             try:

@@ -37,6 +37,7 @@ def test_a_bug_is_internal_and_logged_never_invalid_argument(daemon, bug, caplog
     keys = chunk_keys(list(range(8)), ERRORS_NS)
     daemon.store.lookup = broken
     daemon.store.get_into = broken
+    daemon.store.read_into = broken
     daemon.store.pinned_payload = broken
     with caplog.at_level(logging.ERROR, logger="kvstore.daemon"):
         for transport in ("remote", "grpc"):
