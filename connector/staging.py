@@ -40,11 +40,6 @@ class StagingPool:
     def nbytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
-    @property
-    def num_out(self) -> int:
-        """Buffers taken and not given back or discarded (0 when nothing is in flight)."""
-        return self._out
-
     def take(self) -> torch.Tensor | None:
         """An idle buffer, or a fresh one; None when ``limit`` buffers are out."""
         with self._lock:

@@ -105,8 +105,8 @@ def assert_idle(llm, store):
     if llm.connector is not None:
         assert len(llm.connector.scheduler.pins) == 0
         assert len(llm.connector.scheduler.tails) == 0
-        assert llm.connector.worker.load_staging.num_out == 0
-        assert llm.connector.worker.save_staging.num_out == 0
+        assert llm.connector.worker.load_staging.outstanding == 0
+        assert llm.connector.worker.save_staging.outstanding == 0
     if store is not None:
         assert store.stats().pinned == 0
 
