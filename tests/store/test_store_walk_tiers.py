@@ -412,8 +412,10 @@ class Walk:
         self.end_read_hang()
 
     def flush(self) -> None:
+        """Copies finish once no tier hangs: a copy may read its target too (a durable re-put's
+        copy to a shared tier reads the value there whole), so a read hang ends as well."""
         self.log.append("flush")
-        self.end_write_hang()
+        self.end_hangs()
         assert self.store.flush(timeout_s=30), f"step {self.steps}: copies not done after 30 s"
 
     def restart(self, power_loss: bool, rng: random.Random) -> None:
