@@ -8,8 +8,9 @@ scattered straight from the store's pages, with no staging copy, in order on one
 (each copy uses every core already): the engine's own for a synchronous load, which would
 only wait, else a loader thread; what it does not lend is read as above. Into a GPU cache,
 lent chunks (host RAM registered for DMA) are scattered on the loader threads, group by
-group. A store that hands chunks over during a read (``HandsOverChunks``: the daemon's Client, from the daemon's host
-pool mapped here) has each group's chunks scattered as they are handed over, again with no
+group. A store that hands chunks over during a read (``HandsOverChunks``: the daemon's
+Client, from the daemon's host pool mapped here) has each group's chunks scattered as they
+are handed over (into a GPU cache, only from that memory registered for DMA), again with no
 staging copy: for a synchronous load from the daemon's host pool group after group on the
 engine's thread, so that every copy into the CPU cache runs with the engine's own threads
 (``_run_here``), else (an asynchronous load, or a remote daemon: there the loader threads

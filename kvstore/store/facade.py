@@ -280,9 +280,7 @@ class Store:
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> bool:
         """Load a chunk into ``out`` (a contiguous CPU tensor of the chunk's shape and dtype).
         False on a miss; a corrupt or failing replica is skipped for the next one."""
-        key.namespace.check(out, "out")
-        if not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError("out must be a contiguous CPU tensor")
+        _check_out(key, out)
         self.index.check_open()
         return self._reads.read(key, out) is not None
 
@@ -295,9 +293,7 @@ class Store:
 
         def checked() -> torch.Tensor:
             out = take()
-            key.namespace.check(out, "out")
-            if not out.is_contiguous() or out.device.type != "cpu":
-                raise ValueError("out must be a contiguous CPU tensor")
+            _check_out(key, out)
             return out
 
         self._learn(key)
@@ -508,3 +504,10 @@ class Store:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_out(key: ChunkKey, out: torch.Tensor) -> None:
+    """A read's destination: a contiguous CPU tensor of the chunk's shape and dtype."""
+    key.namespace.check(out, "out")
+    if not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError("out must be a contiguous CPU tensor")
