@@ -112,15 +112,17 @@ class LoadTask:
         chunks over in place is read and scattered on the calling thread alone (``_run_here``);
         one that receives each read call whole first (a remote daemon) goes to the loader
         threads, where receiving one group overlaps scattering another. Into a GPU cache every
-        group goes to the loader threads, lent or not: each thread's copies run on its own
-        stream, and two streams in flight fill the link that one leaves idle between copies."""
+        group goes to the loader threads, lent, handed over or not: each thread's copies run on
+        its own stream, and two streams in flight fill the link that one leaves idle between
+        copies (on an H200, chunks handed over from a daemon reached 30 GB/s on the calling
+        thread alone, whatever the read size, against a 55 GB/s link)."""
         if self.lends and not self.mover.cuda:
             if here:
                 self._run_lent_first(pool)
             else:
                 pool.submit(self._run_lent_first, pool)
             return
-        if self.hands_over and here and self.store.hands_over_in_place():
+        if self.hands_over and here and not self.mover.cuda and self.store.hands_over_in_place():
             chunk_bytes = self.request.chunks[0].key.namespace.chunk_bytes
             self.groups = _groups(self.request.chunks, max(1, HERE_READ_BYTES // chunk_bytes))
             self._run_here()

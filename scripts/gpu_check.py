@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -324,13 +325,14 @@ def measure_chunk_loads(device, shape: ModelShape = SHAPES[1], dtype=torch.float
 
 
 def measure_daemon_loads(device, workdir: Path, shape: ModelShape = SHAPES[1], dtype=torch.float16,
-                         chunk_tokens: int = 256, chunks: int = 64, load_workers: int = 4, rounds: int = 5
-                         ) -> list[LoadRate]:
+                         chunk_tokens: int = 256, chunks: int = 64, load_workers: int = 4, rounds: int = 5,
+                         chunks_per_read: Sequence[int] = (2, 8)) -> list[LoadRate]:
     """Chunks from a daemon on this host into a paged KV cache on ``device``, as the connector
-    loads them (connector/loads.py, ``load_workers`` loader threads, 2 chunks a read call):
-    staged (read into pinned buffers, then copied) and handed over from the daemon's shared
-    memory (registered with CUDA by ``hands_over_in_place(device)``), rounds interleaved;
-    against a pinned host -> device copy of the same bytes. Medians of ``rounds``."""
+    loads them (connector/loads.py, ``load_workers`` loader threads): staged (read into pinned
+    buffers, then copied; 2 chunks a read call, the connector's default) and handed over from
+    the daemon's shared memory (registered with CUDA by ``hands_over_in_place(device)``) with
+    each of ``chunks_per_read``, rounds interleaved; against a pinned host -> device copy of
+    the same bytes. Medians of ``rounds``."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -372,8 +374,8 @@ def measure_daemon_loads(device, workdir: Path, shape: ModelShape = SHAPES[1], d
             if not client.hands_over_in_place(device):
                 raise AssertionError(f"the client cannot hand chunks over to {device} from shared memory")
 
-            def load(handed_over: bool) -> float:
-                task = LoadTask(request, client, staging, mover, Availability(30), cond, chunks_per_read=2,
+            def load(handed_over: bool, per_read: int) -> float:
+                task = LoadTask(request, client, staging, mover, Availability(30), cond, chunks_per_read=per_read,
                                 timeout_s=120, layerwise=False)
                 task.hands_over = handed_over  # the measurement's choice, not the load's
                 kv_cache.zero_()
@@ -388,18 +390,21 @@ def measure_daemon_loads(device, workdir: Path, shape: ModelShape = SHAPES[1], d
                     raise AssertionError("a chunk loaded from the daemon differs from what it holds")
                 return seconds
 
-            times = {False: [], True: []}
+            ways = [(False, 2)] + [(True, n) for n in chunks_per_read]
+            times = {way: [] for way in ways}
             with ThreadPoolExecutor(load_workers) as pool:
                 for _ in range(rounds):
-                    for handed_over in (False, True):
-                        times[handed_over].append(load(handed_over))
+                    for way in ways:
+                        times[way].append(load(*way))
     finally:
         daemon.stop()
     limit = total / _pinned_copy_seconds(ns.chunk_shape, dtype, device, chunks, rounds) / 1e9
     rates = [LoadRate("pinned host -> device copy (limit)", 1, ns.chunk_bytes, chunks, limit, 1.0)]
-    for handed_over, path in ((False, "daemon: read into pinned staging + scatter"),
-                              (True, "daemon: handed over from registered shared memory")):
-        gbps = total / statistics.median(times[handed_over]) / 1e9
+    for way in ways:
+        handed_over, per_read = way
+        path = (f"daemon: handed over from registered shared memory, {per_read} chunks a read" if handed_over
+                else "daemon: read into pinned staging + scatter")
+        gbps = total / statistics.median(times[way]) / 1e9
         rates.append(LoadRate(path, load_workers, ns.chunk_bytes, chunks, gbps, gbps / limit))
     return rates
 

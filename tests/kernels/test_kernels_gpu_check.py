@@ -81,10 +81,11 @@ def test_chunk_load_measurement_runs_on_a_cpu(gpu_check):
 
 
 def test_daemon_load_measurement_runs_on_a_cpu(gpu_check, tmp_path):
-    """The script's daemon figures, on CPU tensors against a real daemon: both load paths
-    load every chunk, and the loaded bytes equal the daemon's."""
+    """The script's daemon figures, on CPU tensors against a real daemon: staged and handed
+    over with each read size, every chunk loads, and the loaded bytes equal the daemon's."""
     tiny = gpu_check.ModelShape("tiny", layers=2, q_heads=2, kv_heads=1, head_dim=8, block_size=16)
     rates = gpu_check.measure_daemon_loads(torch.device("cpu"), tmp_path, tiny, chunk_tokens=32, chunks=6,
-                                           load_workers=2, rounds=1)
-    assert [r.path.split(":")[0] for r in rates] == ["pinned host -> device copy (limit)", "daemon", "daemon"]
+                                           load_workers=2, rounds=1, chunks_per_read=(2, 4))
+    assert [r.path.split(":")[0] for r in rates] == ["pinned host -> device copy (limit)", "daemon", "daemon", "daemon"]
+    assert [r.path.split(", ")[-1] for r in rates[2:]] == ["2 chunks a read", "4 chunks a read"]
     assert all(r.gbps > 0 for r in rates)
