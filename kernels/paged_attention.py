@@ -14,10 +14,12 @@ import torch
 from kernels._triton import next_pow2, require_triton, tl, triton, use_triton
 
 _LOG2E = math.log2(math.e)
-# Cached tokens x head dim loaded per loop step. Several blocks per step keep more loads in
-# flight; any block size works because each token finds its own block. At sm_90, ptxas fits
-# 32 x 64 and 16 x 128 tiles in registers with 4 warps, and spills at 64 x 128.
-_TILE_ELEMENTS = 2048
+# Cached tokens x head dim loaded per loop step (64 x 128, 128 x 64). Several blocks per step
+# keep more loads in flight; any block size works because each token finds its own block. On
+# an H200 (Triton 3.6, 4 warps, 3 stages) 8192 read llama-8b-shaped KV at 0.74-0.80 of peak
+# against 0.43-0.44 with 2048 (16 x 128 tiles, which fit in registers); a sweep of 2 and 4
+# warps, 3-5 stages and 2048, 4096, 8192 found nothing better (docs/benchmarks.md "On a GPU").
+_TILE_ELEMENTS = 8192
 
 
 def paged_decode_attention_torch(
