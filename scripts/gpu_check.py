@@ -326,13 +326,14 @@ def measure_chunk_loads(device, shape: ModelShape = SHAPES[1], dtype=torch.float
 
 def measure_daemon_loads(device, workdir: Path, shape: ModelShape = SHAPES[1], dtype=torch.float16,
                          chunk_tokens: int = 256, chunks: int = 64, load_workers: int = 4, rounds: int = 5,
-                         chunks_per_read: Sequence[int] = (2, 8)) -> list[LoadRate]:
+                         chunks_per_read: Sequence[int] = (2, 8), slot_bytes: int | None = None) -> list[LoadRate]:
     """Chunks from a daemon on this host into a paged KV cache on ``device``, as the connector
     loads them (connector/loads.py, ``load_workers`` loader threads): staged (read into pinned
     buffers, then copied; 2 chunks a read call, the connector's default) and handed over from
     the daemon's shared memory (registered with CUDA by ``hands_over_in_place(device)``) with
     each of ``chunks_per_read``, rounds interleaved; against a pinned host -> device copy of
-    the same bytes. Medians of ``rounds``."""
+    the same bytes. Medians of ``rounds``. The daemon's slots are its defaults (64 of 8 MiB,
+    smaller than a llama-8b chunk) unless ``slot_bytes`` is given (16 of that size)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -352,9 +353,9 @@ def measure_daemon_loads(device, workdir: Path, shape: ModelShape = SHAPES[1], d
     total = ns.chunk_bytes * chunks
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "token").write_text("gpu-check-token\n")
+    shm = "" if slot_bytes is None else f'[shm]\nslots = 16\nslot_bytes = {slot_bytes}\n'
     (workdir / "daemon.toml").write_text(
-        f'[shm]\nslots = 16\nslot_bytes = {-(-ns.chunk_bytes // 4096) * 4096}\n'
-        f'[store.host]\ncapacity_bytes = {2 * total + (64 << 20)}\npage_bytes = {256 << 10}\n'
+        f'{shm}[store.host]\ncapacity_bytes = {2 * total + (64 << 20)}\npage_bytes = {256 << 10}\n'
         f'[store.disk]\nenabled = false\n')
     daemon = DaemonProcess(["--config", str(workdir / "daemon.toml"), "--listen", "127.0.0.1:0",
                             "--data-dir", str(workdir / "data"), "--auth-token-file", str(workdir / "token")])

@@ -81,20 +81,22 @@ class PutReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "prefix_hashes", "payload", "slots", "piece_bytes", "pool_views")
+    __slots__ = ("namespace", "prefix_hashes", "payload", "slots", "piece_bytes", "pool_views", "pool_lease")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_VIEWS_FIELD_NUMBER: _ClassVar[int]
+    POOL_LEASE_FIELD_NUMBER: _ClassVar[int]
     namespace: NamespaceSpec
     prefix_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     payload: Payload
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     piece_bytes: int
     pool_views: bool
-    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., payload: _Optional[_Union[Payload, str]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., piece_bytes: _Optional[int] = ..., pool_views: _Optional[bool] = ...) -> None: ...
+    pool_lease: int
+    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., payload: _Optional[_Union[Payload, str]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., piece_bytes: _Optional[int] = ..., pool_views: _Optional[bool] = ..., pool_lease: _Optional[int] = ...) -> None: ...
 
 class GetReply(_message.Message):
     __slots__ = ("index", "chunk_bytes", "data", "last", "pool_runs")

@@ -105,10 +105,24 @@ class Lender:
             if self.stopped:
                 return
 
-    def lend_buffers(self, outs, start: int, stop: int) -> None:
-        """Chunks that came over the socket, in fresh buffers."""
-        for index in range(start, stop):
-            self._lend(index, outs[index])
+    def lend_streamed(self, outs, pooled, pool: memoryview, base: int) -> None:
+        """The chunks of a Get without slots, in order from index ``base``: those that came as
+        bytes, in ``outs``; those named by the replies in ``pooled`` (index in ``outs`` ->
+        reply), straight from the host pool where they lie in one piece, else gathered into
+        a fresh buffer."""
+        chunk_bytes = self.ns.chunk_bytes
+        for i, out in enumerate(outs):
+            reply = pooled.get(i)
+            if reply is not None:
+                runs = merged_runs(reply.pool_runs)
+                if len(runs) == 1 and runs[0][0] + chunk_bytes <= pool.nbytes:
+                    out = pool[runs[0][0]: runs[0][0] + chunk_bytes]
+                else:
+                    out = memoryview(bytearray(chunk_bytes))
+                    copy_out([(out, reply, None)], pool)
+            elif out is None:
+                return  # the Get ended before it
+            self._lend(base + i, out)
             if self.stopped:
                 return
 
@@ -149,6 +163,27 @@ class StreamSink:
         self._buf[self._off : self._off + len(data)] = data
         self._off += len(data)
         return None
+
+    def pooled(self, reply: pb.GetReply, data_len: int) -> pb.GetReply:
+        """A reply naming the chunk's pool ranges instead of carrying its bytes: counted."""
+        if not 0 <= reply.index < len(self.outs) or data_len or not reply.last:
+            raise DaemonError(grpc.StatusCode.INTERNAL, f"pool ranges for chunk {reply.index} of {len(self.outs)} "
+                                                        f"with {data_len} bytes")
+        out = self.outs[reply.index]
+        if out is not None:
+            check_size(out, reply.chunk_bytes)
+        self.got += 1
+        return reply
+
+    def pooled_into(self, pooled) -> list:
+        """(dst, reply, None) for ``copy_out``: each pooled chunk's place in ``outs``, a new
+        buffer where none was given."""
+        placed = []
+        for index, reply in pooled.items():
+            if self.outs[index] is None:
+                self.outs[index] = memoryview(bytearray(reply.chunk_bytes))
+            placed.append((self.outs[index], reply, None))
+        return placed
 
     def done(self, reply: pb.GetReply) -> None:
         if reply.last:

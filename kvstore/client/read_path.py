@@ -113,10 +113,7 @@ class ReadPath:
                     ok = True
                     return got
             if got < len(keys) and (lender is None or lender.wants()):
-                streamed = yield from self._get_stream(keys[got:], payload, outs, got, session)
-                if lender is not None:
-                    yield Copy(lender.lend_buffers, (outs, got, got + streamed))
-                got += streamed
+                got += yield from self._get_stream(keys[got:], payload, outs, got, session, lease, lender)
             ok = True
             return got
         finally:
@@ -171,19 +168,41 @@ class ReadPath:
             yield from self._each_reply(request, session, place, copy_placed)
             return got
 
-    def _get_stream(self, keys, payload, outs, base: int, session: BulkSession | None):
+    def _get_stream(self, keys, payload, outs, base: int, session: BulkSession | None, lease: ShmLease | None,
+                    lender: Lender | None):
+        """Chunks as bytes (bulk frames, or gRPC pieces); on a bulk session with the daemon's
+        host pool mapped (``pool``), a tensor chunk raw there comes as its pool ranges instead
+        (pool views, no slot needed), read out of the pool while the daemon keeps it pinned:
+        so a chunk larger than a slot, or one of a Get that found every slot busy, is not
+        copied into a socket and out of it again. The request names the ``lease`` the pool was
+        mapped with: the daemon refuses one it does not know (mapped before a restart, the
+        pool there holds other bytes). ``lender`` is handed every chunk there."""
+        pool = lease.pool if lease is not None else None
+        pool_views = pool is not None and session is not None and payload == pb.TENSOR
         request = self.requests.keys_request(pb.GetRequest, keys, payload=payload,
-                                             piece_bytes=self.options.piece_bytes)
+                                             piece_bytes=self.options.piece_bytes, pool_views=pool_views,
+                                             pool_lease=lease.lease_id if pool_views else 0)
         sink = StreamSink(outs[base : base + len(keys)])
+        pooled: dict[int, pb.GetReply] = {}  # index in sink.outs -> reply naming pool ranges
 
         def place(reply: pb.GetReply, data_len: int):
+            if reply.pool_runs:
+                pooled[reply.index] = sink.pooled(reply, data_len)
+                return
             view = sink.take(reply, data_len, bulk=session is not None)
             if view is not None:
                 yield from session.recv_into(view)
             sink.done(reply)
 
-        yield from self._each_reply(request, session, place)
-        outs[base : base + len(keys)] = sink.outs
+        def read_pooled():  # every reply is in, and the pool ranges are still pinned
+            if lender is not None:
+                yield Copy(lender.lend_streamed, (sink.outs, pooled, pool, base))
+            elif pooled:
+                yield Copy(copy_out, (sink.pooled_into(pooled), pool))
+
+        yield from self._each_reply(request, session, place, read_pooled)
+        if lender is None:
+            outs[base : base + len(keys)] = sink.outs
         return sink.got
 
     def _each_reply(self, request: pb.GetRequest, session: BulkSession | None, place, read_pinned=None):

@@ -141,7 +141,8 @@ class ChunkReads:
         """Validate a GetRequest whose keys (``bound``) are ``keys``, then yield one ``Read``
         per chunk, in order, until the first miss. On a bulk ``channel``, chunks raw in the
         host pool come pinned; they stay so for a client that copies them out itself (pool
-        views) until its RELEASE. Anything else a chunk holds is released when the consumer
+        views: the others go into its slots, or without slots over the socket) until its
+        RELEASE. Anything else a chunk holds is released when the consumer
         asks for the next, unless the consumer took it over (``handover``)."""
         payload = request.payload
         if payload not in (pb.BLOB, pb.TENSOR):
@@ -154,11 +155,14 @@ class ChunkReads:
                 raise Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(slots)} slots for {len(keys)} keys")
             slot_bytes = bound.chunk_bytes if payload == pb.TENSOR else arena.slot_bytes
             arena.check([(s.lease_id, s.index, s.generation) for s in slots], slot_bytes, caller.name)
-        if request.pool_views and (channel is None or not slots):
-            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs slots and a bulk channel")
+        if request.pool_views and channel is None:
+            raise Fail(grpc.StatusCode.INVALID_ARGUMENT, "pool_views needs a bulk channel")
+        if request.pool_views and self.pool_path is None:
+            raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "this daemon does not share its host pool")
+        if request.pool_views and not slots:  # the slots' check names the lease otherwise
+            need_arena(self.arena).check_lease(request.pool_lease, caller.name)
         # the socket of a bulk channel sends from the pool; a client that maps it copies from it
-        holdable = payload == pb.TENSOR and channel is not None and (
-            not slots or (request.pool_views and self.pool_path is not None))
+        holdable = payload == pb.TENSOR and channel is not None and (not slots or request.pool_views)
         chunk_bytes = bound.chunk_bytes
         depth = self.limits.get_read_ahead
         order = self.read_grants.next_get()

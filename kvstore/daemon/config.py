@@ -72,7 +72,8 @@ class BulkConfig:
     hello_timeout_s: float = 3.0
     # Host-pool pages a Get pins for a client that copies them out itself (pool views) are
     # released on RELEASE, or after this long at the latest (the connection is then cut off),
-    # and a channel pins at most max_pinned_bytes at once (further chunks go into slots).
+    # and a channel pins at most max_pinned_bytes at once (further chunks go into slots, or
+    # without slots over the socket).
     pin_ttl_s: float = 30.0
     max_pinned_bytes: int = 256 << 20
     # Bytes of request frames (meta and data) all bulk sessions hold at once, counted when a

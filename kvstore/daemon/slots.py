@@ -192,6 +192,15 @@ class SlotArena:
         for lease in leases:  # a request naming a lease's slots uses it, whether or not it copies
             lease.expires = expires  # into one (a Get answered from the host pool writes none)
 
+    def check_lease(self, lease_id: int, owner: str) -> None:
+        """SlotError unless ``lease_id`` is a live lease of ``owner``; it is used now (its
+        expiry renewed). A Get answered with pool views without slots names the lease whose
+        pool mapping the client reads through, for the reason ``check`` gives."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.ended or lease.expires <= time.monotonic() or lease.owner != owner:
+            raise SlotError("stale", f"lease {lease_id} is unknown or expired")
+        lease.expires = time.monotonic() + self.lease_ttl_s
+
     @contextmanager
     def using(self, refs: list[tuple[int, int, int]], nbytes: int, owner: str):
         """Views of the referenced slots (each ``nbytes`` long), for the daemon alone inside

@@ -51,7 +51,7 @@ from kvstore.store.read_path import ReadPath
 from kvstore.store.recovery import recover
 from kvstore.store.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
 from kvstore.store.write_behind import WriteBehind
-from tiers.base import FirstTier, Tier, TierError, TierUnavailable
+from tiers.base import FirstTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -433,21 +433,7 @@ class Store:
                 for name in tiers:
                     self._io.doom(name, key.id)
                 deletes.append((key.id, tiers))
-        failed = []
-        removed: dict[str, list[bytes]] = {}
-        for key_id, tiers in deletes:
-            for name in tiers:
-                error = self._io.delete(self._by_name[name], key_id)
-                if error is not None:
-                    failed.append(f"{name}: {key_id.hex()}: {error}")
-                removed.setdefault(name, []).append(key_id)
-        for name, key_ids in removed.items():  # a deleted chunk never comes back, not even after a power loss
-            try:
-                self._by_name[name].sync_deleted(key_ids)
-            except TierError as exc:
-                failed.append(f"{name}: syncing the deletes: {exc}")
-        if failed:  # never "deleted" while a file of the chunk stays (it would come back at restart)
-            raise TierUnavailable(f"delete: {len(failed)} copies could not be removed ({'; '.join(failed[:3])})")
+        self._io.delete_chunks(deletes, self._by_name)
         return present
 
     # -- stats, integrity, close -------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """``Client.get_with``: chunks handed to a callback as read-only tensors (on the daemon's host,
-straight over its mapped host pool), in order, up to the first miss or the first refusal; and
-``Lender``'s placing of pool ranges that are one piece, split over pages, or in a slot."""
+straight over its mapped host pool), in order, up to the first miss or the first refusal, also
+for chunks larger than a slot; and ``Lender``'s placing of pool ranges that are one piece,
+split over pages, or in a slot, and of a Get without slots."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from kv_daemon import start_daemon
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client import Client
+from kvstore.client.bulk import BulkSession
 from kvstore.client.placing import Lender, merged_runs
 from kvstore.keys import ChunkKey, Namespace
 
@@ -31,6 +33,26 @@ def stored(client: Client, n: int, seed: int) -> tuple[list[ChunkKey], list[torc
     for key, kv in zip(keys, data):
         client.put(key, kv)
     return keys, data
+
+
+@pytest.fixture(scope="module")
+def small_slots(tmp_path_factory):
+    proc = start_daemon(tmp_path_factory.mktemp("small-slots"), slot_bytes="16KiB", page_bytes=4096)
+    yield proc
+    proc.stop()
+
+
+def socket_bytes(monkeypatch) -> list[int]:
+    """The bytes every bulk session of this process receives into a chunk's place from now on."""
+    got = []
+    recv_into = BulkSession.recv_into
+
+    def recorded(self, view):
+        got.append(view.nbytes)
+        return recv_into(self, view)
+
+    monkeypatch.setattr(BulkSession, "recv_into", recorded)
+    return got
 
 
 @pytest.mark.parametrize("transport", ["shm", "remote"])
@@ -76,6 +98,46 @@ def test_lender_reads_one_piece_from_the_pool_and_gathers_a_split_one_into_its_s
     tail = flat[2 * per_chunk: 2 * per_chunk + (chunk - half) // 4]
     assert torch.equal(seen[1].flatten(), torch.cat([tail, flat[per_chunk: per_chunk + half // 4]]))
     assert torch.equal(seen[2].flatten(), flat[per_chunk: 2 * per_chunk])
+
+
+def test_chunks_larger_than_a_slot_are_handed_over_from_the_pool_not_the_socket(small_slots, monkeypatch):
+    """A chunk larger than the daemon's slots (64 KiB chunks, 16 KiB slots) is read straight
+    out of the mapped pool, also by the copying reads; before, it came over the socket."""
+    received = socket_bytes(monkeypatch)
+    with Client(small_slots.addr, token_file=small_slots.token_file) as client:
+        keys, data = stored(client, 4, seed=5)
+        seen = []
+        assert client.get_with(keys, lambda i, t: seen.append((i, t.clone())) or True) == 4
+        outs = [torch.empty(PAGED_NS.chunk_shape) for _ in keys]
+        assert client.get_many_into(keys, outs) == 4
+        one = torch.empty(PAGED_NS.chunk_shape)
+        assert client.get_into(keys[2], one)
+        missing = ChunkKey(PAGED_NS, b"\xee" * 16)
+        assert client.get_with([keys[0], missing, keys[1]], lambda i, t: True) == 1
+    assert [i for i, _ in seen] == [0, 1, 2, 3] and received == []
+    for (_, got), out, want in zip(seen, outs, data):
+        assert torch.equal(got, want) and torch.equal(out, want)
+    assert torch.equal(one, data[2])
+
+
+def test_lender_of_a_get_without_slots_takes_the_pool_or_the_bytes_in_order():
+    chunk = PAGED_NS.chunk_bytes
+    values = np.arange(chunk // 2, dtype=np.float32)  # two chunks' worth of pool
+    pool = memoryview(values.tobytes())
+    half = chunk // 2
+    one_piece = pb.GetReply(index=0, chunk_bytes=chunk, pool_runs=[0, half, half, chunk - half], last=True)
+    split = pb.GetReply(index=2, chunk_bytes=chunk, pool_runs=[chunk, half, 0, chunk - half], last=True)
+    received = memoryview(bytearray(np.full(chunk // 4, 7, dtype=np.float32).tobytes()))
+    seen = {}
+    lender = Lender(PAGED_NS, lambda i, t: seen.setdefault(i, (t.clone(), t.data_ptr())) is not None)
+    lender.lend_streamed([None, received, None, None], {0: one_piece, 2: split}, pool, base=0)
+    flat = torch.from_numpy(values)
+    per_chunk = chunk // 4
+    assert sorted(seen) == [0, 1, 2] and lender.taken == 3  # the fourth never came: the prefix ends
+    assert torch.equal(seen[0][0].flatten(), flat[:per_chunk])
+    assert seen[0][1] == np.frombuffer(pool, dtype=np.uint8).ctypes.data  # in place, not copied
+    assert torch.equal(seen[1][0].flatten(), torch.full((per_chunk,), 7.0))
+    assert torch.equal(seen[2][0].flatten(), torch.cat([flat[per_chunk:per_chunk + per_chunk // 2], flat[:per_chunk // 2]]))
 
 
 def test_merged_runs_joins_adjacent_pages():

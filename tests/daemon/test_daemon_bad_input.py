@@ -2,7 +2,6 @@
 nothing half-written becomes visible, and the daemon keeps serving everyone else."""
 
 import socket
-import struct
 import threading
 import time
 
@@ -365,13 +364,23 @@ def test_pool_views_stay_pinned_until_release(stub, client):
     still_serving(client)
 
 
-def test_pool_views_need_slots_and_a_bulk_channel(stub):
+def test_pool_views_need_a_bulk_channel_and_a_lease_not_slots(stub):
+    """Pool ranges are pinned until the bulk channel's RELEASE, so a gRPC Get cannot ask for
+    them; on a bulk channel a Get without slots may (its other chunks come as bytes), naming
+    the lease it mapped the pool with: one this daemon does not know maps another pool."""
     keys, _ = keys_and_value(10)
     request = pb.GetRequest(namespace=ns_to_proto(BAD_INPUT_NS), prefix_hashes=[keys[0].prefix_hash], pool_views=True)
     assert code_of(lambda: list(stub.Get(request))) == Code.INVALID_ARGUMENT
     sock = attached(stub)
+    for unknown in (0, 12345):
+        request.pool_lease = unknown
+        sock.sendall(frame(GET, request))
+        assert bulk_error(sock) == Code.FAILED_PRECONDITION
+    request.pool_lease = stub.Lease(pb.LeaseRequest(slots=1)).lease_id
     sock.sendall(frame(GET, request))
-    assert bulk_error(sock) == Code.INVALID_ARGUMENT
+    kind, meta_len, data_len = FRAME.unpack(recv_exactly(sock, FRAME.size))
+    assert (kind, data_len) == (END, 0)  # a miss: answered, not refused
+    assert pb.CountReply.FromString(recv_exactly(sock, meta_len)).count == 0
 
 
 def test_a_bulk_client_that_stops_reading_is_cut_off(stub, client):

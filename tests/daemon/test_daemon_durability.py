@@ -7,7 +7,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.client import Client
@@ -25,9 +27,9 @@ def value(i: int) -> torch.Tensor:
         DURABILITY_NS.chunk_shape[-1], dtype=torch.float16)
 
 
-def serve(data_dir, listen="127.0.0.1:0"):
+def serve(data_dir, listen="127.0.0.1:0", config: Path | None = None):
     return DaemonProcess(["--listen", listen, "--data-dir", str(data_dir), "--host-bytes", "16MiB",
-                          "--disk-bytes", "64MiB"])
+                          "--disk-bytes", "64MiB", *(["--config", str(config)] if config else [])])
 
 
 def open_store(data_dir) -> Store:
@@ -144,14 +146,20 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_client_leased_before_a_restart_never_reads_the_new_pool_through_the_old_map(tmp_path):
+@pytest.mark.parametrize("slot_bytes", [None, "8KiB"])
+def test_a_client_leased_before_a_restart_never_reads_the_new_pool_through_the_old_map(tmp_path, slot_bytes):
     """The daemon answered a Get with pool views without checking the request's slots, so a
     client whose lease (and map of the host pool) came from before a restart copied the
     new pool's offsets out of the old pool: another chunk's bytes. Found by the SIGTERM
     storm test, once. Now a Get's slots are checked first, the stale lease is refused, and
-    the client leases again."""
+    the client leases again. With slots smaller than a chunk (8 KiB, chunks of 16 KiB) a Get
+    asks for pool views without slots, naming its lease: refused the same way."""
     keys = STORM_KEYS[:2]
-    with serve(tmp_path / "data") as daemon:
+    config = None
+    if slot_bytes:
+        config = tmp_path / "daemon.toml"
+        config.write_text(f'[shm]\nslot_bytes = "{slot_bytes}"\n')
+    with serve(tmp_path / "data", config=config) as daemon:
         addr = daemon.addr
         survivor = Client(addr, transport="shm")
         assert survivor.path == "shm"  # leased, and the old pool mapped; no bulk session yet
@@ -160,7 +168,7 @@ def test_a_client_leased_before_a_restart_never_reads_the_new_pool_through_the_o
                 writer.put(key, value(i))
         assert daemon.stop() == 0, daemon.text
     try:
-        with serve(tmp_path / "data", listen=addr) as daemon:
+        with serve(tmp_path / "data", listen=addr, config=config) as daemon:
             with Client(daemon.addr) as reader:  # keys[1], read first, takes the new pool's first pages
                 out = torch.empty(DURABILITY_NS.chunk_shape, dtype=torch.float16)
                 assert reader.get_into(keys[1], out) and torch.equal(out, value(1))
