@@ -17,7 +17,7 @@ import sys
 import threading
 
 import bench
-from kvstore.cli import parse_args, version
+from kvstore.cli.commands import parse_args, version
 from kvstore.client.errors import DaemonError
 from tiers.base import TierUnavailable
 

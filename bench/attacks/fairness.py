@@ -28,8 +28,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.attacks.target import NS, TOKENS, Target, content, keys, rss_bytes
-from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import Client, DaemonError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.wire.convert import ns_to_proto

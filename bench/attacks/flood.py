@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.attacks.target import NS, Target, content
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 
 
 @dataclass

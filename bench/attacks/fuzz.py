@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from bench.attacks.target import NS, SHARED, TOKENS, Target, keys
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.blob import encode_header
 from kvstore.client import DaemonError
 from kvstore.codecs.raw import tensor_bytes

@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.attacks.target import NS, content, keys
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client import Client, DaemonError
 from kvstore.wire.convert import ns_to_proto
 from kvstore.wire.frames import FRAME, GET, HELLO

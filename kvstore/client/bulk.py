@@ -7,7 +7,7 @@ from typing import Sequence
 
 from google.protobuf.message import DecodeError
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.effects import Close, Connect, RecvInto, Send
 from kvstore.client.errors import DaemonError, status
 from kvstore.wire.frames import CHUNK, DONE, END, ERROR, FRAME, HELLO, MAX_META_BYTES

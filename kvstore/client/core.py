@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.effects import CallsDone
 from kvstore.client.errors import DaemonError
 from kvstore.client.options import ClientOptions

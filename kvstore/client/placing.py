@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from kernels.parallel_copy import copy_pairs
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.errors import DaemonError
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.bulk import BulkSession
 from kvstore.client.effects import Copy, Rpc
 from kvstore.client.options import ClientOptions

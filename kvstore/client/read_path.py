@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.bulk import BulkSession
 from kvstore.client.effects import CancelGet, Copy, NextReply, OpenGet
 from kvstore.client.errors import DaemonError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.wire.convert import ns_to_proto
 

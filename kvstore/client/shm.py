@@ -19,7 +19,7 @@ import threading
 import time
 
 from kernels import host_register
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.wire.frames import NONCE_BYTES
 
 

@@ -10,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.core import ClientCore, channel_for
 from kvstore.client.effects import (CallsDone, CancelGet, Close, Connect, Copy, NextReply, OpenGet, RecvInto, Rpc,
                                     Send, Sleep)

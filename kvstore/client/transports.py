@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.bulk import BulkSession
 from kvstore.client.effects import Rpc
 from kvstore.client.errors import DaemonError, slots_reusable

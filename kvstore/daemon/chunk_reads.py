@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kernels.parallel_copy import copy, copy_pairs
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.blob import HEADER_BYTES, decode_header
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool

@@ -15,7 +15,7 @@ import functools
 import grpc
 import numpy as np
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, verify_blob
 from kvstore.codecs import codec_by_id
 from kvstore.daemon.admission import Admission

@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.config import ConfigError, StoreConfig, format_size
 from kvstore.daemon.auth import TokenAuth
 from kvstore.daemon.buffers import BufferPool

@@ -24,8 +24,8 @@ from copy import deepcopy
 import grpc
 import numpy as np
 
-from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import to_toml
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool

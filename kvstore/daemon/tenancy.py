@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.blob import BlobHeader, reencoded_header
 from kvstore.daemon.config import LimitsConfig
 from kvstore.daemon.errors import Fail

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
 from kvstore.wire.stats import StoreStats, TierStats
 

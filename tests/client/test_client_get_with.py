@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_daemon import start_daemon
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client import Client
 from kvstore.client.bulk import BulkSession
 from kvstore.client.placing import Lender, merged_runs

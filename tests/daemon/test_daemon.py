@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.cli import main as kvbench
 from helpers import NS
-from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.cli import main
 from kvstore.client import AsyncClient, Client, DaemonError
 from kvstore.config import load_config

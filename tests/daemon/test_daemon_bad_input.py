@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.blob import encode_header
 from kvstore.client import Client
 from kvstore.codecs.raw import tensor_bytes

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import AsyncClient, Client, DaemonError
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys

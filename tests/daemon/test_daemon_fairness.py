@@ -17,8 +17,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire._proto import kvstore_pb2 as pb
+from kvstore.wire._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import Client, DaemonError
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace, chunk_keys

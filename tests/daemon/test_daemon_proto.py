@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto.regen import GENERATED, ROOT, generate
+from kvstore.wire._proto import kvstore_pb2 as pb
+from kvstore.wire._proto.regen import GENERATED, ROOT, generate
 from kvstore.wire.convert import ns_from_proto, ns_to_proto
 from kvstore.keys import Namespace
 
@@ -14,8 +14,8 @@ def test_committed_stubs_are_up_to_date(tmp_path):
     pytest.importorskip("grpc_tools")
     fresh = generate(tmp_path)
     for path in fresh:
-        committed = ROOT / "kvstore" / "_proto" / path.name
-        assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: run python -m kvstore._proto.regen"
+        committed = ROOT / "kvstore" / "wire" / "_proto" / path.name
+        assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: run python -m kvstore.wire._proto.regen"
     assert sorted(p.name for p in fresh) == sorted(GENERATED)
 
 

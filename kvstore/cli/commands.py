@@ -47,7 +47,7 @@ def cmd_config(args) -> int:
 
 def cmd_fsck(args) -> int:
     """Verify every blob in the disk tier's directory; exit 1 if anything is bad."""
-    from kvstore.fsck import fsck  # torch: loaded only by the commands that read blobs
+    from kvstore.cli.fsck import fsck  # torch: loaded only by the commands that read blobs
 
     cfg = _load(args)
     report = fsck(cfg.disk.path, repair=args.repair)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvstore._proto import kvstore_pb2 as kvstore_dot___proto_dot_kvstore__pb2
+from kvstore.wire._proto import kvstore_pb2 as kvstore_dot_wire_dot___proto_dot_kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvstore/_proto/kvstore_pb2_grpc.py depends on'
+        + ' but the generated code in kvstore/wire/_proto/kvstore_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,88 +36,88 @@ class KVStoreStub:
         """
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PutRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PutReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PutReply.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.KVStore/Get',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.GetRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.GetReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.GetReply.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvstore.v1.KVStore/Lookup',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.Contains = channel.unary_unary(
                 '/kvstore.v1.KVStore/Contains',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ContainsReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ContainsReply.FromString,
                 _registered_method=True)
         self.Prefetch = channel.unary_unary(
                 '/kvstore.v1.KVStore/Prefetch',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/kvstore.v1.KVStore/Pin',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.PinLeading = channel.unary_unary(
                 '/kvstore.v1.KVStore/PinLeading',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/kvstore.v1.KVStore/Unpin',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvstore.v1.KVStore/Delete',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KVStore/Stats',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/kvstore.v1.KVStore/Pause',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.PauseRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PauseRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.ResumeSoon = channel.unary_unary(
                 '/kvstore.v1.KVStore/ResumeSoon',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.ResumeRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
                 _registered_method=True)
         self.Config = channel.unary_unary(
                 '/kvstore.v1.KVStore/Config',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ConfigReply.FromString,
                 _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/kvstore.v1.KVStore/Lease',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/kvstore.v1.KVStore/RenewLease',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
                 _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/kvstore.v1.KVStore/ReleaseLease',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.Empty.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.Empty.FromString,
                 _registered_method=True)
         self.BulkAttach = channel.unary_unary(
                 '/kvstore.v1.KVStore/BulkAttach',
-                request_serializer=kvstore_dot___proto_dot_kvstore__pb2.BulkAttachRequest.SerializeToString,
-                response_deserializer=kvstore_dot___proto_dot_kvstore__pb2.BulkAttachReply.FromString,
+                request_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.BulkAttachRequest.SerializeToString,
+                response_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.BulkAttachReply.FromString,
                 _registered_method=True)
 
 
@@ -249,88 +249,88 @@ def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PutRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.PutReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PutRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PutReply.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.GetRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.GetReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.GetRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.GetReply.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Contains': grpc.unary_unary_rpc_method_handler(
                     servicer.Contains,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.ContainsReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ContainsReply.SerializeToString,
             ),
             'Prefetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefetch,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PrefetchRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'PinLeading': grpc.unary_unary_rpc_method_handler(
                     servicer.PinLeading,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PinRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.StatsReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.StatsRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.StatsReply.SerializeToString,
             ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.PauseRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PauseRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'ResumeSoon': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeSoon,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ResumeRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ResumeRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.SerializeToString,
             ),
             'Config': grpc.unary_unary_rpc_method_handler(
                     servicer.Config,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.ConfigReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ConfigRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ConfigReply.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRef.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRef.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseReply.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.LeaseRef.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.Empty.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRef.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.Empty.SerializeToString,
             ),
             'BulkAttach': grpc.unary_unary_rpc_method_handler(
                     servicer.BulkAttach,
-                    request_deserializer=kvstore_dot___proto_dot_kvstore__pb2.BulkAttachRequest.FromString,
-                    response_serializer=kvstore_dot___proto_dot_kvstore__pb2.BulkAttachReply.SerializeToString,
+                    request_deserializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.BulkAttachRequest.FromString,
+                    response_serializer=kvstore_dot_wire_dot___proto_dot_kvstore__pb2.BulkAttachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,8 +358,8 @@ class KVStore:
             request_iterator,
             target,
             '/kvstore.v1.KVStore/Put',
-            kvstore_dot___proto_dot_kvstore__pb2.PutRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.PutReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PutRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PutReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,8 +385,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Get',
-            kvstore_dot___proto_dot_kvstore__pb2.GetRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.GetReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.GetRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.GetReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -412,8 +412,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Lookup',
-            kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -439,8 +439,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Contains',
-            kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.ContainsReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ContainsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -466,8 +466,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Prefetch',
-            kvstore_dot___proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -493,8 +493,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Pin',
-            kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -520,8 +520,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/PinLeading',
-            kvstore_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -547,8 +547,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Unpin',
-            kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -574,8 +574,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Delete',
-            kvstore_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -601,8 +601,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Stats',
-            kvstore_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -628,8 +628,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Pause',
-            kvstore_dot___proto_dot_kvstore__pb2.PauseRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.PauseRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -655,8 +655,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/ResumeSoon',
-            kvstore_dot___proto_dot_kvstore__pb2.ResumeRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.CountReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ResumeRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.CountReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -682,8 +682,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Config',
-            kvstore_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.ConfigReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ConfigRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.ConfigReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -709,8 +709,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Lease',
-            kvstore_dot___proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -736,8 +736,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/RenewLease',
-            kvstore_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -763,8 +763,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/ReleaseLease',
-            kvstore_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.Empty.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.LeaseRef.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -790,8 +790,8 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/BulkAttach',
-            kvstore_dot___proto_dot_kvstore__pb2.BulkAttachRequest.SerializeToString,
-            kvstore_dot___proto_dot_kvstore__pb2.BulkAttachReply.FromString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.BulkAttachRequest.SerializeToString,
+            kvstore_dot_wire_dot___proto_dot_kvstore__pb2.BulkAttachReply.FromString,
             options,
             channel_credentials,
             insecure,
