@@ -18,6 +18,7 @@ class BulkSession:
         self.sock = sock
         self.max_frame_bytes = reply.max_frame_bytes
         self.pin_ttl_s = reply.pin_ttl_s or float("inf")
+        self.max_pinned_bytes = reply.max_pinned_bytes  # one Get's pool views at most (0: unbounded)
 
     @classmethod
     def open(cls, host: str, reply: pb.BulkAttachReply):

@@ -95,7 +95,8 @@ class ReadPath:
     def _get(self, keys: list[ChunkKey], payload: int, outs: list, lender: Lender | None = None):
         """Fill ``outs`` (views to fill, or None entries replaced by buffers), or hand the
         chunks to ``lender``; returns hits. Chunks go into slots while there are free ones,
-        then over the socket."""
+        then in Gets without slots (read from the mapped pool where they lie raw there, else
+        received as bytes)."""
         lease = yield from self.transports.lease()
         session = yield from self.transports.session()
         ok = False
@@ -112,8 +113,13 @@ class ReadPath:
                 if n < len(slots):  # a miss ends the Get
                     ok = True
                     return got
-            if got < len(keys) and (lender is None or lender.wants()):
-                got += yield from self._get_stream(keys[got:], payload, outs, got, session, lease, lender)
+            per_get = self._streamed_per_get(keys[0].namespace, payload, lease, session)
+            while got < len(keys) and (lender is None or lender.wants()):
+                n = min(len(keys) - got, per_get)
+                streamed = yield from self._get_stream(keys[got : got + n], payload, outs, got, session, lease, lender)
+                got += streamed
+                if streamed < n:  # a miss ends the Get
+                    break
             ok = True
             return got
         finally:
@@ -167,6 +173,15 @@ class ReadPath:
 
             yield from self._each_reply(request, session, place, copy_placed)
             return got
+
+    @staticmethod
+    def _streamed_per_get(ns: Namespace, payload: int, lease: ShmLease | None, session: BulkSession | None) -> int:
+        """Chunks one Get without slots names: with pool views, as many as the daemon pins for
+        one Get (``BulkAttachReply.max_pinned_bytes``), since the rest would come as bytes;
+        else all."""
+        if lease is None or lease.pool is None or session is None or payload != pb.TENSOR:
+            return 1 << 62
+        return max(1, session.max_pinned_bytes // ns.chunk_bytes) if session.max_pinned_bytes else 1 << 62
 
     def _get_stream(self, keys, payload, outs, base: int, session: BulkSession | None, lease: ShmLease | None,
                     lender: Lender | None):

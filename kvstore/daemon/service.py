@@ -405,7 +405,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise Fail(grpc.StatusCode.FAILED_PRECONDITION, "the bulk channel is disabled on this daemon")
         session = self.bulk.issue(caller)
         return pb.BulkAttachReply(port=self.bulk.port, session=session.session_id, token=session.token,
-                                  max_frame_bytes=self.bulk.max_frame_bytes, pin_ttl_s=self.bulk.config.pin_ttl_s)
+                                  max_frame_bytes=self.bulk.max_frame_bytes, pin_ttl_s=self.bulk.config.pin_ttl_s,
+                                  max_pinned_bytes=self.bulk.config.max_pinned_bytes)
 
 
 def redacted(config):

@@ -120,6 +120,26 @@ def test_chunks_larger_than_a_slot_are_handed_over_from_the_pool_not_the_socket(
     assert torch.equal(one, data[2])
 
 
+def test_a_get_larger_than_one_channel_pins_is_read_from_the_pool_in_parts(tmp_path, monkeypatch):
+    """A channel pins at most ``bulk.max_pinned_bytes`` (here two 64 KiB chunks) for one Get
+    and sends the rest as bytes; the client splits a Get without slots at that bound, so
+    every chunk of six is read from the pool."""
+    daemon = start_daemon(tmp_path, slot_bytes="16KiB", extra_toml='[bulk]\nmax_pinned_bytes = "128KiB"\n')
+    received = socket_bytes(monkeypatch)
+    try:
+        with Client(daemon.addr, token_file=daemon.token_file) as client:
+            keys, data = stored(client, 6, seed=6)
+            seen = []
+            assert client.get_with(keys, lambda i, t: seen.append((i, t.clone())) or True) == 6
+            outs = [torch.empty(PAGED_NS.chunk_shape) for _ in keys]
+            assert client.get_many_into(keys, outs) == 6
+    finally:
+        daemon.stop()
+    assert [i for i, _ in seen] == list(range(6)) and received == []
+    for (_, got), out, want in zip(seen, outs, data):
+        assert torch.equal(got, want) and torch.equal(out, want)
+
+
 def test_lender_of_a_get_without_slots_takes_the_pool_or_the_bytes_in_order():
     chunk = PAGED_NS.chunk_bytes
     values = np.arange(chunk // 2, dtype=np.float32)  # two chunks' worth of pool

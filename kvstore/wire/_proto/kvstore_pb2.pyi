@@ -291,18 +291,20 @@ class BulkAttachRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkAttachReply(_message.Message):
-    __slots__ = ("port", "session", "token", "max_frame_bytes", "pin_ttl_s")
+    __slots__ = ("port", "session", "token", "max_frame_bytes", "pin_ttl_s", "max_pinned_bytes")
     PORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     port: int
     session: int
     token: bytes
     max_frame_bytes: int
     pin_ttl_s: float
-    def __init__(self, port: _Optional[int] = ..., session: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ..., pin_ttl_s: _Optional[float] = ...) -> None: ...
+    max_pinned_bytes: int
+    def __init__(self, port: _Optional[int] = ..., session: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ..., pin_ttl_s: _Optional[float] = ..., max_pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class ErrorReply(_message.Message):
     __slots__ = ("code", "message")
