@@ -25,7 +25,6 @@ from kvstore.daemon.config import LimitsConfig
 from kvstore.daemon.errors import Fail
 from kvstore.daemon.identity import Tenant
 from kvstore.daemon.metrics import DaemonMetrics
-from kvstore.daemon.quotas import Quotas
 from kvstore.daemon.read_grants import ReadGrants
 from kvstore.daemon.reads import Read, ReadAhead
 from kvstore.daemon.slots import SlotArena
@@ -55,10 +54,10 @@ def need_arena(arena: SlotArena | None) -> SlotArena:
 
 class ChunkReads:
     def __init__(self, store: Store, pool: BufferPool, arena: SlotArena | None, pool_path: str | None,
-                 limits: LimitsConfig, admission: Admission, read_grants: ReadGrants, quotas: Quotas,
-                 metrics: DaemonMetrics, work: TenantWork) -> None:
+                 limits: LimitsConfig, admission: Admission, read_grants: ReadGrants, metrics: DaemonMetrics,
+                 work: TenantWork) -> None:
         self.store, self.pool, self.arena, self.pool_path, self.limits = store, pool, arena, pool_path, limits
-        self.admission, self.read_grants, self.quotas, self.metrics, self.work = admission, read_grants, quotas, metrics, work
+        self.admission, self.read_grants, self.metrics, self.work = admission, read_grants, metrics, work
 
     def _read(self, bound: Bound, key: ChunkKey, payload: int, slot_view, hold: bool) -> Read | None:
         """Read one chunk (in an executor thread). ``hold``: answer with its pinned host-pool
@@ -197,8 +196,6 @@ class ChunkReads:
                         self.done(read)
             finally:
                 await reads.close()
-                if self.quotas.bounded(bound.owner):  # the reads may have promoted chunks
-                    await self.work.run(caller.label, self.quotas.enforce, bound.owner)
 
     def handover(self, read: Read):
         """What ``read`` holds, to release later; ``read`` itself then holds nothing."""

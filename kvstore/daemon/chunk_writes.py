@@ -61,7 +61,7 @@ class ChunkWrites:
                        f"{ns.dtype}{list(ns.chunk_shape)}")
         parts = [bound.header_for(header, payload, claimed=False), payload] if bound.rekeyed else [blob]
         stored = dataclasses.replace(header, namespace_fp=bound.ns.fingerprint) if bound.rekeyed else header
-        self.quotas.make_room(bound.owner, key, len(memoryview(blob).cast("B")))
+        self.quotas.charge(key, bound.owner)  # the Store keeps the owner within its quotas
         self.store.put_blob(key, parts, parent=parent, durable=durable, header=stored)  # parsed once, above
 
     async def put(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:

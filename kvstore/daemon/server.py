@@ -120,7 +120,7 @@ class Daemon:
             self.arena = SlotArena(s.dir, s.slots, s.slot_bytes, s.lease_ttl_s, s.max_slots_per_lease)
         if cfg.bulk.enabled and tls is None:  # the bulk channel is not encrypted
             self.bulk = BulkServer(host, cfg.bulk, cfg.limits.max_chunk_bytes, self.pool)
-        quotas = Quotas(self.store, usage)
+        quotas = Quotas(self.store, usage, credentials.all_tenants)
         self.metrics = DaemonMetrics(self.store.stats, self._gauges, {t.label: functools.partial(quotas.used, t)
                                                                      for t in credentials.all_tenants})
         options = [

@@ -86,12 +86,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.sessions = SessionBook(self.limits.max_paused_sessions_per_tenant,
                                     max_groups=self.limits.max_paused_namespaces_per_session,
                                     max_keys=self.limits.max_paused_keys_per_tenant)
-        self._background: set[asyncio.Task] = set()  # quota enforcement after prefetches
         self._certificates = config.tls_client_ca is not None
         # the host pool file same-host clients may map (LeaseReply.pool_path), if shared
         self.pool_path = store.host_pool.path if store.host_pool is not None and arena is not None else None
         self.reads = ChunkReads(store, pool, arena, self.pool_path, self.limits, self.admission,
-                                ReadGrants(io_workers(config)), quotas, metrics, self.work)
+                                ReadGrants(io_workers(config)), metrics, self.work)
         self.writes = ChunkWrites(store, pool, arena, credentials.shared, self.limits, self.admission, quotas,
                                   metrics, self.work)
 
@@ -258,34 +257,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return functools.partial(self.work.run, caller.label, self._prefetch)
 
     async def Prefetch(self, request, caller: Tenant):
-        bound, keys = await self._keys(request, caller, READ)
+        _, keys = await self._keys(request, caller, READ)
         with self.admission.admit(caller):
             futures = await self.prefetches.start(caller, keys, self._prefetcher(caller))
-            if request.wait:
-                await self._enforce_after(futures, bound.owner)
-            else:
-                self._enforce_later(futures, bound.owner)
+            if request.wait:  # the promotions kept their owner within its quota (the Store's rule)
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         return pb.CountReply(count=len(futures))
-
-    async def _enforce_after(self, futures: list, owner: Tenant) -> None:
-        """Wait for ``futures`` (promotions into host RAM), then enforce ``owner``'s quotas:
-        a promotion must not leave a tenant over its quota."""
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
-        if futures and self.quotas.bounded(owner):
-            await self.work.run(owner.label, self.quotas.enforce, owner)
-
-    def _enforce_later(self, futures: list, owner: Tenant) -> None:
-        """``_enforce_after`` in the background (a Prefetch that does not wait)."""
-        if not (futures and self.quotas.bounded(owner)):
-            return
-        task = asyncio.get_running_loop().create_task(self._enforce_after(futures, owner))
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("enforcing a quota after prefetches failed: %s", task.exception())
 
     async def Pin(self, request, caller: Tenant):
         _, keys = await self._keys(request, caller, READ)
@@ -346,13 +323,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self._lease(pin_ttl(valid_duration(request.eta_s) or 0.0))
         started = 0
         for keys in self.sessions.resume(caller.name, session, lease):
-            shared = self.credentials.shared  # a record's keys are bound: the shared tenant's say so
-            owner = shared if shared is not None and keys[0].namespace.tenant == shared.name else caller
             await self.key_rate.take(caller, len(keys))  # as a request naming them would be
             await self._served_in_pieces(caller, self.store.pin, keys, lease)
-            with self.admission.admit(caller):
+            with self.admission.admit(caller):  # the promotions keep each owner within its quota
                 futures = await self.prefetches.start(caller, keys, self._prefetcher(caller))
-            self._enforce_later(futures, owner)
             started += len(futures)
         return pb.CountReply(count=started)
 

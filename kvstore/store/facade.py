@@ -44,11 +44,13 @@ from kvstore.store.discovery import discover
 from kvstore.store.eviction import Evictor
 from kvstore.store.index import ChunkIndex, KeyLocks, StoreClosed
 from kvstore.store.integrity import check_integrity
+from kvstore.store.owner_quota import OwnerQuotas
 from kvstore.store.placement import Placement
 from kvstore.store.put_path import PutPath
 from kvstore.store.quota import ReplicaUsage
 from kvstore.store.read_path import ReadPath
 from kvstore.store.recovery import recover
+from kvstore.store.removal import Removal
 from kvstore.store.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
 from kvstore.store.write_behind import WriteBehind
 from tiers.base import FirstTier, Tier
@@ -134,8 +136,10 @@ class Store:
         parallel_copy.start()  # before the copy threads, whose lower priority threads they start inherit
         self._write_behind = WriteBehind(self.index, self._locks, self._io, first, self.replica_tiers, self._evictor,
                                          config.write_behind, max_pending)
+        self._removal = Removal(self.index, self._io, self._write_behind, self._by_name)
+        quotas = OwnerQuotas(self.index, self.index.usage, self._removal, first.name)
         self._puts = PutPath(config, self.index, self._locks, self._io, first, self.replica_tiers, self._evictor,
-                             self._write_behind, self.placement)
+                             self._write_behind, self.placement, quotas)
         # reads in flight per tier (the disk's measured where not configured): for benchmarks and logs
         self.fetch_workers = fetch_workers = {s.tier.name: max(1, s.fetch_workers) for s in setups}
         self._fetch_pools = {n: ThreadPoolExecutor(w, thread_name_prefix=f"fetch-{n}") for n, w in fetch_workers.items()}
@@ -400,41 +404,14 @@ class Store:
 
     def drop(self, keys: Sequence[ChunkKey], tier_name: str) -> int:
         """Remove one tier's copies of ``keys`` (other replicas stay), after their queued
-        copies are done; returns how many were removed. A chunk whose copy still waits on a
-        stalled tier keeps its copy here (the copy's source): before, the drop waited for it
-        with no bound, and a hung tier held every quota eviction's thread."""
-        tier = self.tier(tier_name)
-        self._write_behind.wait_moving([k.id for k in keys])
-        deletes = []
-        with self.index.lock:
-            for key in keys:
-                entry = self.index.get(key.id)
-                if entry is not None and tier_name in entry.replicas and not self._write_behind.busy(key.id):
-                    self.index.remove_replica(key.id, entry, tier_name)
-                    self._io.doom(tier_name, key.id)
-                    deletes.append(key.id)
-        for key_id in deletes:
-            self._io.delete(tier, key_id)
-        return len(deletes)
+        copies are done; returns how many were removed (kvstore/store/removal.py)."""
+        self.tier(tier_name)
+        return self._removal.drop([k.id for k in keys], tier_name)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks from every tier; returns how many were present. Returns once their
         files are gone and no copy of them is being written any more."""
-        deletes = []
-        present = 0
-        with self.index.lock:
-            self.index.check_open()
-            for key in keys:
-                entry = self.index.get(key.id)
-                if entry is None:
-                    continue
-                present += entry.readable()
-                tiers = set(self.index.pop(key.id)) | set(self._write_behind.cancel(key.id, entry))
-                for name in tiers:
-                    self._io.doom(name, key.id)
-                deletes.append((key.id, tiers))
-        self._io.delete_chunks(deletes, self._by_name)
-        return present
+        return self._removal.delete([k.id for k in keys])
 
     # -- stats, integrity, close -------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from kvstore.keys import ChunkKey
 from kvstore.store.deletes import TierIO
 from kvstore.store.eviction import Evictor
 from kvstore.store.index import ChunkIndex, Entry, KeyLocks
+from kvstore.store.owner_quota import OwnerQuotas
 from kvstore.store.placement import Placement, planned_read_bytes_per_s
 from kvstore.store.replication import TierOption, plan as replication_plan
 from kvstore.store.ticket import Ticket
@@ -42,11 +43,12 @@ Blob = SealedBlob | UnsealedBlob
 class PutPath:
     def __init__(self, config: StoreConfig, index: ChunkIndex, locks: KeyLocks, io: TierIO, first: FirstTier,
                  replica_tiers: Sequence[Tier], evictor: Evictor, write_behind: WriteBehind,
-                 placement: Placement | None) -> None:
+                 placement: Placement | None, quotas: OwnerQuotas) -> None:
         self.config = config
         self.index, self.locks, self.io, self.first = index, locks, io, first
         self.replica_tiers = list(replica_tiers)
         self.evictor, self.write_behind, self.placement = evictor, write_behind, placement
+        self.quotas = quotas  # each owner's puts and promotions stay within its quotas
 
     def put(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None, durable: bool, chosen: Codec) -> None:
         """Encode a tensor with ``chosen`` and put it (``Store.put``)."""
@@ -66,6 +68,7 @@ class PutPath:
         known once written: put meanwhile by another caller, the chunk gets a new version)."""
         header = blob.header
         ticket = Ticket() if durable else None
+        self.quotas.make_room(key_id, blob.size)
         while not self._put_once(key_id, blob, header, parent, ticket, model_id):
             pass  # the chunk changed while its copies' room was reserved: look again
         if ticket is not None:
@@ -201,6 +204,8 @@ class PutPath:
         with self.index.lock:
             if not unchanged():
                 return
+        if not self.quotas.room_for_promotion(key_id, size):
+            return  # its owner is at its quota with nothing that could leave host RAM: served from below
         try:
             self._write_first(key_id, SealedBlob(parts, header), False, unchanged, commit)
         except TierError:

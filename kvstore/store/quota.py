@@ -6,9 +6,10 @@ The Store's index reports every replica it records and every one it removes (``a
 and tier. This ledger files them under the
 key's namespace fingerprint (a key id's first 16 bytes) and counts them for the owner that
 fingerprint was ``assign``ed to (the daemon assigns a namespace when a tenant first puts
-into it; chunks recovered from disk before that count from then on). It imports nothing of
-the Store and never calls back into it: the daemon enforces a quota itself, evicting the
-``oldest`` chunks of a tenant over it before storing more.
+into it or reads it; chunks recovered from disk before that count from then on), and keeps
+each owner's quotas (``set_quotas``). It imports nothing of the Store and never calls back
+into it: the Store's put and promotion paths keep an owner within its quotas, making room
+among the ``oldest`` of its own chunks (kvstore/store/owner_quota.py).
 
 A replica counts what it occupies in its tier once the tiers' footprints are known
 (``measure``: host-RAM pages, disk blocks), not its blob bytes: before, a 192-byte blob
@@ -50,6 +51,7 @@ class ReplicaUsage:
         self._owner: dict[bytes, str] = {}
         self._namespaces: dict[bytes, Namespace] = {}
         self._footprint: dict[str, Callable[[int], int]] = {}  # tier -> bytes a blob occupies there
+        self._quotas: dict[str, dict[str, int]] = {}  # owner -> tier -> bytes it may hold there
 
     def measure(self, footprints: dict[str, Callable[[int], int]]) -> None:
         """Count each tier's replicas by ``footprints[tier](blob bytes)`` (page or block
@@ -99,6 +101,18 @@ class ReplicaUsage:
         with self._lock:
             self._owner.setdefault(ns.fingerprint, owner)
             self._namespaces.setdefault(ns.fingerprint, ns)
+
+    def set_quotas(self, owner: str, quotas: dict[str, int]) -> None:
+        """The bytes ``owner`` may hold in each tier named (0: no bound), counted as ``used``
+        counts them; the Store keeps an owner within them (kvstore/store/owner_quota.py)."""
+        with self._lock:
+            self._quotas[owner] = {t: n for t, n in quotas.items() if n and t in self._replicas}
+
+    def quotas_of(self, key_id: bytes) -> tuple[str | None, dict[str, int]]:
+        """The owner of the key's namespace and its quotas per tier ({}: none)."""
+        with self._lock:
+            owner = self._owner.get(key_id[:HASH_BYTES])
+            return owner, dict(self._quotas.get(owner, {})) if owner is not None else {}
 
     def used(self, owner: str, tier: str) -> int:
         with self._lock:

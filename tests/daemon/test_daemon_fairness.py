@@ -334,8 +334,9 @@ def test_a_tenant_at_its_host_quota_cannot_pin_other_tenants_out_of_host_ram(tmp
     (``promoted``; after a restart, before any put of the tenant, they were charged to nobody
     at all: ``restarted``), pinned them, and every put of another tenant was refused. Now a
     tenant's chunks count the pages they occupy, a namespace is its owner's from its first
-    read too, and reads that promote a tenant's chunks are followed by making room among its
-    own: what it can pin in host RAM is within its quota."""
+    read too, and a read that would promote a tenant's chunk past its quota first moves its
+    own chunks on disk out of host RAM, or is not promoted: what it can pin in host RAM is
+    within its quota."""
     text = ""
     for name, token in TOKENS.items():
         quota = 'host_bytes = "256KiB"\n' if name == "alice" else ""

@@ -1,0 +1,83 @@
+"""Keeping each owner (a daemon's tenant) within its quotas: an owner's put or promotion
+makes room among that owner's own chunks, never anybody else's.
+
+Quotas and what each owner holds per tier are the replica ledger's (kvstore/store/quota.py:
+pages and blocks as the tiers hold them, not blob bytes). Before a put, an owner that would
+go over a tier's quota loses its oldest chunks there: from the first tier (host RAM) those
+held by another tier leave it alone and the others are deleted, from a lower tier they are
+deleted; a chunk larger than the quota itself is refused (``QuotaExceeded``). A promotion
+(a chunk read from below into the first tier, by a read or a prefetch) only drops first-tier
+copies of the owner's chunks that another tier holds, and is skipped when that does not make
+room: a read never deletes an owner's data, and what an owner pins in host RAM stays within
+its quota. Limits: puts and promotions of one owner in flight at once may overshoot by their
+sizes until they end, and a chunk whose copy waits on a stalled tier stays in the first tier
+(the copy's source) until that tier moves again.
+"""
+
+from __future__ import annotations
+
+from kvstore.store.index import ChunkIndex
+from kvstore.store.quota import ReplicaUsage
+from kvstore.store.removal import Removal
+from tiers.base import TierFull
+
+
+class QuotaExceeded(TierFull):
+    """A chunk takes more of a tier than its owner's whole quota there."""
+
+
+class OwnerQuotas:
+    def __init__(self, index: ChunkIndex, usage: ReplicaUsage, removal: Removal, first: str) -> None:
+        self.index, self.usage, self.removal, self.first = index, usage, removal, first
+
+    def make_room(self, key_id: bytes, nbytes: int) -> None:
+        """Before a put of ``nbytes`` under ``key_id`` (no lock held): its owner's oldest
+        chunks leave each tier where the put would take it over its quota. A re-put adds only
+        what it is larger by."""
+        owner, quotas = self.usage.quotas_of(key_id)
+        for tier, quota in quotas.items():
+            over = self._over(owner, tier, quota, key_id, nbytes)
+            if over <= 0:
+                continue
+            victims = self.usage.oldest(owner, tier, over, skip=frozenset({key_id}))
+            ids = [k.id for k in victims]
+            if tier == self.first:
+                elsewhere = [k for k in ids if self._held_below(k)]
+                self.removal.drop(elsewhere, tier)
+                ids = [k for k in ids if k not in set(elsewhere)]
+            self.removal.delete(ids)
+
+    def room_for_promotion(self, key_id: bytes, nbytes: int) -> bool:
+        """Before a chunk read from below is copied into the first tier (no lock held):
+        whether its owner has room there, made by dropping first-tier copies of its chunks
+        that another tier holds (oldest first); False: promote nothing."""
+        owner, quotas = self.usage.quotas_of(key_id)
+        quota = quotas.get(self.first)
+        if not quota:
+            return True
+        try:
+            over = self._over(owner, self.first, quota, key_id, nbytes)
+            if over <= 0:
+                return True
+            victims = [k.id for k in self.usage.oldest(owner, self.first, over, skip=frozenset({key_id}))]
+            self.removal.drop([k for k in victims if self._held_below(k)], self.first)
+            return self._over(owner, self.first, quota, key_id, nbytes) <= 0
+        except QuotaExceeded:
+            return False
+
+    def _over(self, owner: str, tier: str, quota: int, key_id: bytes, nbytes: int) -> int:
+        """The bytes ``owner`` would hold in ``tier`` beyond ``quota`` once the chunk is there."""
+        cost = self.usage.footprint(tier, nbytes)
+        growth = cost - self.usage.held(tier, key_id)
+        if growth <= 0:
+            return 0
+        if cost > quota:
+            raise QuotaExceeded(f"a chunk of {nbytes} bytes takes {cost} bytes of {tier}, more than its owner's "
+                                f"{tier} quota ({quota} bytes)")
+        return self.usage.used(owner, tier) + growth - quota
+
+    def _held_below(self, key_id: bytes) -> bool:
+        """Whether a tier other than the first holds the chunk's current copy."""
+        with self.index.lock:
+            entry = self.index.get(key_id)
+            return entry is not None and any(entry.current(t) is not None for t in entry.replicas if t != self.first)
