@@ -100,24 +100,29 @@ def test_lender_reads_one_piece_from_the_pool_and_gathers_a_split_one_into_its_s
     assert torch.equal(seen[2].flatten(), flat[per_chunk: 2 * per_chunk])
 
 
+def read_both_ways(client: Client, keys, data) -> None:
+    """``keys`` handed over in order and copied out, each equal to ``data``."""
+    seen = []
+    assert client.get_with(keys, lambda i, t: seen.append((i, t.clone())) or True) == len(keys)
+    outs = [torch.empty(PAGED_NS.chunk_shape) for _ in keys]
+    assert client.get_many_into(keys, outs) == len(keys)
+    assert [i for i, _ in seen] == list(range(len(keys)))
+    for (_, got), out, want in zip(seen, outs, data):
+        assert torch.equal(got, want) and torch.equal(out, want)
+
+
 def test_chunks_larger_than_a_slot_are_handed_over_from_the_pool_not_the_socket(small_slots, monkeypatch):
     """A chunk larger than the daemon's slots (64 KiB chunks, 16 KiB slots) is read straight
     out of the mapped pool, also by the copying reads; before, it came over the socket."""
     received = socket_bytes(monkeypatch)
     with Client(small_slots.addr, token_file=small_slots.token_file) as client:
         keys, data = stored(client, 4, seed=5)
-        seen = []
-        assert client.get_with(keys, lambda i, t: seen.append((i, t.clone())) or True) == 4
-        outs = [torch.empty(PAGED_NS.chunk_shape) for _ in keys]
-        assert client.get_many_into(keys, outs) == 4
+        read_both_ways(client, keys, data)
         one = torch.empty(PAGED_NS.chunk_shape)
-        assert client.get_into(keys[2], one)
+        assert client.get_into(keys[2], one) and torch.equal(one, data[2])
         missing = ChunkKey(PAGED_NS, b"\xee" * 16)
         assert client.get_with([keys[0], missing, keys[1]], lambda i, t: True) == 1
-    assert [i for i, _ in seen] == [0, 1, 2, 3] and received == []
-    for (_, got), out, want in zip(seen, outs, data):
-        assert torch.equal(got, want) and torch.equal(out, want)
-    assert torch.equal(one, data[2])
+    assert received == []
 
 
 def test_a_get_larger_than_one_channel_pins_is_read_from_the_pool_in_parts(tmp_path, monkeypatch):
@@ -129,15 +134,10 @@ def test_a_get_larger_than_one_channel_pins_is_read_from_the_pool_in_parts(tmp_p
     try:
         with Client(daemon.addr, token_file=daemon.token_file) as client:
             keys, data = stored(client, 6, seed=6)
-            seen = []
-            assert client.get_with(keys, lambda i, t: seen.append((i, t.clone())) or True) == 6
-            outs = [torch.empty(PAGED_NS.chunk_shape) for _ in keys]
-            assert client.get_many_into(keys, outs) == 6
+            read_both_ways(client, keys, data)
     finally:
         daemon.stop()
-    assert [i for i, _ in seen] == list(range(6)) and received == []
-    for (_, got), out, want in zip(seen, outs, data):
-        assert torch.equal(got, want) and torch.equal(out, want)
+    assert received == []
 
 
 def test_lender_of_a_get_without_slots_takes_the_pool_or_the_bytes_in_order():
