@@ -179,21 +179,21 @@ class ReadPath:
         """Chunks one Get without slots names: with pool views, as many as the daemon pins for
         one Get (``BulkAttachReply.max_pinned_bytes``), since the rest would come as bytes;
         else all."""
-        if lease is None or lease.pool is None or session is None or payload != pb.TENSOR:
+        if not _pool_views(payload, lease, session):
             return 1 << 62
-        return max(1, session.max_pinned_bytes // ns.chunk_bytes) if session.max_pinned_bytes else 1 << 62
+        return max(1, session.max_pinned_bytes // ns.chunk_bytes)
 
     def _get_stream(self, keys, payload, outs, base: int, session: BulkSession | None, lease: ShmLease | None,
                     lender: Lender | None):
         """Chunks as bytes (bulk frames, or gRPC pieces); on a bulk session with the daemon's
-        host pool mapped (``pool``), a tensor chunk raw there comes as its pool ranges instead
+        host pool mapped (``lease.pool``), a tensor chunk raw there comes as its pool ranges instead
         (pool views, no slot needed), read out of the pool while the daemon keeps it pinned:
         so a chunk larger than a slot, or one of a Get that found every slot busy, is not
         copied into a socket and out of it again. The request names the ``lease`` the pool was
         mapped with: the daemon refuses one it does not know (mapped before a restart, the
         pool there holds other bytes). ``lender`` is handed every chunk there."""
         pool = lease.pool if lease is not None else None
-        pool_views = pool is not None and session is not None and payload == pb.TENSOR
+        pool_views = _pool_views(payload, lease, session)
         request = self.requests.keys_request(pb.GetRequest, keys, payload=payload,
                                              piece_bytes=self.options.piece_bytes, pool_views=pool_views,
                                              pool_lease=lease.lease_id if pool_views else 0)
@@ -248,3 +248,11 @@ class ReadPath:
         if request.pool_views and time.monotonic() - sent > session.pin_ttl_s * PIN_MARGIN:
             raise ConnectionError("this Get's data was read after the daemon may have unpinned it; discarded")
         yield from session.send(RELEASE)
+
+
+def _pool_views(payload: int, lease: ShmLease | None, session: BulkSession | None) -> bool:
+    """Whether a Get without slots asks for pool views: tensors, on a bulk session, with the
+    daemon's pool mapped, from a daemon that pins for a Get (one from before pool views
+    without slots, or one that pins nothing, tells 0 and gets every chunk as bytes)."""
+    return (payload == pb.TENSOR and lease is not None and lease.pool is not None and session is not None
+            and session.max_pinned_bytes > 0)

@@ -140,6 +140,20 @@ def test_a_get_larger_than_one_channel_pins_is_read_from_the_pool_in_parts(tmp_p
     assert received == []
 
 
+def test_a_daemon_that_pins_nothing_for_a_get_sends_chunks_larger_than_a_slot_as_bytes(tmp_path, monkeypatch):
+    """``bulk.max_pinned_bytes = 0`` (as a daemon from before pool views without slots tells
+    it, which refuses them): the client asks for none, and every chunk comes over the socket."""
+    daemon = start_daemon(tmp_path, slot_bytes="16KiB", extra_toml="[bulk]\nmax_pinned_bytes = 0\n")
+    received = socket_bytes(monkeypatch)
+    try:
+        with Client(daemon.addr, token_file=daemon.token_file) as client:
+            keys, data = stored(client, 3, seed=7)
+            read_both_ways(client, keys, data)
+    finally:
+        daemon.stop()
+    assert received == [PAGED_NS.chunk_bytes] * 6
+
+
 def test_lender_of_a_get_without_slots_takes_the_pool_or_the_bytes_in_order():
     chunk = PAGED_NS.chunk_bytes
     values = np.arange(chunk // 2, dtype=np.float32)  # two chunks' worth of pool
