@@ -9,7 +9,6 @@ only then), and a miss is one Store call, which counts it.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 
 import grpc
 import numpy as np
@@ -66,14 +65,15 @@ class ChunkReads:
         of the daemon's own; a slot gets a copy."""
         chunk_bytes = bound.chunk_bytes
         if payload == pb.TENSOR and (hold or slot_view is not None) and self.store.host_pool is not None:
-            pin = ExitStack()
-            runs = pin.enter_context(self.store.pinned_payload(key))
-            if runs is not None and hold:
-                return Read(chunk_bytes, pool_runs=runs, release=pin.close)
-            with pin:
-                if runs is not None:
-                    _copy_views(slot_view, self.store.host_pool.views(runs))
-                    return Read(chunk_bytes)
+            lent = self.store.lend(key)
+            if lent is not None and hold:
+                return Read(chunk_bytes, pool_runs=lent.runs, release=lent.release)
+            if lent is not None:
+                try:
+                    _copy_views(slot_view, self.store.host_pool.views(lent.runs))
+                finally:
+                    lent.release()
+                return Read(chunk_bytes)
         if payload == pb.TENSOR:
             taken = []
 
@@ -112,12 +112,10 @@ class ChunkReads:
             return []
         reads = []
         for key in keys[: room // chunk_bytes]:
-            pin = ExitStack()
-            runs = pin.enter_context(self.store.pinned_payload(key))
-            if runs is None:
-                pin.close()
+            lent = self.store.lend(key)
+            if lent is None:
                 break
-            reads.append(Read(chunk_bytes, pool_runs=runs, release=pin.close))
+            reads.append(Read(chunk_bytes, pool_runs=lent.runs, release=lent.release))
         return reads
 
     async def _read_one(self, bound: Bound, key: ChunkKey, payload: int, slot, slot_bytes: int, hold: bool,

@@ -6,7 +6,10 @@
 - ``read_path``, ``fetch``: reads, from whichever tier holds a chunk and is free;
 - ``write_behind``, ``ticket``: copies of a put to the slower tiers, after the put returned,
   and a durable put's wait for them;
-- ``eviction``, ``quota``: making room in a tier, per policy and per tenant;
+- ``eviction``: making room in a tier, by its policy;
+- ``quota``, ``owner_quota``: what each owner (a daemon's tenant) holds, and keeping it within
+  its quotas;
+- ``removal``: dropping one tier's copies, deleting a chunk everywhere;
 - ``placement``, ``replication``: which tiers and which encoding a chunk gets;
 - ``deletes``: removing a chunk's replicas from its tiers;
 - ``integrity``, ``recovery``, ``discovery``: checksums, rebuilding the index at start,

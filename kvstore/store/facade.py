@@ -48,7 +48,7 @@ from kvstore.store.owner_quota import OwnerQuotas
 from kvstore.store.placement import Placement
 from kvstore.store.put_path import PutPath
 from kvstore.store.quota import ReplicaUsage
-from kvstore.store.read_path import ReadPath
+from kvstore.store.read_path import LentChunk, ReadPath
 from kvstore.store.recovery import recover
 from kvstore.store.removal import Removal
 from kvstore.store.tier_setup import SharedIndexClient, TierSetup, budgets, build_tiers
@@ -360,15 +360,17 @@ class Store:
                 out.copy_(chunk)
         return len(arrived)
 
-    def pinned_payload(self, key: ChunkKey):
-        """Where a chunk's tensor bytes lie in the first tier's pool, pinned for the ``with``
-        block: (pool offset, length) ranges in order; None when they are not there as raw
-        bytes (absent, or encoded: use ``get_into``). Read them with ``self.host_pool.views``.
+    def lend(self, key: ChunkKey) -> LentChunk | None:
+        """The first phase of a two-phase read: where a chunk's tensor bytes lie in the first
+        tier's pool, pinned until the caller calls ``release()`` on what this returns
+        (``LentChunk``: read the ranges with ``self.host_pool.views``); None when they are not
+        there as raw bytes (absent, or encoded: use ``get_into``). Verified like any read (the
+        header always, the payload if the tier verifies payloads) and counted as a hit.
 
         Why: the daemon sends these bytes to a socket, or tells a client that maps the pool
-        where to copy them from, without a copy of its own. Verified like any read (the header
-        always, the payload if the tier verifies payloads) and counted as a hit."""
-        return self._reads.pinned_payload(self.first, key)
+        where to copy them from, and releases them once that is done, without a copy of its own."""
+        self.index.check_open()
+        return self._reads.lend(self.first, key)
 
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[torch.Tensor | None]:
@@ -379,12 +381,17 @@ class Store:
         Why: a connector that scatters a chunk into its paged cache copies the bytes once,
         not twice (store to staging buffer, staging buffer to blocks)."""
         self.index.check_open()
-        with self._reads.pinned_payload(self.first, key, contiguous=True) as runs:
-            if runs is None or runs[0][1] != key.namespace.chunk_bytes:
-                yield None
-                return
-            (view,) = self.host_pool.views(runs)
+        lent = self._reads.lend(self.first, key, contiguous=True)
+        if lent is None or lent.runs[0][1] != key.namespace.chunk_bytes:
+            if lent is not None:
+                lent.release()
+            yield None
+            return
+        try:
+            (view,) = self.host_pool.views(lent.runs)
             yield torch.frombuffer(view, dtype=key.namespace.torch_dtype).view(key.namespace.chunk_shape)
+        finally:
+            lent.release()
 
     def prepare_lending(self, device: torch.device | str) -> bool:
         """Make what ``borrow`` lends a source ``device`` copies from at the link's speed;

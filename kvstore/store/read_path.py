@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -42,6 +43,16 @@ class ReplacedBlob(Exception):
     """A shared tier's value is a whole, valid blob of the chunk, but not the one the index
     lists there: another daemon put the chunk in its own encoding (the codec is not part of
     the key) or in the same one with other bytes, or it is an older put of ours found at start."""
+
+@dataclass
+class LentChunk:
+    """A chunk's raw tensor bytes where they lie in the first tier's pool: (pool offset,
+    length) ranges in order, pinned there until ``release()`` (the second phase of a
+    two-phase read; calling it again does nothing)."""
+
+    runs: list[tuple[int, int]]
+    release: Callable[[], None]
+
 
 # promote(key id, version, blob parts, size, blob header): a hit below the first tier
 Promote = Callable[[bytes, int, list, int, BlobHeader], None]
@@ -315,11 +326,19 @@ class ReadPath:
         finally:
             job.close()
 
-    # -- the daemon's zero-copy hook ---------------------------------------------------------------
+    # -- lending: the first tier's raw bytes, pinned --------------------------------------------------
+
+    def lend(self, first: FirstTier, key: ChunkKey, contiguous: bool = False) -> LentChunk | None:
+        """``Store.lend``; with ``contiguous``, only a chunk that lies in one piece."""
+        held = ExitStack()
+        runs = held.enter_context(self._pinned(first, key, contiguous))
+        if runs is None:
+            held.close()
+            return None
+        return LentChunk(runs, held.close)
 
     @contextmanager
-    def pinned_payload(self, first: FirstTier, key: ChunkKey,
-                       contiguous: bool = False) -> Iterator[list[tuple[int, int]] | None]:
+    def _pinned(self, first: FirstTier, key: ChunkKey, contiguous: bool) -> Iterator[list[tuple[int, int]] | None]:
         pool = first.shared_pool()
         started = time.perf_counter()
         with self.index.lock:  # the copy listed now: only it is dropped if the pinned bytes fail their check

@@ -424,26 +424,26 @@ def _gathered(store, runs) -> bytes:
     return b"".join(bytes(v) for v in store.first.views(runs))
 
 
-def test_pinned_payload_names_raw_host_bytes_and_keeps_them_until_released(tmp_path):
+def test_lend_names_raw_host_bytes_and_keeps_them_until_released(tmp_path):
     keys, values = chunks(3, seed=21)
     with Store(config(tmp_path)) as store:
         store.put(keys[0], values[0])
         store.put(keys[1], values[1], codec="int8")
         hits = store.stats().tiers["host"].hits
-        with store.pinned_payload(keys[0]) as runs:
-            assert _gathered(store, runs) == values[0].numpy().tobytes()
-            store.delete(keys[:1])
-            for k, v in zip(*chunks(80, seed=22)):  # churn the pool: pinned pages are not reused
-                store.put(k, v)
-            assert _gathered(store, runs) == values[0].numpy().tobytes()
+        lent = store.lend(keys[0])
+        assert _gathered(store, lent.runs) == values[0].numpy().tobytes()
+        store.delete(keys[:1])
+        for k, v in zip(*chunks(80, seed=22)):  # churn the pool: pinned pages are not reused
+            store.put(k, v)
+        assert _gathered(store, lent.runs) == values[0].numpy().tobytes()
+        lent.release()
+        lent.release()  # twice: no harm
         assert store.stats().tiers["host"].hits == hits + 1
-        with store.pinned_payload(keys[1]) as runs:
-            assert runs is None  # encoded: only get_into can decode it
-        with store.pinned_payload(keys[2]) as runs:
-            assert runs is None  # absent
+        assert store.lend(keys[1]) is None  # encoded: only get_into can decode it
+        assert store.lend(keys[2]) is None  # absent
 
 
-def test_pinned_payload_drops_a_corrupt_header():
+def test_lend_drops_a_corrupt_header():
     keys, values = chunks(1, seed=23)
     ram_only = StoreConfig(host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
                            disk=DiskTierConfig(enabled=False))
@@ -451,8 +451,7 @@ def test_pinned_payload_drops_a_corrupt_header():
         store.put(keys[0], values[0])
         with store.first.pinned(keys[0].id) as views:
             views[0][10] ^= 0xFF  # inside the header: its checksum no longer matches
-        with store.pinned_payload(keys[0]) as runs:
-            assert runs is None
+        assert store.lend(keys[0]) is None
         assert store.stats().tiers["host"].corruptions == 1 and store.lookup(keys) == 0
 
 

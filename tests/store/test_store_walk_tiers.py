@@ -2,7 +2,7 @@
 mixed with the usual ones, on three tiers at once (host RAM, a private disk, a shared PFS
 directory), checked against a model after every step.
 
-Driven here and not there: ``borrow`` and ``pinned_payload`` held open across later steps
+Driven here and not there: ``borrow`` and ``lend`` held open across later steps
 (their bytes must not change while held, even as the key is deleted, re-put or evicted),
 ``get_blob``/``put_blob``, ``prefetch`` (promotions), ``stream(..., tiers=...)``,
 ``replicas``, ``lookup`` with pins, free-tier fetching over two replica tiers with
@@ -90,7 +90,7 @@ class Walk:
         self.must_survive = [False] * n
         self.synced_here = [False] * n
         self.outs = [torch.full(WALK_NS.chunk_shape, SENTINEL, dtype=torch.float16) for _ in range(n)]
-        self.held: list[tuple] = []  # (context manager, tensor or views, snapshot bytes, what)
+        self.held: list[tuple] = []  # (release, tensor or views, snapshot bytes, what)
         self.write_hang: Gate | None = None
         self.read_hang: tuple[str, Gate] | None = None
         self.watchdog_s = watchdog_s
@@ -177,7 +177,7 @@ class Walk:
         try:
             self.store.check_integrity()
         except AssertionError as exc:
-            # a held borrow or pinned payload keeps the pages of a value deleted or replaced
+            # a held borrow or lent chunk keeps the pages of a value deleted or replaced
             # meanwhile: the host tier counts them until they are released (by design)
             problems = str(exc).removeprefix("store integrity: ").split("; ")
             if not (self.held or self.reader) or not all(re.fullmatch(r"host: uses \d+ bytes, its values' footprints add up to \d+", p)
@@ -317,33 +317,32 @@ class Walk:
             cm.__exit__(None, None, None)
             return
         self._check(i, tensor, "borrow")
-        self.held.append((cm, tensor.view(torch.uint8).reshape(-1).numpy().data, bytes(tensor.view(torch.uint8).reshape(-1).numpy().data), f"borrow({i})"))
+        self.held.append((lambda: cm.__exit__(None, None, None), tensor.view(torch.uint8).reshape(-1).numpy().data,
+                          bytes(tensor.view(torch.uint8).reshape(-1).numpy().data), f"borrow({i})"))
 
-    def pinned_payload(self, i: int) -> None:
-        self.log.append(f"pinned_payload({i})")
-        cm = self.store.pinned_payload(self.keys[i])
-        runs = cm.__enter__()
-        if runs is None:
-            cm.__exit__(None, None, None)
+    def lend(self, i: int) -> None:
+        self.log.append(f"lend({i})")
+        lent = self.store.lend(self.keys[i])
+        if lent is None:
             return
-        views = self.store.host_pool.views(runs)
+        views = self.store.host_pool.views(lent.runs)
         data = b"".join(views)
         got = torch.frombuffer(bytearray(data), dtype=torch.float16).view(WALK_NS.chunk_shape)
-        self._check(i, got, "pinned_payload")
+        self._check(i, got, "lend")
 
         class Joined:  # every view's bytes, read again at each check
             def __bytes__(self_inner):
                 return b"".join(bytes(v) for v in views)
 
-        self.held.append((cm, Joined(), data, f"pinned_payload({i})"))
+        self.held.append((lent.release, Joined(), data, f"lend({i})"))
 
     def release(self, n: int) -> None:
         if not self.held:
             return
-        cm, view, snapshot, what = self.held.pop(n % len(self.held))
+        release, view, snapshot, what = self.held.pop(n % len(self.held))
         self.log.append(f"release({what})")
         assert bytes(view) == snapshot, f"step {self.steps}: {what}'s bytes changed while held"
-        cm.__exit__(None, None, None)
+        release()
 
     def release_all(self) -> None:
         while self.held:
@@ -544,15 +543,18 @@ class Reader(threading.Thread):
                     self.error = f"borrow of key {i}: the lent bytes changed while held"
         else:
             mark = w.since(i)
-            with store.pinned_payload(w.keys[i]) as runs:
-                if runs is None:
-                    return
-                data = b"".join(store.host_pool.views(runs))
+            lent = store.lend(w.keys[i])
+            if lent is None:
+                return
+            try:
+                data = b"".join(store.host_pool.views(lent.runs))
                 self._check(i, torch.frombuffer(bytearray(data), dtype=torch.float16).view(WALK_NS.chunk_shape), mark,
-                            "pinned_payload")
+                            "lend")
                 self.done.wait(0.002)
-                if b"".join(store.host_pool.views(runs)) != data:
-                    self.error = f"pinned_payload of key {i}: the pinned bytes changed while held"
+                if b"".join(store.host_pool.views(lent.runs)) != data:
+                    self.error = f"lend of key {i}: the pinned bytes changed while held"
+            finally:
+                lent.release()
 
 
 def step(w: Walk, rng: random.Random) -> None:
@@ -585,7 +587,7 @@ def step(w: Walk, rng: random.Random) -> None:
             w.borrow(i)
     elif r < 0.75:
         if len(w.held) < 3:
-            w.pinned_payload(i)
+            w.lend(i)
     elif r < 0.80:
         w.release(rng.randrange(8))
     elif r < 0.84:
