@@ -125,33 +125,31 @@ def test_chunks_larger_than_a_slot_are_handed_over_from_the_pool_not_the_socket(
     assert received == []
 
 
+def bytes_received_reading(tmp_path, monkeypatch, max_pinned_bytes: str, n: int, seed: int) -> list[int]:
+    """Read ``n`` stored chunks both ways from a daemon with 16 KiB slots that pins at most
+    ``max_pinned_bytes`` for a Get; the chunk bytes that came over the socket meanwhile."""
+    daemon = start_daemon(tmp_path, slot_bytes="16KiB", extra_toml=f"[bulk]\nmax_pinned_bytes = {max_pinned_bytes}\n")
+    try:
+        with Client(daemon.addr, token_file=daemon.token_file) as client:
+            keys, data = stored(client, n, seed=seed)
+            received = socket_bytes(monkeypatch)
+            read_both_ways(client, keys, data)
+    finally:
+        daemon.stop()
+    return received
+
+
 def test_a_get_larger_than_one_channel_pins_is_read_from_the_pool_in_parts(tmp_path, monkeypatch):
     """A channel pins at most ``bulk.max_pinned_bytes`` (here two 64 KiB chunks) for one Get
     and sends the rest as bytes; the client splits a Get without slots at that bound, so
     every chunk of six is read from the pool."""
-    daemon = start_daemon(tmp_path, slot_bytes="16KiB", extra_toml='[bulk]\nmax_pinned_bytes = "128KiB"\n')
-    received = socket_bytes(monkeypatch)
-    try:
-        with Client(daemon.addr, token_file=daemon.token_file) as client:
-            keys, data = stored(client, 6, seed=6)
-            read_both_ways(client, keys, data)
-    finally:
-        daemon.stop()
-    assert received == []
+    assert bytes_received_reading(tmp_path, monkeypatch, '"128KiB"', 6, seed=6) == []
 
 
 def test_a_daemon_that_pins_nothing_for_a_get_sends_chunks_larger_than_a_slot_as_bytes(tmp_path, monkeypatch):
     """``bulk.max_pinned_bytes = 0`` (as a daemon from before pool views without slots tells
     it, which refuses them): the client asks for none, and every chunk comes over the socket."""
-    daemon = start_daemon(tmp_path, slot_bytes="16KiB", extra_toml="[bulk]\nmax_pinned_bytes = 0\n")
-    received = socket_bytes(monkeypatch)
-    try:
-        with Client(daemon.addr, token_file=daemon.token_file) as client:
-            keys, data = stored(client, 3, seed=7)
-            read_both_ways(client, keys, data)
-    finally:
-        daemon.stop()
-    assert received == [PAGED_NS.chunk_bytes] * 6
+    assert bytes_received_reading(tmp_path, monkeypatch, "0", 3, seed=7) == [PAGED_NS.chunk_bytes] * 6
 
 
 def test_lender_of_a_get_without_slots_takes_the_pool_or_the_bytes_in_order():
