@@ -85,23 +85,25 @@ class Lender:
         else:
             self.stopped = True
 
+    def _pooled_view(self, reply, pool: memoryview | None, spare) -> memoryview:
+        """A reply's chunk: straight from the host pool when it lies there in one piece, else
+        gathered into ``spare()`` (or already there: a slot the daemon filled)."""
+        chunk_bytes = self.ns.chunk_bytes
+        if reply.chunk_bytes != chunk_bytes:
+            raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes, {chunk_bytes} expected")
+        runs = merged_runs(reply.pool_runs)
+        if len(runs) == 1 and pool is not None and runs[0][0] + chunk_bytes <= pool.nbytes:
+            return pool[runs[0][0]: runs[0][0] + chunk_bytes]
+        view = spare()
+        if runs:
+            copy_out([(view, reply, None)], pool)
+        return view
+
     def lend_placed(self, placed, pool: memoryview | None) -> None:
         """For each (index, reply, slot): the chunk straight from the host pool when it lies
         there in one piece, else gathered into its slot (ours again once the Get is answered)."""
-        chunk_bytes = self.ns.chunk_bytes
         for index, reply, slot in sorted(placed, key=lambda p: p[0]):
-            if reply.chunk_bytes != chunk_bytes:
-                raise DaemonError(grpc.StatusCode.INTERNAL, f"chunk of {reply.chunk_bytes} bytes, "
-                                                            f"{chunk_bytes} expected")
-            runs = merged_runs(reply.pool_runs)
-            if len(runs) == 1 and pool is not None and runs[0][0] + chunk_bytes <= pool.nbytes:
-                view = pool[runs[0][0]: runs[0][0] + chunk_bytes]
-            elif runs:
-                view = slot[:chunk_bytes]
-                copy_out([(view, reply, None)], pool)
-            else:
-                view = slot[:chunk_bytes]
-            self._lend(index, view)
+            self._lend(index, self._pooled_view(reply, pool, lambda: slot[: self.ns.chunk_bytes]))
             if self.stopped:
                 return
 
@@ -110,16 +112,10 @@ class Lender:
         bytes, in ``outs``; those named by the replies in ``pooled`` (index in ``outs`` ->
         reply), straight from the host pool where they lie in one piece, else gathered into
         a fresh buffer."""
-        chunk_bytes = self.ns.chunk_bytes
         for i, out in enumerate(outs):
             reply = pooled.get(i)
             if reply is not None:
-                runs = merged_runs(reply.pool_runs)
-                if len(runs) == 1 and runs[0][0] + chunk_bytes <= pool.nbytes:
-                    out = pool[runs[0][0]: runs[0][0] + chunk_bytes]
-                else:
-                    out = memoryview(bytearray(chunk_bytes))
-                    copy_out([(out, reply, None)], pool)
+                out = self._pooled_view(reply, pool, lambda: memoryview(bytearray(self.ns.chunk_bytes)))
             elif out is None:
                 return  # the Get ended before it
             self._lend(base + i, out)

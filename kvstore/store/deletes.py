@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, decode_header, verify_blob
 from kvstore.store.index import ChunkIndex, KeyLocks, Replica
-from tiers.base import Tier, TierError, TierUnavailable
+from tiers.base import Tier, TierError
 
 log = logging.getLogger(__name__)
 
@@ -98,27 +98,6 @@ class TierIO:
                     self._spared(tier.name, key_id)
                     return None
             return self.delete_held(tier, key_id)
-
-    def delete_chunks(self, doomed: list[tuple[bytes, set[str]]], tiers: dict[str, Tier]) -> None:
-        """Delete each (key, tier names) value doomed already, then sync each tier's deletes,
-        so a deleted chunk never comes back, not even after a power loss. Raises
-        TierUnavailable naming the copies that stayed: a chunk is never reported deleted
-        while a file of it stays (it would come back at restart)."""
-        failed = []
-        removed: dict[str, list[bytes]] = {}
-        for key_id, names in doomed:
-            for name in names:
-                error = self.delete(tiers[name], key_id)
-                if error is not None:
-                    failed.append(f"{name}: {key_id.hex()}: {error}")
-                removed.setdefault(name, []).append(key_id)
-        for name, key_ids in removed.items():
-            try:
-                tiers[name].sync_deleted(key_ids)
-            except TierError as exc:
-                failed.append(f"{name}: syncing the deletes: {exc}")
-        if failed:
-            raise TierUnavailable(f"delete: {len(failed)} copies could not be removed ({'; '.join(failed[:3])})")
 
     def delete_later(self, tier: Tier, key_id: bytes) -> None:
         """``delete`` on a background thread, for a reader: the key lock may be held by a

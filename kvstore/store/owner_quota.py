@@ -42,9 +42,9 @@ class OwnerQuotas:
             victims = self.usage.oldest(owner, tier, over, skip=frozenset({key_id}))
             ids = [k.id for k in victims]
             if tier == self.first:
-                elsewhere = [k for k in ids if self._held_below(k)]
-                self.removal.drop(elsewhere, tier)
-                ids = [k for k in ids if k not in set(elsewhere)]
+                elsewhere = {k for k in ids if self._held_below(k)}
+                self.removal.drop([k for k in ids if k in elsewhere], tier)
+                ids = [k for k in ids if k not in elsewhere]
             self.removal.delete(ids)
 
     def room_for_promotion(self, key_id: bytes, nbytes: int) -> bool:

@@ -14,7 +14,7 @@ from typing import Sequence
 from kvstore.store.deletes import TierIO
 from kvstore.store.index import ChunkIndex
 from kvstore.store.write_behind import WriteBehind
-from tiers.base import Tier
+from tiers.base import Tier, TierError, TierUnavailable
 
 
 class Removal:
@@ -57,5 +57,26 @@ class Removal:
                 for name in tiers:
                     self.io.doom(name, key_id)
                 deletes.append((key_id, tiers))
-        self.io.delete_chunks(deletes, self.tiers)
+        self._delete_values(deletes)
         return present
+
+    def _delete_values(self, doomed: list[tuple[bytes, set[str]]]) -> None:
+        """Delete each (key, tier names) value doomed already, then sync each tier's deletes,
+        so a deleted chunk never comes back, not even after a power loss. Raises
+        TierUnavailable naming the copies that stayed: a chunk is never reported deleted
+        while a file of it stays (it would come back at restart)."""
+        failed = []
+        removed: dict[str, list[bytes]] = {}
+        for key_id, names in doomed:
+            for name in names:
+                error = self.io.delete(self.tiers[name], key_id)
+                if error is not None:
+                    failed.append(f"{name}: {key_id.hex()}: {error}")
+                removed.setdefault(name, []).append(key_id)
+        for name, key_ids in removed.items():
+            try:
+                self.tiers[name].sync_deleted(key_ids)
+            except TierError as exc:
+                failed.append(f"{name}: syncing the deletes: {exc}")
+        if failed:
+            raise TierUnavailable(f"delete: {len(failed)} copies could not be removed ({'; '.join(failed[:3])})")
