@@ -132,6 +132,11 @@ class ARCPolicy(EvictionPolicy):
             self._pop(lst, key)
         self._removed.removed(key, lst, held)
 
+    def victim_rank(self, key: Hashable) -> int | None:
+        """Keys seen once (T1) before keys seen again (T2); where ``p`` would take T2 first
+        is left out."""
+        return 0 if key in self._t1 else 1 if key in self._t2 else None
+
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 

@@ -32,7 +32,9 @@ it, so a later ``on_insert`` is a new insertion. A key the policy no longer reme
 simply comes back as a new insertion.
 
 Placement also asks ``reuse_estimate(key)`` for a resident key or the key ``evict`` just
-returned: how much further use the policy expects of it, relative to a typical chunk.
+returned: how much further use the policy expects of it, relative to a typical chunk. A
+Store keeping an owner within its quota asks ``victim_rank(key)`` of that owner's keys, to
+evict among them alone in the policy's order (kvstore/store/owner_quota.py).
 
 Keys are opaque hashables. Sizes are bytes; capacity is the tier's capacity in bytes.
 """
@@ -40,7 +42,7 @@ Keys are opaque hashables. Sizes are bytes; capacity is the tier's capacity in b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Hashable
+from typing import Any, ClassVar, Hashable
 
 
 class EvictionPolicy(ABC):
@@ -89,6 +91,14 @@ class EvictionPolicy(ABC):
         """Expected further use of ``key`` relative to a typical resident chunk (1.0); 0.0
         means none. Default: no statistics, so every chunk is typical."""
         return 1.0
+
+    def victim_rank(self, key: Hashable) -> Any:
+        """Where ``key`` stands in this policy's eviction order, as a value that sorts lower
+        the sooner the key would be evicted (values of one policy compare with each other);
+        None when the key is not resident. Exact where the policy keeps one total order (LRU,
+        shadow-vote); otherwise the order the policy's evictions mostly follow. Default:
+        least expected reuse first."""
+        return self.reuse_estimate(key) if key in self else None
 
     @abstractmethod
     def __len__(self) -> int:

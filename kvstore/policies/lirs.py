@@ -137,6 +137,10 @@ class LIRSPolicy(EvictionPolicy):
             self._stack.pop(key, None)
         self._removed.removed(key, status, held)
 
+    def victim_rank(self, key: Hashable) -> int | None:
+        """Resident HIR keys before LIR keys, as ``evict`` takes them."""
+        return 0 if key in self._hir else 1 if key in self._lir else None
+
     def __len__(self) -> int:
         return len(self._lir) + len(self._hir)
 

@@ -131,6 +131,10 @@ class LRFUPolicy(EvictionPolicy):
             self._crf[key] = crf
             self._remember(key)
 
+    def victim_rank(self, key: Hashable) -> float | None:
+        """The key's priority in ``evict``'s heap (its CRF in log form plus its last access)."""
+        return self._resident.get(key)
+
     def __len__(self) -> int:
         return len(self._resident)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Hashable
 
@@ -13,14 +14,16 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._order: OrderedDict[Hashable, int] = OrderedDict()
+        self._order: OrderedDict[Hashable, int] = OrderedDict()  # key -> its latest access, least recent first
+        self._clock = itertools.count()
 
     def on_hit(self, key: Hashable) -> None:
         if key in self._order:
+            self._order[key] = next(self._clock)
             self._order.move_to_end(key)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        self._order[key] = size
+        self._order[key] = next(self._clock)
         self._order.move_to_end(key)
 
     def on_remove(self, key: Hashable, held: bool = True) -> None:
@@ -31,6 +34,9 @@ class LRUPolicy(EvictionPolicy):
             raise LookupError("no resident key to evict")
         key, _ = self._order.popitem(last=False)
         return key
+
+    def victim_rank(self, key: Hashable) -> int | None:
+        return self._order.get(key)
 
     def __len__(self) -> int:
         return len(self._order)

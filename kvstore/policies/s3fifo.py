@@ -98,6 +98,12 @@ class S3FIFOPolicy(EvictionPolicy):
             self._small_bytes -= self._small.pop(key)
         self._removed.removed(key, None if freq is None else (main, freq), held)
 
+    def victim_rank(self, key: Hashable) -> tuple[int, int] | None:
+        """Fewest hits since insertion first; among equals, the small queue's before the
+        main one's."""
+        freq = self._freq.get(key)
+        return None if freq is None else (freq, key in self._main)
+
     def __len__(self) -> int:
         return len(self._freq)
 

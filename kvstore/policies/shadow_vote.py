@@ -443,6 +443,10 @@ class ShadowVotePolicy(EvictionPolicy):
             return self._reuse.estimate(self._last_victim[1], self._last_victim[2])
         return 1.0
 
+    def victim_rank(self, key: Hashable) -> tuple | None:
+        """The key's place in ``evict``'s heap: its support, then its order among equals."""
+        return self._support.get(key)
+
     def on_remove(self, key: Hashable, held: bool = True) -> None:
         standing = None
         if key in self._resident:

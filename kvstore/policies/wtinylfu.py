@@ -120,6 +120,11 @@ class WTinyLFUPolicy(EvictionPolicy):
             self._bytes[segment] -= getattr(self, "_" + segment).pop(key)
         self._removed.removed(key, segment, held)
 
+    def victim_rank(self, key: Hashable) -> tuple[int, bool] | None:
+        """The sketch's count of the key, lowest first (TinyLFU's admission test); among
+        equals, unprotected keys first."""
+        return (self._estimate(key), key in self._protected) if key in self else None
+
     def __len__(self) -> int:
         return len(self._window) + len(self._probation) + len(self._protected)
 

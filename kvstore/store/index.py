@@ -222,6 +222,15 @@ class ChunkIndex:
             if name in entry.replicas:
                 policy.on_hit(key_id)
 
+    def eviction_order(self, tier_name: str, key_ids: list[bytes]) -> list[bytes]:
+        """``key_ids`` in the order the tier's policy would evict them (``victim_rank``); keys
+        it does not track (held: pinned, being copied or re-encoded) last, in the order given."""
+        with self.lock:
+            policy = self.policies.get(tier_name)
+            ranks = [None] * len(key_ids) if policy is None else [policy.victim_rank(k) for k in key_ids]
+        tracked = sorted((i for i, r in enumerate(ranks) if r is not None), key=ranks.__getitem__)
+        return [key_ids[i] for i in tracked] + [k for k, r in zip(key_ids, ranks) if r is None]
+
     # -- replicas -------------------------------------------------------------------------
 
     def set_replica(self, key_id: bytes, entry: Entry, tier_name: str, replica: Replica) -> None:

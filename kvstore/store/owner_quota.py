@@ -3,7 +3,8 @@ makes room among that owner's own chunks, never anybody else's.
 
 Quotas and what each owner holds per tier are the replica ledger's (kvstore/store/quota.py:
 pages and blocks as the tiers hold them, not blob bytes). Before a put, an owner that would
-go over a tier's quota loses its oldest chunks there: from the first tier (host RAM) those
+go over a tier's quota loses chunks there, those the tier's eviction policy would evict first
+among the owner's own (``ChunkIndex.eviction_order``): from the first tier (host RAM) those
 held by another tier leave it alone and the others are deleted, from a lower tier they are
 deleted; a chunk larger than the quota itself is refused (``QuotaExceeded``). A promotion
 (a chunk read from below into the first tier, by a read or a prefetch) only drops first-tier
@@ -31,16 +32,15 @@ class OwnerQuotas:
         self.index, self.usage, self.removal, self.first = index, usage, removal, first
 
     def make_room(self, key_id: bytes, nbytes: int) -> None:
-        """Before a put of ``nbytes`` under ``key_id`` (no lock held): its owner's oldest
-        chunks leave each tier where the put would take it over its quota. A re-put adds only
+        """Before a put of ``nbytes`` under ``key_id`` (no lock held): its owner's chunks
+        that the tier's policy ranks lowest leave each tier where the put would take it over its quota. A re-put adds only
         what it is larger by."""
         owner, quotas = self.usage.quotas_of(key_id)
         for tier, quota in quotas.items():
             over = self._over(owner, tier, quota, key_id, nbytes)
             if over <= 0:
                 continue
-            victims = self.usage.oldest(owner, tier, over, skip=frozenset({key_id}))
-            ids = [k.id for k in victims]
+            ids = self._victims(owner, tier, over, key_id)
             if tier == self.first:
                 elsewhere = {k for k in ids if self._held_below(k)}
                 self.removal.drop([k for k in ids if k in elsewhere], tier)
@@ -50,7 +50,7 @@ class OwnerQuotas:
     def room_for_promotion(self, key_id: bytes, nbytes: int) -> bool:
         """Before a chunk read from below is copied into the first tier (no lock held):
         whether its owner has room there, made by dropping first-tier copies of its chunks
-        that another tier holds (oldest first); False: promote nothing."""
+        that another tier holds (in the policy's order); False: promote nothing."""
         owner, quotas = self.usage.quotas_of(key_id)
         quota = quotas.get(self.first)
         if not quota:
@@ -59,11 +59,24 @@ class OwnerQuotas:
             over = self._over(owner, self.first, quota, key_id, nbytes)
             if over <= 0:
                 return True
-            victims = [k.id for k in self.usage.oldest(owner, self.first, over, skip=frozenset({key_id}))]
-            self.removal.drop([k for k in victims if self._held_below(k)], self.first)
+            self.removal.drop(self._victims(owner, self.first, over, key_id, self._held_below), self.first)
             return self._over(owner, self.first, quota, key_id, nbytes) <= 0
         except QuotaExceeded:
             return False
+
+    def _victims(self, owner: str, tier: str, nbytes: int, key_id: bytes, eligible=None) -> list[bytes]:
+        """``owner``'s chunks in ``tier`` other than ``key_id`` (and only those ``eligible``
+        says), first those the tier's policy would evict first, adding up to ``nbytes`` or
+        all there are."""
+        counted = dict(self.usage.chunks(owner, tier, skip=key_id))
+        out, total = [], 0
+        for k in self.index.eviction_order(tier, list(counted)):
+            if total >= nbytes:
+                break
+            if eligible is None or eligible(k):
+                out.append(k)
+                total += counted[k]
+        return out
 
     def _over(self, owner: str, tier: str, quota: int, key_id: bytes, nbytes: int) -> int:
         """The bytes ``owner`` would hold in ``tier`` beyond ``quota`` once the chunk is there."""

@@ -9,15 +9,15 @@ fingerprint was ``assign``ed to (the daemon assigns a namespace when a tenant fi
 into it or reads it; chunks recovered from disk before that count from then on), and keeps
 each owner's quotas (``set_quotas``). It imports nothing of the Store and never calls back
 into it: the Store's put and promotion paths keep an owner within its quotas, making room
-among the ``oldest`` of its own chunks (kvstore/store/owner_quota.py).
+among its own ``chunks`` (kvstore/store/owner_quota.py).
 
 A replica counts what it occupies in its tier once the tiers' footprints are known
 (``measure``: host-RAM pages, disk blocks), not its blob bytes: before, a 192-byte blob
 counted 192 bytes of a tenant's host quota while it held a 256 KiB page, and a tenant with
 a 1 MiB quota filled a 16 MiB host tier.
 
-Order is the order replicas were recorded (a re-put moves a chunk to the end): quotas evict
-a tenant's oldest chunks first, whatever their reads. Thread-safe; the hooks take only this
+``chunks`` lists them in the order they were recorded (a re-put moves a chunk to the end);
+which leave first is the tier's eviction policy's to say. Thread-safe; the hooks take only this
 ledger's lock, so they may be called under the Store's.
 """
 
@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kvstore.keys import HASH_BYTES, ChunkKey, Namespace
+from kvstore.keys import HASH_BYTES, Namespace
 
 
 @dataclass
@@ -49,7 +49,6 @@ class ReplicaUsage:
         self._replicas: dict[str, dict[bytes, OrderedDict[bytes, _Replica]]] = {t: {} for t in tiers}
         self._bytes: dict[str, Counter[bytes]] = {t: Counter() for t in self._replicas}  # per fingerprint
         self._owner: dict[bytes, str] = {}
-        self._namespaces: dict[bytes, Namespace] = {}
         self._footprint: dict[str, Callable[[int], int]] = {}  # tier -> bytes a blob occupies there
         self._quotas: dict[str, dict[str, int]] = {}  # owner -> tier -> bytes it may hold there
 
@@ -100,7 +99,6 @@ class ReplicaUsage:
         """Count ``ns``'s chunks for ``owner`` from now on."""
         with self._lock:
             self._owner.setdefault(ns.fingerprint, owner)
-            self._namespaces.setdefault(ns.fingerprint, ns)
 
     def set_quotas(self, owner: str, quotas: dict[str, int]) -> None:
         """The bytes ``owner`` may hold in each tier named (0: no bound), counted as ``used``
@@ -135,21 +133,12 @@ class ReplicaUsage:
             replicas = self._replicas[tier].get(key_id[:HASH_BYTES])
             return replicas is not None and key_id in replicas
 
-    def oldest(self, owner: str, tier: str, nbytes: int, skip: frozenset[bytes] = frozenset()) -> list[ChunkKey]:
-        """``owner``'s oldest chunks in ``tier`` that add up to at least ``nbytes`` (fewer if
-        it holds less), except those in ``skip``."""
+    def chunks(self, owner: str, tier: str, skip: bytes | None = None) -> list[tuple[bytes, int]]:
+        """``owner``'s chunks in ``tier`` as (key id, bytes counted), the oldest recorded first,
+        except ``skip``."""
         with self._lock:
             fps = [fp for fp, o in self._owner.items() if o == owner and fp in self._replicas[tier]]
             runs = [((r.seq, key_id, r.size) for key_id, r in self._replicas[tier][fp].items()) for fp in fps]
-            out, total = [], 0
-            for _, key_id, size in heapq.merge(*runs):
-                if total >= nbytes:
-                    break
-                if key_id in skip:
-                    continue
-                out.append(ChunkKey(self._namespaces[key_id[:HASH_BYTES]], key_id[HASH_BYTES:]))
-                total += self._cost(tier, size)
-            return out
-
+            return [(key_id, self._cost(tier, size)) for _, key_id, size in heapq.merge(*runs) if key_id != skip]
 
 NO_USAGE = ReplicaUsage(())  # tracks nothing: the Store's default

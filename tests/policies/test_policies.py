@@ -470,8 +470,8 @@ held_ops = st.lists(
 @given(ops=held_ops, capacity=st.integers(1, 20))
 def test_random_holds_and_hand_backs_keep_the_policy_consistent(name, ops, capacity):
     """Any interleaving of accesses, removals (holds), hits while held, hand-backs, deletions,
-    misses and evictions: the policy tracks exactly the owner's resident keys, evicts only
-    those, and remembers a bounded number of removed keys (3 here)."""
+    misses and evictions: the policy tracks exactly the owner's resident keys (and ranks only
+    those), evicts only those, and remembers a bounded number of removed keys (3 here)."""
     import kvstore.policies.removed as removed
 
     def size(key):
@@ -516,14 +516,18 @@ def test_random_holds_and_hand_backs_keep_the_policy_consistent(name, ops, capac
             resident.remove(victim)
         assert len(policy) == len(resident)
         assert all((k in policy) == (k in resident) for k in range(8))
+        assert all((policy.victim_rank(k) is None) == (k not in resident) for k in range(8))
         assert all(len(memory) <= 3 for memory in removed_memories(policy))
-    drained = set()
+    ranked = sorted(resident, key=policy.victim_rank)
+    drained = []
     while True:
         try:
-            drained.add(policy.evict())
+            drained.append(policy.evict())
         except LookupError:
             break
-    assert drained == resident
+    assert set(drained) == resident
+    if name in ("lru", "shadow-vote"):  # one total order: ranks say exactly what leaves first
+        assert drained == ranked
 
 
 @pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "lru"))

@@ -1,5 +1,5 @@
 """Owners kept within their quotas by the Store itself (kvstore/store/owner_quota.py): a put
-makes room among its owner's own oldest chunks, a promotion only moves out of host RAM the
+makes room among its owner's own chunks, those the tier's eviction policy ranks lowest, a promotion only moves out of host RAM the
 owner's chunks a lower tier holds, and a chunk larger than a quota is refused."""
 
 import pytest
@@ -25,10 +25,11 @@ def value(i: int) -> torch.Tensor:
     return torch.full(A.chunk_shape, float(i), dtype=torch.float16)
 
 
-def owned_store(tmp_path, host_quota: int, disk: bool) -> tuple[Store, ReplicaUsage]:
+def owned_store(tmp_path, host_quota: int, disk: bool, policy: str = "default") -> tuple[Store, ReplicaUsage]:
     usage = ReplicaUsage(["host", "disk"])
     config = StoreConfig(host=HostTierConfig(capacity_bytes=1 << 20, page_bytes=PAGE, prefault=False),
-                         disk=DiskTierConfig(enabled=disk, path=str(tmp_path), capacity_bytes=4 << 20))
+                         disk=DiskTierConfig(enabled=disk, path=str(tmp_path), capacity_bytes=4 << 20),
+                         eviction_policy=policy)
     store = Store(config, usage=usage)
     usage.measure({t.name: t.footprint for t in store.tiers})
     usage.assign(A, "alice")
@@ -48,6 +49,24 @@ def test_a_put_over_its_owners_quota_replaces_that_owners_oldest_chunks_only(tmp
             assert usage.used("alice", "host") <= 4 * CHUNK
         assert [store.contains(k) for k in mine] == [False] * 6 + [True] * 4
         assert all(store.contains(k) for k in theirs) and usage.used("bob", "host") == 3 * CHUNK
+        store.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["default", "lru"])
+def test_an_owner_at_its_quota_keeps_the_chunk_it_reads_and_loses_the_one_its_policy_ranks_last(tmp_path, policy):
+    """The oldest chunk put, read before every new put (a shared system prompt), stays; the
+    chunks never read leave, the first put first. Before, quotas evicted the oldest put,
+    whatever the reads."""
+    store, usage = owned_store(tmp_path, 3 * CHUNK, disk=False, policy=policy)
+    with store:
+        prompt, *rest = keys(A, 8)
+        store.put(prompt, value(0))
+        out = torch.empty(A.chunk_shape, dtype=torch.float16)
+        for i, k in enumerate(rest, 1):
+            assert store.get_into(prompt, out) and torch.equal(out, value(0))
+            store.put(k, value(i))
+            assert usage.used("alice", "host") <= 3 * CHUNK
+        assert [store.contains(k) for k in [prompt, *rest]] == [True] + [False] * 5 + [True] * 2
         store.check_integrity()
 
 
