@@ -1,3 +1,5 @@
+"""``python -m bench``: the kvbench command (bench/cli.py)."""
+
 import sys
 
 from bench.cli import main

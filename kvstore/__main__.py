@@ -1,3 +1,5 @@
+"""``python -m kvstore``: the kvstore command (kvstore/cli/)."""
+
 import sys
 
 from kvstore.cli import main

@@ -316,8 +316,12 @@ class Store:
             self.lookup([key])
 
     def replicas(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
-        """The tiers holding each of the leading present keys (index only)."""
-        self.lookup(keys)
+        """The tiers holding each of the leading present keys (index only; a chunk a peer wrote
+        on a shared tier is found as ``lookup`` finds it). Without shared tiers, no lookup: the
+        caller (an engine's load) looked the keys up already."""
+        self.index.check_open()
+        if self.shared_tiers:
+            self.lookup(keys)
         return self._reads.replicas(keys)
 
     def stream(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor] | None = None,
