@@ -282,11 +282,9 @@ def daemon_hits(base, setup: Setup, prompts: dict[int, list[int]], results: dict
     from connector import DaemonBackendConfig
     from kvstore.daemon.spawn import DaemonProcess
 
-    chunk_bytes = setup.chunk_tokens * kv_bytes_per_token(base)
     host_bytes = host_bytes_for(base, prompts)
-    config = setup.root / "daemon.toml"
-    config.write_text(f'[shm]\nslots = 16\nslot_bytes = {chunk_bytes + (1 << 20)}\n'
-                      f'[store.host]\ncapacity_bytes = {host_bytes}\npage_bytes = {1 << 20}\n'
+    config = setup.root / "daemon.toml"  # the daemon's own shared-memory slots, as users run it
+    config.write_text(f'[store.host]\ncapacity_bytes = {host_bytes}\npage_bytes = {1 << 20}\n'
                       f'[store.disk]\nenabled = false\n')
     with DaemonProcess(["--config", str(config), "--listen", "127.0.0.1:0"]) as daemon:
         for source, transport in (("shm", "shm"), ("remote", "remote")):

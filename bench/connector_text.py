@@ -115,10 +115,8 @@ def measure(base, setup, target: int) -> dict:
     engine = dict(num_blocks=longest // setup.block_size + 16, max_num_batched_tokens=longest + setup.block_size)
     per_token = kv_bytes_per_token(base)
     host_bytes = 2 * sum(len(p) for p in prompts.values()) * per_token + (256 << 20)
-    chunk_bytes = setup.chunk_tokens * per_token
-    config = setup.root / "text-daemon.toml"
-    config.write_text(f'[shm]\nslots = 16\nslot_bytes = {chunk_bytes + (1 << 20)}\n'
-                      f'[store.host]\ncapacity_bytes = {host_bytes}\npage_bytes = {1 << 20}\n'
+    config = setup.root / "text-daemon.toml"  # the daemon's own shared-memory slots, as users run it
+    config.write_text(f'[store.host]\ncapacity_bytes = {host_bytes}\npage_bytes = {1 << 20}\n'
                       f'[store.disk]\nenabled = false\n')
     results = {}
     with Store(setup.store_config(host_bytes, setup.root / "text-disk")) as store, \

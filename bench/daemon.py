@@ -14,8 +14,10 @@ present key is a no-op in the Store), so the host tier evicts once full. The get
 ``--batch`` consecutive chunks per call (how the connector loads a prefix: the daemon reads
 the next chunk while the previous one travels); latencies are per call, and a single-chunk
 ``get_into`` loop is reported beside it (``get_one_*``). Without ``--addr`` the benchmark starts its own daemon with
-the host tier only (the disk tier's write-behind would measure the disk, not the daemon), and
-with tenants on: a tenants file, one tenant (and bearer token) per client, each naming its
+the host tier only (the disk tier's write-behind would measure the disk, not the daemon), the
+daemon's own shared-memory slots (``[shm]`` defaults: chunks larger than a slot are read from
+the shared host pool), more of them only for more than ``DEFAULT_SLOTS / SLOTS_PER_CLIENT``
+clients, and with tenants on: a tenants file, one tenant (and bearer token) per client, each naming its
 own tenant in its namespace.
 
 ``--processes N`` then measures N client processes getting at once (each its own tenant and
@@ -45,9 +47,13 @@ from bench.limits import GB, STREAMS, memcpy_limit, socket_limit
 from bench.rounds import ROUNDS, in_turns
 from kvstore.client import Client
 from kvstore.config import parse_size
+from kvstore.daemon.config import ShmConfig
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import Namespace
 from kvstore.wire.malloc import keep_large_blocks_in_heap
+
+DEFAULT_SLOTS = ShmConfig().slots
+SLOTS_PER_CLIENT = 16  # a Get of --batch chunks takes a slot each, a put one more
 
 TOKENS = 256
 
@@ -122,7 +128,7 @@ def run(args) -> int:
         with open(config, "w") as f:
             f.write(f'listen = "127.0.0.1:0"\ntenants_file = "{tenants}"\n[store.host]\n'
                     f'capacity_bytes = {host_bytes}\n[store.disk]\nenabled = false\n'
-                    f'[shm]\nslot_bytes = {-(-chunk_bytes // 4096) * 4096 + 4096}\nslots = {max(64, 16 * clients)}\n')
+                    + (f'[shm]\nslots = {SLOTS_PER_CLIENT * clients}\n' if clients * SLOTS_PER_CLIENT > DEFAULT_SLOTS else ''))
         daemon = DaemonProcess(["--config", config])
         addr = daemon.addr
 
