@@ -4,9 +4,9 @@ makes room among that owner's own chunks, never anybody else's.
 Quotas and what each owner holds per tier are the replica ledger's (kvstore/store/quota.py:
 pages and blocks as the tiers hold them, not blob bytes). Before a put, an owner that would
 go over a tier's quota loses chunks there, those the tier's eviction policy would evict first
-among the owner's own (``ChunkIndex.eviction_order``): from the first tier (host RAM) those
-held by another tier leave it alone and the others are deleted, from a lower tier they are
-deleted; a chunk larger than the quota itself is refused (``QuotaExceeded``). A promotion
+among the owner's oldest (``ChunkIndex.eviction_order``: a chunk it keeps reading stays):
+from the first tier (host RAM) those held by another tier leave it alone and the others are
+deleted, from a lower tier they are deleted; a chunk larger than the quota itself is refused (``QuotaExceeded``). A promotion
 (a chunk read from below into the first tier, by a read or a prefetch) only drops first-tier
 copies of the owner's chunks that another tier holds, and is skipped when that does not make
 room: a read never deletes an owner's data, and what an owner pins in host RAM stays within
@@ -23,6 +23,10 @@ from kvstore.store.removal import Removal
 from tiers.base import TierFull
 
 
+CANDIDATES = 8  # the owner's oldest chunks ranked by the policy, in multiples of the room needed
+MIN_CANDIDATES = 64
+
+
 class QuotaExceeded(TierFull):
     """A chunk takes more of a tier than its owner's whole quota there."""
 
@@ -33,8 +37,8 @@ class OwnerQuotas:
 
     def make_room(self, key_id: bytes, nbytes: int) -> None:
         """Before a put of ``nbytes`` under ``key_id`` (no lock held): its owner's chunks
-        that the tier's policy ranks lowest leave each tier where the put would take it over its quota. A re-put adds only
-        what it is larger by."""
+        that the tier's policy ranks lowest leave each tier where the put would take it over
+        its quota. A re-put adds only what it is larger by."""
         owner, quotas = self.usage.quotas_of(key_id)
         for tier, quota in quotas.items():
             over = self._over(owner, tier, quota, key_id, nbytes)
@@ -66,16 +70,22 @@ class OwnerQuotas:
 
     def _victims(self, owner: str, tier: str, nbytes: int, key_id: bytes, eligible=None) -> list[bytes]:
         """``owner``'s chunks in ``tier`` other than ``key_id`` (and only those ``eligible``
-        says), first those the tier's policy would evict first, adding up to ``nbytes`` or
-        all there are."""
-        counted = dict(self.usage.chunks(owner, tier, skip=key_id))
-        out, total = [], 0
-        for k in self.index.eviction_order(tier, list(counted)):
+        says) that add up to ``nbytes`` (or all there are), those the tier's policy would
+        evict first. They are ranked among the owner's oldest (``CANDIDATES`` times what is
+        needed, at least ``MIN_CANDIDATES`` chunks), as Redis samples its LRU: a put at its
+        quota costs about what it frees, not what the owner holds; among all of them when
+        those are not enough."""
+        for window in (CANDIDATES * nbytes, None):
+            counted = dict(self.usage.oldest(owner, tier, window, at_least=MIN_CANDIDATES, skip=key_id))
+            out, total = [], 0
+            for k in self.index.eviction_order(tier, list(counted)):
+                if total >= nbytes:
+                    break
+                if eligible is None or eligible(k):
+                    out.append(k)
+                    total += counted[k]
             if total >= nbytes:
                 break
-            if eligible is None or eligible(k):
-                out.append(k)
-                total += counted[k]
         return out
 
     def _over(self, owner: str, tier: str, quota: int, key_id: bytes, nbytes: int) -> int:

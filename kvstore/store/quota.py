@@ -9,14 +9,14 @@ fingerprint was ``assign``ed to (the daemon assigns a namespace when a tenant fi
 into it or reads it; chunks recovered from disk before that count from then on), and keeps
 each owner's quotas (``set_quotas``). It imports nothing of the Store and never calls back
 into it: the Store's put and promotion paths keep an owner within its quotas, making room
-among its own ``chunks`` (kvstore/store/owner_quota.py).
+among its own ``oldest`` chunks (kvstore/store/owner_quota.py).
 
 A replica counts what it occupies in its tier once the tiers' footprints are known
 (``measure``: host-RAM pages, disk blocks), not its blob bytes: before, a 192-byte blob
 counted 192 bytes of a tenant's host quota while it held a 256 KiB page, and a tenant with
 a 1 MiB quota filled a 16 MiB host tier.
 
-``chunks`` lists them in the order they were recorded (a re-put moves a chunk to the end);
+``oldest`` lists them in the order they were recorded (a re-put moves a chunk to the end);
 which leave first is the tier's eviction policy's to say. Thread-safe; the hooks take only this
 ledger's lock, so they may be called under the Store's.
 """
@@ -133,12 +133,21 @@ class ReplicaUsage:
             replicas = self._replicas[tier].get(key_id[:HASH_BYTES])
             return replicas is not None and key_id in replicas
 
-    def chunks(self, owner: str, tier: str, skip: bytes | None = None) -> list[tuple[bytes, int]]:
-        """``owner``'s chunks in ``tier`` as (key id, bytes counted), the oldest recorded first,
-        except ``skip``."""
+    def oldest(self, owner: str, tier: str, nbytes: int | None = None, at_least: int = 0,
+               skip: bytes | None = None) -> list[tuple[bytes, int]]:
+        """``owner``'s oldest recorded chunks in ``tier`` as (key id, bytes counted), oldest
+        first, except ``skip``: enough to add up to ``nbytes`` and at least ``at_least`` of
+        them (all of them for ``nbytes=None``, or when it holds less)."""
         with self._lock:
             fps = [fp for fp, o in self._owner.items() if o == owner and fp in self._replicas[tier]]
             runs = [((r.seq, key_id, r.size) for key_id, r in self._replicas[tier][fp].items()) for fp in fps]
-            return [(key_id, self._cost(tier, size)) for _, key_id, size in heapq.merge(*runs) if key_id != skip]
+            out, total = [], 0
+            for _, key_id, size in heapq.merge(*runs):
+                if nbytes is not None and total >= nbytes and len(out) >= at_least:
+                    break
+                if key_id != skip:
+                    out.append((key_id, self._cost(tier, size)))
+                    total += out[-1][1]
+            return out
 
 NO_USAGE = ReplicaUsage(())  # tracks nothing: the Store's default

@@ -29,8 +29,10 @@ def test_the_ledger_counts_per_owner_and_gives_the_oldest_first():
     assert usage.used("alice", "host") == 100 + 101 + 102 + 103 and usage.used("bob", "host") == 1000
     usage.added("host", a[0].id, 50)  # re-encoded: a new size, and now the newest
     assert usage.used("alice", "host") == 50 + 101 + 102 + 103
-    assert usage.chunks("alice", "host") == [(a[1].id, 101), (a[2].id, 102), (a[3].id, 103), (a[0].id, 50)]
-    assert usage.chunks("alice", "host", skip=a[1].id) == [(a[2].id, 102), (a[3].id, 103), (a[0].id, 50)]
+    assert usage.oldest("alice", "host") == [(a[1].id, 101), (a[2].id, 102), (a[3].id, 103), (a[0].id, 50)]
+    assert usage.oldest("alice", "host", 150) == [(a[1].id, 101), (a[2].id, 102)]
+    assert usage.oldest("alice", "host", 150, at_least=3) == [(a[1].id, 101), (a[2].id, 102), (a[3].id, 103)]
+    assert usage.oldest("alice", "host", 150, skip=a[1].id) == [(a[2].id, 102), (a[3].id, 103)]
     usage.removed("host", a[1].id)
     usage.removed("host", a[1].id)  # twice: no harm
     assert usage.used("alice", "host") == 50 + 102 + 103 and usage.holds("host", a[2].id)

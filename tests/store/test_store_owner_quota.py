@@ -70,6 +70,25 @@ def test_an_owner_at_its_quota_keeps_the_chunk_it_reads_and_loses_the_one_its_po
         store.check_integrity()
 
 
+def test_a_put_at_its_quota_ranks_its_owners_oldest_chunks_not_all_it_holds(tmp_path, monkeypatch):
+    """Each put at the quota frees one chunk: the policy ranks a window of the owner's oldest
+    chunks (``MIN_CANDIDATES`` here), not every chunk the owner holds."""
+    from kvstore.store import owner_quota
+
+    store, usage = owned_store(tmp_path, 40 * CHUNK, disk=False)
+    monkeypatch.setattr(owner_quota, "MIN_CANDIDATES", 8)
+    ranked = []
+    with store:
+        order = store.index.eviction_order
+        monkeypatch.setattr(store.index, "eviction_order", lambda tier, ids: ranked.append(len(ids)) or order(tier, ids))
+        mine = keys(A, 50)
+        for i, k in enumerate(mine):
+            store.put(k, value(i))
+        assert len(ranked) == 10 and max(ranked) == 8
+        assert [store.contains(k) for k in mine] == [False] * 10 + [True] * 40
+        store.check_integrity()
+
+
 def test_a_promotion_moves_only_chunks_a_lower_tier_holds_and_deletes_nothing(tmp_path):
     """Reads from disk promote into host RAM; each first makes room by moving the owner's own
     chunks that are on disk out of host RAM, so every chunk stays readable and the owner stays
