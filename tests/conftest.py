@@ -58,6 +58,15 @@ def _store_integrity_checked_at_close(monkeypatch):
     monkeypatch.setattr(Store, "close", checked_close)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random llama checkpoint (engine/testing.py), made once a run, for tests of the
+    engine's and connector's code paths rather than a model's numerics."""
+    from engine.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules that run a model: on two shared cores OpenMP spinning across threads

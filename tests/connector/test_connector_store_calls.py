@@ -11,7 +11,6 @@ import torch
 
 from connector import ConnectorConfig
 from engine import LLM, EngineConfig, SamplingParams
-from engine.testing import make_tiny_checkpoint
 from kvstore.config import DiskTierConfig, HostTierConfig, StoreConfig
 from kvstore.keys import ChunkKey
 from kvstore.store import Store
@@ -25,9 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-    return LLM(path, EngineConfig(num_blocks=96, block_size=4))
+def llm(tiny_llama):
+    return LLM(tiny_llama, EngineConfig(num_blocks=96, block_size=4))
 
 
 class StoreCalls:

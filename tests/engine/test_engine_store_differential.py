@@ -38,7 +38,7 @@ import pytest
 import engine.llm
 from connector import ConnectorConfig, DaemonBackendConfig
 from engine import LLM, EngineConfig, SamplingParams
-from engine.testing import NUM_BYTES, make_tiny_checkpoint
+from engine.testing import NUM_BYTES
 from kv_daemon import start_daemon
 from kvstore.config import DiskTierConfig, HostTierConfig, ReplicationConfig, StoreConfig
 from kvstore.keys import chunk_keys
@@ -54,9 +54,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-    return LLM(path, EngineConfig(num_blocks=8, block_size=4))
+def tiny(tiny_llama):
+    return LLM(tiny_llama, EngineConfig(num_blocks=8, block_size=4))
 
 
 class Reference:
