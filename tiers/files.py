@@ -80,19 +80,25 @@ def read_fully(fd: int, outs: list[memoryview]) -> int:
 
 
 def read_fully_hashing(fd: int, outs: list[memoryview], head_bytes: int, digest, slice_bytes: int) -> int:
-    """``read_fully``, in slices of ``slice_bytes``: ``digest`` is updated with each slice past
-    the first ``head_bytes`` right after it lands, while it is still in cache."""
+    """``read_fully``, in reads of ``slice_bytes`` at file offsets that are multiples of it (the
+    first holds the ``head_bytes`` that are not hashed too): ``digest`` is updated with each
+    read's bytes past the first ``head_bytes`` right after they land, while still in cache.
+
+    Why aligned: reads of ``slice_bytes`` that started ``head_bytes`` past each boundary (a
+    header read first, alone) read at 1.1-2.3 GB/s where aligned ones read at 2.7-2.9, once
+    other reads had been through the page cache (24 files of 32 MiB, 4 in flight, after
+    ``kvbench``'s raw-read limit; the same files, the same state, in turns)."""
     total = 0
     while True:
         pending = skip(outs, total)
         if not pending:
             return total
-        window = take(pending, slice_bytes if total >= head_bytes else head_bytes - total)
+        window = take(pending, slice_bytes - total % slice_bytes)
         got = os.preadv(fd, window, total)
         if got == 0:
             return total
-        if total >= head_bytes:
-            for view in take(window, got):
+        if total + got > head_bytes:
+            for view in skip(take(window, got), max(0, head_bytes - total)):
                 digest.update(view)
         total += got
 
