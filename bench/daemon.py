@@ -17,8 +17,8 @@ the next chunk while the previous one travels); latencies are per call, and a si
 the host tier only (the disk tier's write-behind would measure the disk, not the daemon), the
 daemon's own shared-memory slots (``[shm]`` defaults: chunks larger than a slot are read from
 the shared host pool), more of them only for more than ``DEFAULT_SLOTS / SLOTS_PER_CLIENT``
-clients, and with tenants on: a tenants file, one tenant (and bearer token) per client, each naming its
-own tenant in its namespace.
+clients, and with tenants on: a tenants file, one tenant (and bearer token) per client, each
+naming its own tenant in its namespace.
 
 ``--processes N`` then measures N client processes getting at once (each its own tenant and
 chunks, started together): their aggregate GB/s against one client's.
@@ -128,7 +128,8 @@ def run(args) -> int:
         with open(config, "w") as f:
             f.write(f'listen = "127.0.0.1:0"\ntenants_file = "{tenants}"\n[store.host]\n'
                     f'capacity_bytes = {host_bytes}\n[store.disk]\nenabled = false\n'
-                    + (f'[shm]\nslots = {SLOTS_PER_CLIENT * clients}\n' if clients * SLOTS_PER_CLIENT > DEFAULT_SLOTS else ''))
+                    + (f'[shm]\nslots = {SLOTS_PER_CLIENT * clients}\n'
+                       if clients * SLOTS_PER_CLIENT > DEFAULT_SLOTS else ''))
         daemon = DaemonProcess(["--config", config])
         addr = daemon.addr
 

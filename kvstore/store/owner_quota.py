@@ -6,10 +6,10 @@ pages and blocks as the tiers hold them, not blob bytes). Before a put, an owner
 go over a tier's quota loses chunks there, those the tier's eviction policy would evict first
 among the owner's oldest (``ChunkIndex.eviction_order``: a chunk it keeps reading stays):
 from the first tier (host RAM) those held by another tier leave it alone and the others are
-deleted, from a lower tier they are deleted; a chunk larger than the quota itself is refused (``QuotaExceeded``). A promotion
-(a chunk read from below into the first tier, by a read or a prefetch) only drops first-tier
-copies of the owner's chunks that another tier holds, and is skipped when that does not make
-room: a read never deletes an owner's data, and what an owner pins in host RAM stays within
+deleted, from a lower tier they are deleted; a chunk larger than the quota itself is refused
+(``QuotaExceeded``). A promotion (a chunk read from below into the first tier, by a read or a
+prefetch) only drops first-tier copies of the owner's chunks that another tier holds, and is
+skipped when that does not make room: a read never deletes an owner's data, and what an owner pins in host RAM stays within
 its quota. Limits: puts and promotions of one owner in flight at once may overshoot by their
 sizes until they end, and a chunk whose copy waits on a stalled tier stays in the first tier
 (the copy's source) until that tier moves again.
