@@ -190,6 +190,10 @@ class WriteBehindConfig:
     stall_s: float = 10.0
     # A durable put waits this long for its copies, then raises TimeoutError (they go on).
     durable_timeout_s: float = 60.0
+    # A copy waits this long after its put before a worker takes it: a burst of puts gets the
+    # cores and the memory bandwidth to itself, and a chunk deleted meanwhile is never written.
+    # Durable puts, flushes and a host RAM that needs the chunks' pages take copies at once.
+    delay_s: float = 0.1
     # Niceness added to the copy threads (Linux, 0-19): a buffered copy costs a core while it
     # lasts, and on a machine with few cores the puts and reads beside it should get it first.
     nice: int = 19
@@ -312,6 +316,8 @@ class StoreConfig:
             raise ConfigError(f'disk.o_direct: expected true, false or "auto", got {self.disk.o_direct!r}')
         if self.disk.fetch_workers < 0:
             raise ConfigError(f"disk.fetch_workers: must be 0 (measured) or positive, got {self.disk.fetch_workers}")
+        if not self.write_behind.delay_s >= 0:
+            raise ConfigError(f"write_behind.delay_s: must be 0 or more, got {self.write_behind.delay_s}")
         if self.write_behind.workers < 1 or self.prefetch_max_inflight < 1:
             raise ConfigError("write_behind.workers and prefetch_max_inflight must be at least 1")
         if not 0 <= self.write_behind.nice <= 19:

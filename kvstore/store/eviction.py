@@ -10,6 +10,7 @@ lock, if nothing changed meanwhile.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,13 +27,16 @@ log = logging.getLogger(__name__)
 
 class CopiesInFlight(Protocol):
     """Copies written behind, whose chunks the first tier holds until they are done
-    (kvstore/store/write_behind.py); both calls with the index lock held."""
+    (kvstore/store/write_behind.py); each call with the index lock held."""
 
     def shed_stalled(self) -> bool:
         """Drop the copies waiting for stalled tiers; whether any was dropped."""
 
     def progressing(self) -> bool:
         """Whether copies are queued on a tier that is not stalled."""
+
+    def hurry(self) -> AbstractContextManager[None]:
+        """While inside, copies are taken without their delay (they hold the room needed)."""
 
 
 @dataclass
@@ -101,7 +105,8 @@ class Evictor:
                     if held and copies.shed_stalled():
                         continue  # their chunks are evictable now
                     if held and copies.progressing():
-                        index.changed.wait(timeout=1.0)  # what is evictable waits for its copies
+                        with copies.hurry():  # what is evictable waits for its copies
+                            index.changed.wait(timeout=1.0)
                         index.expire_pins()
                         continue
                     raise TierFull(f"{tier.name}: cannot make room for {need} bytes (the rest is pinned, in use, "

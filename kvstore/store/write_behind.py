@@ -16,6 +16,11 @@ blob. Per tier:
   made a burst that fit in host RAM wait for the disk once the fraction was queued (issue
   #37). ``max_pending_bytes`` (default: the first tier's capacity) caps a queue below that
   where a user sets it: a put waits for room in it while the tier makes progress.
+- A copy waits ``delay_s`` after its put before a worker takes it, so that a burst of puts
+  has the memory bandwidth and the cores to itself (a copy written beside it halved the
+  burst's speed and tripled its P99, issue #37), and a chunk deleted or replaced meanwhile
+  is never written. Nothing waits on the delay: a durable put's copy, a flush, a drop, an
+  eviction that needs a chunk's first-tier pages (``hurry``) and closing take copies at once.
 - A tier is stalled when it has copies in flight and has finished none for ``stall_s``
   since it took them on (a hung mount, a Redis that stopped answering). The clock runs only
   while the tier holds work: queue room a put holds while it waits elsewhere, or copies
@@ -47,9 +52,9 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from kvstore.blob import CorruptBlob, decode_header, reencoded_header, verify_blob
 from kvstore.codecs import Codec, codec_by_id
@@ -68,6 +73,7 @@ class CopyJob:
     key_id: bytes
     entry: Entry
     size: int  # bytes counted against the queue's room
+    due: float  # time.monotonic() from which a worker takes it without being hurried
     tickets: list[Ticket] = field(default_factory=list)
 
 
@@ -113,6 +119,8 @@ class WriteBehind:
         self.queues = {t.name: _Queue(t) for t in tiers}
         self.max_pending_bytes = max_pending_bytes
         self.stall_s = config.stall_s
+        self.delay_s = config.delay_s
+        self._hurry = 0  # callers waiting for copies: workers take them without their delay
         self._nice = config.nice
         self._closing = False
         self.dropped = 0
@@ -140,7 +148,8 @@ class WriteBehind:
                 while q.pending_bytes > 0 and q.pending_bytes + size > self.max_pending_bytes:
                     if self._stalled(q, time.monotonic()):
                         break
-                    self.index.changed.wait(timeout=max(self.stall_s / 4, 0.01))
+                    with self.hurry():
+                        self.index.changed.wait(timeout=max(self.stall_s / 4, 0.01))
                     self.index.check_open()
                 (reserved if self._take(q, size) else stalled).append(name)
         return Reservation(size, reserved, stalled)
@@ -202,7 +211,8 @@ class WriteBehind:
                     q.pending_bytes += entry.size - job.size
                     job.size = entry.size
                 elif reserved:
-                    job = q.waiting[key_id] = CopyJob(key_id, entry, reservation.size)
+                    job = q.waiting[key_id] = CopyJob(key_id, entry, reservation.size, time.monotonic() + self.delay_s)
+                    q.waiting.move_to_end(key_id)  # the queue stays in the order of due times
                     self.index.copy_queued(key_id, entry)
                     reserved = False  # the room is the job's now
                 else:
@@ -215,6 +225,8 @@ class WriteBehind:
             if job is not None and ticket is not None:
                 job.tickets.append(ticket)
                 ticket.expect()
+                if key_id in q.waiting:  # a durable put waits for it: it goes first, at once
+                    q.waiting.move_to_end(key_id, last=False)
         reservation.tiers = []
         self.index.sync(key_id, entry)
         self.index.changed.notify_all()
@@ -270,19 +282,38 @@ class WriteBehind:
     # -- workers ----------------------------------------------------------------------------
 
     def _next(self, q: _Queue) -> CopyJob | None:
-        """The oldest waiting job whose key has none running (lock held); None when closing
-        and nothing is left."""
+        """The first waiting job that is due (or waited for) whose key has none running (lock
+        held); None when closing and nothing is left. Durable puts' jobs lead the queue, the
+        rest follow in the order they fall due."""
         while True:
+            now = time.monotonic()
+            hurried = self._hurry > 0 or self._closing
+            wake = None
             for key_id, job in q.waiting.items():
-                if key_id not in q.running:
-                    del q.waiting[key_id]
-                    if not q.running:
-                        q.last_progress = time.monotonic()  # the stall clock runs while copies are in flight
-                    q.running[key_id] = job
-                    return job
+                if key_id in q.running:
+                    continue
+                if not (hurried or job.tickets or job.due <= now):
+                    wake = job.due - now  # the jobs behind it fall due later
+                    break
+                del q.waiting[key_id]
+                if not q.running:
+                    q.last_progress = time.monotonic()  # the stall clock runs while copies are in flight
+                q.running[key_id] = job
+                return job
             if self._closing and not q.waiting:
                 return None
-            self.index.changed.wait()
+            self.index.changed.wait(timeout=wake)
+
+    @contextmanager
+    def hurry(self) -> Iterator[None]:
+        """While inside, workers take waiting copies without their delay (index lock held on
+        entry; the caller waits on ``index.changed``, which releases it)."""
+        self._hurry += 1
+        self.index.changed.notify_all()
+        try:
+            yield
+        finally:
+            self._hurry -= 1
 
     def _work(self, q: _Queue) -> None:
         lower_priority(self._nice)
@@ -471,7 +502,7 @@ class WriteBehind:
         """Wait until no copy of ``key_ids`` is queued or running on a tier that makes progress:
         a copy on a stalled tier (none done for ``stall_s``) is not waited for, so a hung tier
         holds a caller for ``stall_s`` at most."""
-        with self.index.lock:
+        with self.index.lock, self.hurry():
             while True:
                 now = time.monotonic()
                 if not any((k in q.waiting or k in q.running) and not self._stalled(q, now)
@@ -482,7 +513,7 @@ class WriteBehind:
     def wait_idle(self, key_ids: Sequence[bytes] | None = None, timeout_s: float | None = None) -> bool:
         """Wait until no copy is queued or running (of ``key_ids``, or at all); False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self.index.lock:
+        with self.index.lock, self.hurry():
             while (self.pending_bytes() > 0 if key_ids is None else any(self.busy(k) for k in key_ids)):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

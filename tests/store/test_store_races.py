@@ -28,11 +28,15 @@ from tiers.host import HostTier
 from tiers.disk import DiskTier
 
 
-def faulty_store(tmp_path, names=("disk",), workers=1, stall_s=10.0, **kw) -> tuple[Store, list[FaultyTier]]:
-    """A Store whose replica tiers are real disk tiers behind FaultyTier wrappers."""
+def faulty_store(tmp_path, names=("disk",), workers=1, stall_s=10.0, delay_s=None,
+                 **kw) -> tuple[Store, list[FaultyTier]]:
+    """A Store whose replica tiers are real disk tiers behind FaultyTier wrappers; ``delay_s``
+    0 where the test's clock does not move by itself."""
     cfg = store_config(tmp_path, disk=None, **kw)
     cfg.write_behind.workers = workers
     cfg.write_behind.stall_s = stall_s
+    if delay_s is not None:
+        cfg.write_behind.delay_s = delay_s
     tiers = [FaultyTier(DiskTier(tmp_path / name, 1 << 20, name=name)) for name in names]
     return Store(cfg, extra_tiers=tiers), tiers
 
@@ -370,8 +374,8 @@ def test_13_a_stalled_replica_tier_does_not_stop_puts_or_the_other_tiers_copies(
     machine's load (in CI a busy disk was taken for a stalled one in 2 runs of 6)."""
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
-    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=2, stall_s=5.0, host=256 * PAGE,
-                                      pending=8 * PAGE)
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), workers=2, stall_s=5.0, delay_s=0,
+                                      host=256 * PAGE, pending=8 * PAGE)
     keys, values = chunks(48)
     size, queued = blob_size(values[0], "raw"), 8 * PAGE // blob_size(values[0], "raw")
     with store:
@@ -404,7 +408,8 @@ def test_13_a_disk_holding_room_for_a_put_that_waits_on_a_stalled_tier_is_busy_n
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(4)
     size = blob_size(values[0], "raw")
-    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), stall_s=5.0, pending=2 * size)
+    store, (disk, pfs) = faulty_store(tmp_path, names=("disk", "pfs"), stall_s=5.0, delay_s=0,
+                                      pending=2 * size)
     with store:
         hang = pfs.gates["write"] = Gate()
         busy = disk.gates["write"] = Gate(keys[2].id)

@@ -29,12 +29,15 @@ from tiers.disk import DiskTier
 PAGE_SIZED_NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=30, chunk_tokens=8)
 
 
-def default_store(tmp_path, host_pages: int, workers: int = 2, stall_s: float = 120.0) -> tuple[Store, FaultyTier]:
+def default_store(tmp_path, host_pages: int, workers: int = 2, stall_s: float = 120.0,
+                  delay_s: float | None = None) -> tuple[Store, FaultyTier]:
     """A Store with write-behind's defaults (no ``max_pending_bytes``) whose disk is a real
-    disk tier behind a FaultyTier."""
+    disk tier behind a FaultyTier; ``delay_s`` 0 where the test's clock does not move by itself."""
     cfg = store_config(tmp_path, host=host_pages * PAGE, disk=None, pending=None)
     cfg.write_behind.workers = workers
     cfg.write_behind.stall_s = stall_s
+    if delay_s is not None:
+        cfg.write_behind.delay_s = delay_s
     disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 22, name="disk"))
     return Store(cfg, extra_tiers=[disk]), disk
 
@@ -98,7 +101,7 @@ def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(24, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
+    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
     with store:
         room = host_slots(store, values[0])
         hang = disk.gates["write"] = Gate()
@@ -127,7 +130,7 @@ def test_copies_waiting_for_a_stalled_disk_stay_queued_while_puts_find_room(tmp_
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(6, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
+    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
     with store:
         hang = disk.gates["write"] = Gate()
         try:
@@ -152,7 +155,7 @@ def test_a_read_promoting_a_chunk_into_host_ram_does_not_shed_copies_waiting_for
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(24, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0)
+    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
     with store:
         room = host_slots(store, values[0])
         store.put(keys[0], values[0])

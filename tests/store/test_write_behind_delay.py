@@ -1,0 +1,80 @@
+"""A copy waits ``write_behind.delay_s`` after its put, so that a burst of puts runs without
+copies beside it (a copy written during the burst halved its speed and tripled its P99,
+issue #37); whoever waits for copies takes them at once: a durable put, a flush, a drop, a
+put that needs the host RAM that waiting copies hold. The delay here is a minute, so that a
+test that waited on it would run out of its timeouts."""
+
+from __future__ import annotations
+
+import torch
+
+from faults import Call, FaultyTier
+from helpers import PAGE, chunks, same, store_config
+from kvstore.blob import HEADER_BYTES
+from kvstore.keys import Namespace
+from kvstore.store import Store
+from tiers.disk import DiskTier
+
+PAGE_SIZED_NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=30, chunk_tokens=8)
+DELAY_S = 60.0
+
+
+def delayed_store(tmp_path, host_pages: int = 64) -> tuple[Store, FaultyTier]:
+    cfg = store_config(tmp_path, host=host_pages * PAGE, disk=None, pending=None)
+    cfg.write_behind.workers = 1
+    cfg.write_behind.delay_s = DELAY_S
+    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 22, name="disk"))
+    return Store(cfg, extra_tiers=[disk]), disk
+
+
+def loads(store: Store, key, value) -> bool:
+    out = torch.empty_like(value)
+    return store.get_into(key, out) and same(out, value)
+
+
+def test_a_burst_of_puts_waits_for_no_copy_and_a_durable_put_goes_first(tmp_path):
+    keys, values = chunks(9, PAGE_SIZED_NS)
+    store, disk = delayed_store(tmp_path)
+    with store:
+        for k, v in zip(keys[:8], values[:8]):
+            store.put(k, v)
+        assert store.stats().write_behind_queue == 8
+        store.put(keys[8], values[8], durable=True)  # one worker: first in the queue, not ninth
+        assert disk.calls.get("write", 0) == 1 and disk.contains(keys[8].id)
+        store.delete(keys[:4])  # deleted before their copies were due: never written
+        assert store.flush(timeout_s=30)
+        assert disk.calls["write"] == 5
+        assert not any(disk.contains(k.id) for k in keys[:4])
+        assert all(disk.contains(k.id) for k in keys[4:])
+
+
+def test_a_flush_takes_the_copies_at_once(tmp_path):
+    keys, values = chunks(4, PAGE_SIZED_NS)
+    store, disk = delayed_store(tmp_path)
+    with store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        assert store.flush(timeout_s=30)
+        assert all(disk.contains(k.id) for k in keys)
+
+
+def test_a_drop_takes_the_copies_it_waits_for_at_once(tmp_path):
+    keys, values = chunks(4, PAGE_SIZED_NS)
+    store, disk = delayed_store(tmp_path)
+    with store:
+        for k, v in zip(keys, values):
+            store.put(k, v)
+        assert Call(lambda: store.drop(keys, "host")).outcome(timeout_s=30) == len(keys)
+        assert all(loads(store, k, v) for k, v in zip(keys, values))  # from the disk
+
+
+def test_a_put_that_needs_host_ram_held_by_waiting_copies_takes_them_at_once(tmp_path):
+    keys, values = chunks(24, PAGE_SIZED_NS)
+    store, disk = delayed_store(tmp_path, host_pages=16)
+    with store:
+        blob = HEADER_BYTES + len(store.codec.encode(values[0]))
+        assert store.first.capacity_bytes // store.first.footprint(blob) < len(keys)
+        Call(lambda: [store.put(k, v) for k, v in zip(keys, values)]).outcome(timeout_s=30)
+        assert store.flush(timeout_s=30)
+        assert store.stats().write_behind_dropped == 0
+        assert all(loads(store, k, v) for k, v in zip(keys, values))
