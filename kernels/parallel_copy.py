@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -62,11 +62,13 @@ def start() -> None:
         _started = True
 
 
-def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
-    def copy_group(group):
-        for dst, src in group:
-            np.copyto(dst, src)
+def _copy_group(group: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in group:
+        np.copyto(dst, src)
 
+
+def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
+    copy_group = _copy_group
     if len(groups) == 1:
         copy_group(groups[0])
         return
@@ -112,6 +114,37 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         return
     for dst, src in pairs:
         np.copyto(dst, src)
+
+
+def copy_behind(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], None]:
+    """Start copying ``pairs`` on the copy threads, and return ``wait()``, which returns once
+    every one is written (call it exactly once, before either buffer is used or given back,
+    also when the caller's own work failed). The caller works meanwhile: a put copies and
+    hashes the first part of a payload while the threads copy the rest. Where there are no
+    copy threads, or another copy holds them, the pairs are copied here, now."""
+    if not pairs:
+        return lambda: None
+    if _workers == 1 or not _busy.acquire(blocking=False):
+        _copy_group(list(pairs))
+        return lambda: None
+    futures = []
+    try:
+        for group in split(pairs, _workers - 1):
+            futures.append(_executor().submit(_copy_group, group))
+    except BaseException:
+        wait(futures)
+        _busy.release()
+        raise
+
+    def wait_all() -> None:
+        try:
+            wait(futures)
+        finally:
+            _busy.release()
+        for f in futures:
+            f.result()
+
+    return wait_all
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:

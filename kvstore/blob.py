@@ -136,7 +136,21 @@ def encode_header(key: ChunkKey, codec_id: int, dtype: torch.dtype, shape, paylo
     return _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)[0]
 
 
-class SealedBlob:
+class _HeaderKnown:
+    """A blob whose header is known before it is written: its dtype and shape are the header's."""
+
+    header: BlobHeader
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.header.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.header.shape
+
+
+class SealedBlob(_HeaderKnown):
     """A whole blob (header and payload, possibly in pieces) with its header parsed once:
     a put carries it from the caller to the first tier and the index, and nobody along the
     way decodes the header again."""
@@ -160,14 +174,6 @@ class SealedBlob:
         """The blob of an encoded payload, its header packed (and known) here."""
         head, header = _pack_header(key.namespace.fingerprint, key.prefix_hash, codec_id, dtype, shape, payload)
         return cls([head, payload], header)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.header.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.header.shape
 
     def write_to(self, tier, key: bytes) -> None:
         tier.write(key, self.parts)
@@ -201,9 +207,34 @@ class UnsealedBlob:
         tier.write_sealed(key, HEADER_BYTES, self.payload, self.restart(), self.seal)
 
 
-def reencoded_header(header: BlobHeader, codec_id: int, payload) -> bytes:
-    """The header of the same chunk as ``header`` names, re-encoded into ``payload``."""
-    return _pack_header(header.namespace_fp, header.prefix_hash, codec_id, header.dtype, header.shape, payload)[0]
+class ClaimedBlob(_HeaderKnown):
+    """A blob whose header is verified but whose payload is only claimed to match it (a
+    client's, in memory the client may still write): the tier that copies the payload in
+    checksums the copy (``Tier.write_sealed``), and nothing is stored unless that checksum is
+    the header's (PayloadChecksumMismatch). What is checked is what is stored, in one pass
+    over the payload, not a verifying pass and a copying one."""
+
+    def __init__(self, head: bytes, header: BlobHeader, payload) -> None:
+        """``head``: the header's bytes as they are to be stored; ``header``: what they say."""
+        self.head, self.header, self.payload = head, header, payload
+        self.size = HEADER_BYTES + memoryview(payload).nbytes
+
+    def write_to(self, tier, key: bytes) -> None:
+        digest = payload_digest()
+
+        def seal() -> bytes:
+            if digest.intdigest() != self.header.payload_checksum:
+                raise PayloadChecksumMismatch("payload checksum mismatch")
+            return self.head
+
+        tier.write_sealed(key, HEADER_BYTES, self.payload, digest, seal)
+
+
+def reencoded_header(header: BlobHeader, codec_id: int, payload, checksum: int | None = None) -> bytes:
+    """The header of the same chunk as ``header`` names, re-encoded into ``payload`` (whose
+    checksum is ``checksum`` where the caller knows it, else computed here)."""
+    return _pack_header(header.namespace_fp, header.prefix_hash, codec_id, header.dtype, header.shape, payload,
+                        checksum)[0]
 
 
 def _pack_header(namespace_fp: bytes, prefix_hash: bytes, codec_id: int, dtype: torch.dtype, shape, payload,

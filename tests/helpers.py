@@ -62,3 +62,21 @@ def in_process_daemon(config):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def store_with_faulty_disk(tmp_path, host_pages: int, workers: int = 2, stall_s: float = 120.0,
+                           delay_s: float | None = None):
+    """A Store with write-behind's defaults (no ``max_pending_bytes``) whose disk is a real
+    disk tier behind a FaultyTier (tests/faults.py); ``delay_s`` 0 where the test's clock does
+    not move by itself. Returns (store, disk)."""
+    from faults import FaultyTier
+    from kvstore.store import Store
+    from tiers.disk import DiskTier
+
+    cfg = store_config(tmp_path, host=host_pages * PAGE, disk=None, pending=None)
+    cfg.write_behind.workers = workers
+    cfg.write_behind.stall_s = stall_s
+    if delay_s is not None:
+        cfg.write_behind.delay_s = delay_s
+    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 22, name="disk"))
+    return Store(cfg, extra_tiers=[disk]), disk

@@ -76,8 +76,9 @@ class Tier(ABC):
         """``write(key, [seal(), payload])``, where the ``head_bytes`` ``seal()`` returns depend on
         ``digest`` (``update``d with every payload byte, in order) and is called once the
         payload is in. A tier that copies the payload in updates ``digest`` on each slice it
-        has just written, while it is in cache, so the bytes are read once; this default
-        reads them twice."""
+        has just written, while it is in cache, so the bytes are read once, and the digest is
+        of what the tier holds; this default reads them twice, and hashes the source. If
+        ``seal()`` raises (the payload is refused), nothing is stored."""
         digest.update(payload)
         self.write(key, [seal(), payload])
 

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kernels import host_register
-from kernels.parallel_copy import copy_pairs
+from kernels.parallel_copy import PARALLEL_MIN_BYTES, copy_behind, copy_pairs
 from tiers.base import Buffer, FirstTier, TierUnavailable, as_buffers
 from tiers.pages import PagedTier, segments
 
@@ -119,30 +119,49 @@ class HostTier(PagedTier, FirstTier):
     def write(self, key: bytes, parts: Sequence[Buffer]) -> None:
         views = [_byte_view(p) for p in parts]
         value = self.table.allocate(sum(v.size for v in views))
-        copy_pairs([(self._pool[start : start + n], views[i][offset : offset + n])
-                    for start, i, offset, n in segments(value.runs, [v.size for v in views])])
+        try:
+            copy_pairs([(self._pool[start : start + n], views[i][offset : offset + n])
+                        for start, i, offset, n in segments(value.runs, [v.size for v in views])])
+        except BaseException:
+            self.table.discard(value)
+            raise
         self.table.publish(key, value)
 
     def write_sealed(self, key: bytes, head_bytes: int, payload: Buffer, digest, seal) -> None:
         """The payload copied in cache-sized slices, each hashed right after it lands (one pass
         over the payload's bytes, and the digest is of what the pool holds), then the head
-        ``seal()`` packs from that digest."""
+        ``seal()`` packs from that digest. If ``seal()`` raises, nothing is stored."""
         src = _byte_view(payload)
         value = self.table.allocate(head_bytes + src.size)
-        heads = []
-        for start, i, offset, n in segments(value.runs, [head_bytes, src.size]):
-            if i == 0:
-                heads.append((start, offset, n))
-                continue
-            for o in range(0, n, SEAL_SLICE_BYTES):
-                dst = self._pool[start + o : start + min(n, o + SEAL_SLICE_BYTES)]
-                np.copyto(dst, src[offset + o : offset + o + dst.size])
+        try:
+            heads, slices = [], []
+            for start, i, offset, n in segments(value.runs, [head_bytes, src.size]):
+                if i == 0:
+                    heads.append((start, offset, n))
+                    continue
+                for o in range(0, n, SEAL_SLICE_BYTES):
+                    dst = self._pool[start + o : start + min(n, o + SEAL_SLICE_BYTES)]
+                    slices.append((dst, src[offset + o : offset + o + dst.size]))
+            # a big payload's second part is copied on the copy threads while this one copies and
+            # hashes the first, then hashes the second (in cache, for chunks smaller than the L3)
+            mine = len(slices) if src.size < PARALLEL_MIN_BYTES else (len(slices) + 1) // 2
+            wait = copy_behind(slices[mine:])
+            try:
+                for dst, part in slices[:mine]:
+                    np.copyto(dst, part)
+                    digest.update(dst)
+            finally:
+                wait()
+            for dst, _ in slices[mine:]:
                 digest.update(dst)
-        head = np.frombuffer(seal(), dtype=np.uint8)
-        if head.size != head_bytes:
-            raise ValueError(f"{self.name}: seal() gave {head.size} bytes, {head_bytes} expected")
-        for start, offset, n in heads:
-            self._pool[start : start + n] = head[offset : offset + n]
+            head = np.frombuffer(seal(), dtype=np.uint8)
+            if head.size != head_bytes:
+                raise ValueError(f"{self.name}: seal() gave {head.size} bytes, {head_bytes} expected")
+            for start, offset, n in heads:
+                self._pool[start : start + n] = head[offset : offset + n]
+        except BaseException:  # seal() refused the payload, or the copy failed: nothing is stored
+            self.table.discard(value)
+            raise
         self.table.publish(key, value)
 
     @contextmanager

@@ -86,6 +86,12 @@ class PageTable:
                 runs.append((offset, take))
         return PagedValue(pages, length, runs)
 
+    def discard(self, value: PagedValue) -> None:
+        """Give back the pages of a value never published (its write failed)."""
+        with self._lock:
+            self._free.extend(reversed(value.pages))
+            value.pages = []
+
     def publish(self, key: bytes, value: PagedValue) -> None:
         """Make a filled value visible under ``key``, retiring any value it replaces."""
         with self._lock:

@@ -1,9 +1,11 @@
 """The chunks a Put stores, arriving in a client's slot, a bulk frame or a Put stream.
 
-A blob is verified whole (kvstore/blob.py) against the namespace it is put in, and its
-owner's quota made room for, before the Store sees it: nothing is stored unless the whole
-blob arrived and verified. Each copy and verification runs in an executor thread as a piece
-of its tenant's work (tenant_work.py).
+A blob's header is verified against the namespace it is put in, and its owner's quota made
+room for, before the Store sees it; the Store checks the payload against the header as it
+copies it into host RAM (``Store.put_claimed``): nothing is stored unless the whole blob
+arrived and verified. A blob in a client's slot is stored straight from there (what is
+checked is the copy, whatever the client writes meanwhile). Each copy and verification runs
+in an executor thread as a piece of its tenant's work (tenant_work.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import grpc
 import numpy as np
 
 from kvstore.wire._proto import kvstore_pb2 as pb
-from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, verify_blob
+from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, KeyMismatch, TruncatedBlob, decode_header
 from kvstore.codecs import codec_by_id
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
-from kvstore.daemon.chunk_reads import copy_bytes, need_arena
+from kvstore.daemon.chunk_reads import need_arena
 from kvstore.daemon.config import LimitsConfig
 from kvstore.daemon.errors import Fail
 from kvstore.daemon.identity import Tenant
@@ -48,7 +50,17 @@ class ChunkWrites:
                        f"chunk of {nbytes} bytes exceeds the limit of {self.limits.max_chunk_bytes}")
 
     def _verify_and_put(self, bound: Bound, key: ChunkKey, blob, parent: bytes | None, durable: bool) -> None:
-        header, payload = verify_blob(blob, ChunkKey(bound.claimed, key.prefix_hash))
+        """Verify ``blob``'s header (a copy of it: ``blob`` may be a slot its client still
+        writes) against the namespace, and put it; the Store checks the payload against the
+        header as it copies it into host RAM (``Store.put_claimed``)."""
+        view = memoryview(blob).cast("B")
+        head = bytes(view[:HEADER_BYTES])
+        header = decode_header(head)
+        if view.nbytes != header.blob_len:
+            raise TruncatedBlob(f"blob is {view.nbytes} bytes, header says {header.blob_len}")
+        expected = ChunkKey(bound.claimed, key.prefix_hash).id
+        if header.key_id != expected:
+            raise KeyMismatch(f"blob holds key {header.key_id.hex()}, expected {expected.hex()}")
         try:
             codec_by_id(header.codec_id)
         except KeyError:
@@ -59,10 +71,12 @@ class ChunkWrites:
             raise Fail(grpc.StatusCode.INVALID_ARGUMENT,
                        f"blob holds {DTYPE_NAMES[header.dtype]}{list(header.shape)}, the namespace needs "
                        f"{ns.dtype}{list(ns.chunk_shape)}")
-        parts = [bound.header_for(header, payload, claimed=False), payload] if bound.rekeyed else [blob]
-        stored = dataclasses.replace(header, namespace_fp=bound.ns.fingerprint) if bound.rekeyed else header
+        payload = view[HEADER_BYTES:]
+        if bound.rekeyed:
+            head = bound.header_for(header, payload, claimed=False)
+            header = dataclasses.replace(header, namespace_fp=bound.ns.fingerprint)
         self.quotas.charge(key, bound.owner)  # the Store keeps the owner within its quotas
-        self.store.put_blob(key, parts, parent=parent, durable=durable, header=stored)  # parsed once, above
+        self.store.put_claimed(key, head, header, payload, parent=parent, durable=durable)
 
     async def put(self, h: pb.PutHeader, caller: Tenant, blob: np.ndarray | None = None, inline=None) -> None:
         """Verify and store the blob a Put names: in ``h.slot``, in ``blob`` (a bulk frame,
@@ -79,17 +93,17 @@ class ChunkWrites:
             await self.work.run(caller.label, self._verify_and_put, bound, key, blob, parent, h.durable)
         else:
             with self.admission.add_bytes(caller, size):
-                buf = self.pool.take(size)
-                try:
-                    if h.HasField("slot"):  # copied out first: the client may still write into its slot
-                        ref = (h.slot.lease_id, h.slot.index, h.slot.generation)
-                        with need_arena(self.arena).using([ref], size, caller.name) as (view,):
-                            await self.work.run(caller.label, copy_bytes, buf, view)
-                    else:
+                if h.HasField("slot"):  # stored straight from the slot; what is checked is the copy
+                    ref = (h.slot.lease_id, h.slot.index, h.slot.generation)
+                    with need_arena(self.arena).using([ref], size, caller.name) as (view,):
+                        await self.work.run(caller.label, self._verify_and_put, bound, key, view, parent, h.durable)
+                else:
+                    buf = self.pool.take(size)
+                    try:
                         await inline(memoryview(buf), size)
-                    await self.work.run(caller.label, self._verify_and_put, bound, key, buf, parent, h.durable)
-                finally:
-                    self.pool.give(buf)
+                        await self.work.run(caller.label, self._verify_and_put, bound, key, buf, parent, h.durable)
+                    finally:
+                        self.pool.give(buf)
         self.metrics.wrote(caller.label, size)
 
     async def put_stream(self, messages, caller: Tenant) -> None:

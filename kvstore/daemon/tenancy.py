@@ -63,9 +63,11 @@ class Bound:
         return out
 
     def header_for(self, header: BlobHeader, payload, claimed: bool) -> bytes:
-        """``header`` re-keyed to the bound key (``claimed`` False) or the client's key."""
+        """``header`` re-keyed to the bound key (``claimed`` False) or the client's key (the
+        payload is the same: its checksum is the header's, not hashed again)."""
         ns = self.claimed if claimed else self.ns
-        return reencoded_header(dataclasses.replace(header, namespace_fp=ns.fingerprint), header.codec_id, payload)
+        return reencoded_header(dataclasses.replace(header, namespace_fp=ns.fingerprint), header.codec_id, payload,
+                                header.payload_checksum)
 
 
 def bind(spec: pb.NamespaceSpec, caller: Tenant, access: str, shared: Tenant | None, limits: LimitsConfig) -> Bound:

@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from kernels import parallel_copy
-from kvstore.blob import BlobHeader, SealedBlob
+from kvstore.blob import BlobHeader, ClaimedBlob, SealedBlob
 from kvstore.codecs import Codec, get_codec, resolve_codec
 from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey
@@ -183,6 +183,16 @@ class Store:
         key_id, model_id = (key.id, key.namespace.model_id) if isinstance(key, ChunkKey) else (key, None)
         blob = SealedBlob(parts, header) if header is not None else SealedBlob.parse(parts)
         self._puts.put_blob(key_id, blob, parent, durable, model_id)
+
+    def put_claimed(self, key: ChunkKey, head: bytes, header: BlobHeader, payload, *, parent: bytes | None = None,
+                    durable: bool = False) -> None:
+        """``put_blob`` of a blob whose header (``head``, parsed: ``header``) is verified and
+        whose payload is only claimed to match it, in memory its sender may still change (a
+        shared-memory slot): the first tier checksums its copy as it copies it in, and stores
+        nothing unless that is the header's checksum (PayloadChecksumMismatch). One pass over
+        the payload instead of a copy out of the sender's memory, a verifying pass and the
+        put's copy."""
+        self._puts.put_blob(key.id, ClaimedBlob(head, header, payload), parent, durable, key.namespace.model_id)
 
     # -- lookup, pin, prefetch ------------------------------------------------------------------
 

@@ -11,9 +11,10 @@ One put, top to bottom (``put_blob``):
    copy (``ChunkIndex.commit_put``), and the copies are queued with the reserved room.
 5. A durable put then waits on its ticket until its own copies are written and synced.
 
-A blob travels as a ``SealedBlob`` (its header parsed once, by whoever received it) or an
-``UnsealedBlob`` (its header known once the first tier has checksummed the payload): no step
-decodes it again. Promotion of a chunk read below the first tier is the same write, made
+A blob travels as a ``SealedBlob`` (its header parsed once, by whoever received it), an
+``UnsealedBlob`` (its header known once the first tier has checksummed the payload) or a
+``ClaimedBlob`` (its header verified, its payload checked as the first tier copies it in): no
+step decodes it again. Promotion of a chunk read below the first tier is the same write, made
 only if the chunk did not change meanwhile and the first tier has room without waiting.
 """
 
@@ -23,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvstore.blob import BlobHeader, SealedBlob, UnsealedBlob
+from kvstore.blob import BlobHeader, ClaimedBlob, SealedBlob, UnsealedBlob
 from kvstore.codecs import Codec
 from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey
@@ -37,7 +38,7 @@ from kvstore.store.ticket import Ticket
 from kvstore.store.write_behind import Reservation, WriteBehind
 from tiers.base import FirstTier, Tier, TierError, TierFull
 
-Blob = SealedBlob | UnsealedBlob
+Blob = SealedBlob | UnsealedBlob | ClaimedBlob
 
 
 class PutPath:

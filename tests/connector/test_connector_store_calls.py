@@ -18,7 +18,7 @@ from kvstore.store import Store
 CHUNK = 16
 LOOKS_UP = {"lookup", "contains", "pin", "pin_leading"}
 READS = {"borrow", "get_into", "get_many_into", "get", "get_with", "stream", "get_blob"}
-WRITES = {"put", "put_blob", "prefetch", "delete", "drop"}
+WRITES = {"put", "put_blob", "put_claimed", "prefetch", "delete", "drop"}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

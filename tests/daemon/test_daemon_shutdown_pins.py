@@ -59,11 +59,11 @@ def test_a_pool_view_stays_pinned_until_its_client_is_done_even_during_shutdown(
 
         monkeypatch.setattr(client_read_path, "copy_out", gated_copy_out)
 
-        real_put_blob = daemon.store.put_blob
+        real_put = daemon.store.put_claimed
 
-        def gated_put_blob(*args, **kwargs):
+        def gated_put(*args, **kwargs):
             assert put_go.wait(30)
-            return real_put_blob(*args, **kwargs)
+            return real_put(*args, **kwargs)
 
         with Client(daemon.address, transport="grpc", retries=0) as other:
             other.put(x_key, x)
@@ -83,7 +83,7 @@ def test_a_pool_view_stays_pinned_until_its_client_is_done_even_during_shutdown(
 
         other = Client(daemon.address, transport="grpc", retries=0)
         other.delete([x_key])  # its pages stay the reader's (pinned) until the reader is done
-        daemon.store.put_blob = gated_put_blob
+        daemon.store.put_claimed = gated_put
         put_result = {}
 
         def put():

@@ -63,3 +63,23 @@ def test_a_copy_that_starts_while_another_holds_the_pool_runs_alone(monkeypatch)
     assert seen == [] and np.array_equal(pairs[0][0], pairs[0][1])
     copy_pairs(_pairs([SLICE_ALIGN * 4]))
     assert seen == [2]
+
+
+def test_copy_behind_copies_on_the_pool_while_the_caller_works_and_waits_for_every_slice(monkeypatch):
+    monkeypatch.setattr(parallel_copy, "_workers", 3)
+    pairs = _pairs([SLICE_ALIGN * 4 + 1, 70_000, 5], seed=3)
+    wait = parallel_copy.copy_behind(pairs)
+    assert parallel_copy._busy.locked()  # the pool is this copy's until it is waited for
+    wait()
+    assert not parallel_copy._busy.locked()
+    assert all(np.array_equal(d, s) for d, s in pairs)
+    with parallel_copy._busy:  # another copy has the pool: copied here, at once
+        pairs = _pairs([SLICE_ALIGN * 2], seed=4)
+        wait = parallel_copy.copy_behind(pairs)
+        assert np.array_equal(pairs[0][0], pairs[0][1])
+        wait()
+    bad = (np.zeros(10, np.uint8), np.zeros(11, np.uint8))  # shapes differ: np.copyto raises
+    wait = parallel_copy.copy_behind(_pairs([SLICE_ALIGN]) + [bad])
+    with pytest.raises(ValueError):
+        wait()
+    assert not parallel_copy._busy.locked()

@@ -108,3 +108,29 @@ def test_profiling_a_new_shape_runs_off_the_puts_thread(tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the shape was never profiled"
             time.sleep(0.01)
     assert len(profiled_on) == 1 and profiled_on[0].startswith("codec-profile"), profiled_on
+
+
+def test_put_claimed_stores_a_payload_that_matches_its_header_and_nothing_else(tmp_path):
+    """``Store.put_claimed`` checks the payload as the first tier copies it in: a damaged one
+    raises, and the store holds no chunk, no index entry and no host pages for it."""
+    from kvstore.blob import PayloadChecksumMismatch, decode_header
+    from kvstore.codecs.raw import tensor_bytes
+
+    keys, values = chunks(2)
+    with Store(store_config(tmp_path)) as store:
+        host = store.tier("host")
+        for key, value, damage in ((keys[0], values[0], False), (keys[1], values[1], True)):
+            payload = bytearray(tensor_bytes(value))
+            head = encode_header(key, 0, value.dtype, value.shape, payload)
+            if damage:
+                payload[100] ^= 0xFF
+            used = host.used_bytes
+            if damage:
+                with pytest.raises(PayloadChecksumMismatch):
+                    store.put_claimed(key, head, decode_header(head), payload)
+                assert host.used_bytes == used and store.lookup([key]) == 0
+            else:
+                store.put_claimed(key, head, decode_header(head), payload)
+                out = torch.empty_like(value)
+                assert store.get_into(key, out) and same(out, value)
+        store.check_integrity()

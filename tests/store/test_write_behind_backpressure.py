@@ -16,30 +16,16 @@ import pytest
 import torch
 
 import kvstore.store.write_behind
-from faults import Call, FaultyTier, Gate, ManualClock, wait_until
-from helpers import PAGE, chunks, same, store_config
+from faults import Call, Gate, ManualClock, wait_until
+from helpers import chunks, same, store_with_faulty_disk
 from kvstore.blob import HEADER_BYTES
 from kvstore.keys import Namespace
 from kvstore.store import Store
 from tiers.base import TierUnavailable
-from tiers.disk import DiskTier
 
 # a chunk fills one host page (3840 bytes of payload and its header in 4 KiB), so that the
 # bytes waiting for copies are host RAM's pages, as with real chunks
 PAGE_SIZED_NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=30, chunk_tokens=8)
-
-
-def default_store(tmp_path, host_pages: int, workers: int = 2, stall_s: float = 120.0,
-                  delay_s: float | None = None) -> tuple[Store, FaultyTier]:
-    """A Store with write-behind's defaults (no ``max_pending_bytes``) whose disk is a real
-    disk tier behind a FaultyTier; ``delay_s`` 0 where the test's clock does not move by itself."""
-    cfg = store_config(tmp_path, host=host_pages * PAGE, disk=None, pending=None)
-    cfg.write_behind.workers = workers
-    cfg.write_behind.stall_s = stall_s
-    if delay_s is not None:
-        cfg.write_behind.delay_s = delay_s
-    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 22, name="disk"))
-    return Store(cfg, extra_tiers=[disk]), disk
 
 
 def loads(store: Store, key, value) -> bool:
@@ -55,7 +41,7 @@ def host_slots(store: Store, value) -> int:
 
 def test_a_burst_that_fits_in_host_ram_is_put_while_the_disk_writes_nothing(tmp_path):
     keys, values = chunks(48, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=64)
+    store, disk = store_with_faulty_disk(tmp_path, host_pages=64)
     with store:
         assert len(keys) <= host_slots(store, values[0]) < 2 * len(keys)
         blocked = disk.gates["write"] = Gate()
@@ -74,7 +60,7 @@ def test_a_burst_that_fits_in_host_ram_is_put_while_the_disk_writes_nothing(tmp_
 
 def test_a_put_waits_for_the_disk_once_host_ram_would_fill_with_chunks_waiting_for_copies(tmp_path):
     keys, values = chunks(17, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16)
+    store, disk = store_with_faulty_disk(tmp_path, host_pages=16)
     with store:
         room = host_slots(store, values[0])
         assert room == len(keys) - 1
@@ -101,7 +87,7 @@ def test_copies_waiting_for_a_stalled_disk_give_their_host_ram_back_to_puts(tmp_
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(24, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
+    store, disk = store_with_faulty_disk(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
     with store:
         room = host_slots(store, values[0])
         hang = disk.gates["write"] = Gate()
@@ -130,7 +116,7 @@ def test_copies_waiting_for_a_stalled_disk_stay_queued_while_puts_find_room(tmp_
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(6, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
+    store, disk = store_with_faulty_disk(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
     with store:
         hang = disk.gates["write"] = Gate()
         try:
@@ -155,7 +141,7 @@ def test_a_read_promoting_a_chunk_into_host_ram_does_not_shed_copies_waiting_for
     clock = ManualClock()
     monkeypatch.setattr(kvstore.store.write_behind, "time", clock)
     keys, values = chunks(24, PAGE_SIZED_NS)
-    store, disk = default_store(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
+    store, disk = store_with_faulty_disk(tmp_path, host_pages=16, workers=1, stall_s=5.0, delay_s=0)
     with store:
         room = host_slots(store, values[0])
         store.put(keys[0], values[0])

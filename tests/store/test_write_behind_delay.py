@@ -8,23 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from faults import Call, FaultyTier
-from helpers import PAGE, chunks, same, store_config
+from faults import Call
+from helpers import chunks, same, store_with_faulty_disk
 from kvstore.blob import HEADER_BYTES
 from kvstore.keys import Namespace
 from kvstore.store import Store
-from tiers.disk import DiskTier
 
 PAGE_SIZED_NS = Namespace("test-model", num_layers=2, num_kv_heads=2, head_dim=30, chunk_tokens=8)
 DELAY_S = 60.0
 
 
-def delayed_store(tmp_path, host_pages: int = 64) -> tuple[Store, FaultyTier]:
-    cfg = store_config(tmp_path, host=host_pages * PAGE, disk=None, pending=None)
-    cfg.write_behind.workers = 1
-    cfg.write_behind.delay_s = DELAY_S
-    disk = FaultyTier(DiskTier(tmp_path / "disk", 1 << 22, name="disk"))
-    return Store(cfg, extra_tiers=[disk]), disk
+def delayed_store(tmp_path, host_pages: int = 64):
+    return store_with_faulty_disk(tmp_path, host_pages, workers=1, delay_s=DELAY_S)
 
 
 def loads(store: Store, key, value) -> bool:
@@ -48,24 +43,16 @@ def test_a_burst_of_puts_waits_for_no_copy_and_a_durable_put_goes_first(tmp_path
         assert all(disk.contains(k.id) for k in keys[4:])
 
 
-def test_a_flush_takes_the_copies_at_once(tmp_path):
-    keys, values = chunks(4, PAGE_SIZED_NS)
+def test_a_flush_and_a_drop_take_the_copies_they_wait_for_at_once(tmp_path):
+    keys, values = chunks(8, PAGE_SIZED_NS)
     store, disk = delayed_store(tmp_path)
     with store:
         for k, v in zip(keys, values):
             store.put(k, v)
+        assert Call(lambda: store.drop(keys[:4], "host")).outcome(timeout_s=30) == 4
+        assert all(loads(store, k, v) for k, v in zip(keys[:4], values[:4]))  # from the disk
         assert store.flush(timeout_s=30)
         assert all(disk.contains(k.id) for k in keys)
-
-
-def test_a_drop_takes_the_copies_it_waits_for_at_once(tmp_path):
-    keys, values = chunks(4, PAGE_SIZED_NS)
-    store, disk = delayed_store(tmp_path)
-    with store:
-        for k, v in zip(keys, values):
-            store.put(k, v)
-        assert Call(lambda: store.drop(keys, "host")).outcome(timeout_s=30) == len(keys)
-        assert all(loads(store, k, v) for k, v in zip(keys, values))  # from the disk
 
 
 def test_a_put_that_needs_host_ram_held_by_waiting_copies_takes_them_at_once(tmp_path):

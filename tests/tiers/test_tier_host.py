@@ -132,14 +132,16 @@ def test_bad_construction():
         HostTier(0)
 
 
-def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last():
+@pytest.mark.parametrize("payload_bytes", [(1 << 20) + 77, (5 << 20) + 77])
+def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last(payload_bytes):
     """Pages of 4 KiB and slices of 256 KiB: the head and payload straddle page runs, and the
-    digest the head is sealed with is that of the whole payload."""
+    digest the head is sealed with is that of the whole payload (5 MiB: its second half is
+    copied on the copy threads while the first is copied and hashed)."""
     import xxhash
 
-    tier = HostTier(4 << 20, page_bytes=4096)
+    tier = HostTier(12 << 20, page_bytes=4096)
     tier.write(b"other", [b"x" * 5000])  # so the value's pages are not one run from page 0
-    payload = np.random.default_rng(3).integers(0, 256, (1 << 20) + 77, dtype=np.uint8)
+    payload = np.random.default_rng(3).integers(0, 256, payload_bytes, dtype=np.uint8)
     digest = xxhash.xxh3_64()
 
     def seal():
@@ -151,6 +153,24 @@ def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last():
     assert value[:128] == xxhash.xxh3_64_intdigest(payload.tobytes()).to_bytes(8, "little") * 16
     with pytest.raises(ValueError, match="seal"):
         tier.write_sealed(b"j", 64, payload, xxhash.xxh3_64(), seal)
+
+
+def test_a_write_sealed_whose_seal_refuses_the_payload_stores_nothing_and_keeps_no_pages():
+    """The Store's check of a client's payload (``ClaimedBlob``) raises from ``seal()``: the
+    pages the copy took went unreturned, and a client sending damaged blobs filled host RAM."""
+    import xxhash
+
+    tier = HostTier(1 << 20, page_bytes=4096)
+    payload = np.arange(10_000, dtype=np.uint8)
+
+    def refuse():
+        raise ValueError("payload checksum mismatch")
+
+    for _ in range(2 * tier.capacity_bytes // 12_288):
+        with pytest.raises(ValueError, match="checksum"):
+            tier.write_sealed(b"k", 128, payload, xxhash.xxh3_64(), refuse)
+    assert tier.used_bytes == 0 and tier.read(b"k") is None
+    tier.write(b"k", [b"h" * 128, payload])  # the room is all there
 
 
 def test_a_second_tier_on_a_live_pool_file_is_refused_and_wipes_nothing(tmp_path):
