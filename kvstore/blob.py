@@ -220,14 +220,17 @@ class ClaimedBlob(_HeaderKnown):
         self.size = HEADER_BYTES + memoryview(payload).nbytes
 
     def write_to(self, tier, key: bytes) -> None:
+        """Into ``tier``, checked on the way; a tier that hashes the source, not its own copy,
+        gets a private copy of the payload first (the sender could change it in between)."""
         digest = payload_digest()
+        payload = self.payload if tier.hashes_its_copy else bytes(memoryview(self.payload).cast("B"))
 
         def seal() -> bytes:
             if digest.intdigest() != self.header.payload_checksum:
                 raise PayloadChecksumMismatch("payload checksum mismatch")
             return self.head
 
-        tier.write_sealed(key, HEADER_BYTES, self.payload, digest, seal)
+        tier.write_sealed(key, HEADER_BYTES, payload, digest, seal)
 
 
 def reencoded_header(header: BlobHeader, codec_id: int, payload, checksum: int | None = None) -> bytes:

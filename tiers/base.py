@@ -58,6 +58,10 @@ class Tier(ABC):
     # Whether the tier makes room itself, by ``make_room(need)``, for a budget kept outside this
     # process (a cluster's shared tier: kvstore/cluster/budgeted_tier.py); the Store's policy never evicts there.
     budgeted: bool = False
+    # Whether ``write_sealed`` hashes the tier's own copy of the payload (not the source): only
+    # then is a payload checked against its header as it is written exactly what is stored,
+    # whatever its sender does to the source meanwhile (kvstore/blob.py, ``ClaimedBlob``).
+    hashes_its_copy: bool = False
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

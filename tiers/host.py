@@ -46,6 +46,8 @@ def _byte_view(buf) -> np.ndarray:
 
 
 class HostTier(PagedTier, FirstTier):
+    hashes_its_copy = True  # write_sealed hashes each slice of the pool it has just written
+
     def __init__(
         self,
         capacity_bytes: int,

@@ -134,3 +134,26 @@ def test_put_claimed_stores_a_payload_that_matches_its_header_and_nothing_else(t
                 out = torch.empty_like(value)
                 assert store.get_into(key, out) and same(out, value)
         store.check_integrity()
+
+
+def test_a_claimed_blob_written_to_a_tier_that_hashes_its_source_is_what_was_checked(tmp_path):
+    """``Tier.write_sealed``'s default hashes the source, then copies it: a client that rewrote
+    its slot in between got bytes stored that its header's checksum does not match. A tier
+    that does not hash its own copy (``hashes_its_copy``) gets a private copy of the payload."""
+    from faults import Call, FaultyTier, Gate
+    from kvstore.blob import ClaimedBlob, decode_header, verify_blob
+    from kvstore.codecs.raw import tensor_bytes
+    from tiers.disk import DiskTier
+
+    (key,), (value,) = chunks(1)
+    tier = FaultyTier(DiskTier(tmp_path / "disk", 1 << 22, name="disk"))
+    assert not tier.hashes_its_copy
+    slot = bytearray(tensor_bytes(value))  # the sender's memory
+    head = encode_header(key, 0, value.dtype, value.shape, slot)
+    hold = tier.gates["write"] = Gate()
+    write = Call(lambda: ClaimedBlob(head, decode_header(head), memoryview(slot)).write_to(tier, key.id))
+    assert hold.entered.wait(10)  # hashed, about to be copied
+    slot[:64] = bytes(64)  # the sender writes into its slot meanwhile
+    hold.open()
+    write.outcome(timeout_s=10)
+    verify_blob(tier.read(key.id), key)  # raises PayloadChecksumMismatch on the bytes the sender changed
