@@ -67,20 +67,31 @@ def _copy_group(group: list[tuple[np.ndarray, np.ndarray]]) -> None:
         np.copyto(dst, src)
 
 
-def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
-    copy_group = _copy_group
-    if len(groups) == 1:
-        copy_group(groups[0])
-        return
+def _submit(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> list:
+    """Hand ``groups`` to the copy threads; if a hand-off fails, wait for those handed out
+    before raising (nothing may touch the buffers once the caller has its answer)."""
     futures = []
     try:
-        for g in groups[1:]:
-            futures.append(_executor().submit(copy_group, g))
-        copy_group(groups[0])
-    finally:
-        wait(futures)  # every slice, even when one failed (or a submit did), before the buffers go back
+        for g in groups:
+            futures.append(_executor().submit(_copy_group, g))
+    except BaseException:
+        wait(futures)
+        raise
+    return futures
+
+
+def _raise_first(futures: list) -> None:
     for f in futures:
-        f.result()  # then the first failure, if any
+        f.result()
+
+
+def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
+    futures = _submit(groups[1:])
+    try:
+        _copy_group(groups[0])
+    finally:
+        wait(futures)  # every slice, even when one failed, before the buffers go back
+    _raise_first(futures)  # then the first failure, if any
 
 
 def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
@@ -127,12 +138,9 @@ def copy_behind(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], 
     if _workers == 1 or not _busy.acquire(blocking=False):
         _copy_group(list(pairs))
         return lambda: None
-    futures = []
     try:
-        for group in split(pairs, _workers - 1):
-            futures.append(_executor().submit(_copy_group, group))
+        futures = _submit(split(pairs, _workers - 1))
     except BaseException:
-        wait(futures)
         _busy.release()
         raise
 
@@ -141,8 +149,7 @@ def copy_behind(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], 
             wait(futures)
         finally:
             _busy.release()
-        for f in futures:
-            f.result()
+        _raise_first(futures)
 
     return wait_all
 

@@ -285,14 +285,20 @@ def decode_header(data) -> BlobHeader:
     )
 
 
-def verify_blob(data, key: ChunkKey | None = None, check_payload: bool = True) -> tuple[BlobHeader, memoryview]:
-    """Verify a whole blob and return its header and a view of its payload."""
-    header = decode_header(data)
-    view = memoryview(data)
-    if len(view) != header.blob_len:
-        raise TruncatedBlob(f"blob is {len(view)} bytes, header says {header.blob_len}")
+def verify_blob_header(head, blob_len: int, key: ChunkKey | None = None) -> BlobHeader:
+    """The verified header at the start of ``head`` of a ``blob_len``-byte blob of ``key``."""
+    header = decode_header(head)
+    if blob_len != header.blob_len:
+        raise TruncatedBlob(f"blob is {blob_len} bytes, header says {header.blob_len}")
     if key is not None and header.key_id != key.id:
         raise KeyMismatch(f"blob holds key {header.key_id.hex()}, expected {key.id.hex()}")
+    return header
+
+
+def verify_blob(data, key: ChunkKey | None = None, check_payload: bool = True) -> tuple[BlobHeader, memoryview]:
+    """Verify a whole blob and return its header and a view of its payload."""
+    view = memoryview(data)
+    header = verify_blob_header(view, len(view), key)
     payload = view[HEADER_BYTES:]
     if check_payload and payload_checksum(payload) != header.payload_checksum:
         raise PayloadChecksumMismatch("payload checksum mismatch")

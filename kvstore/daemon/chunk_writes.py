@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from kvstore.wire._proto import kvstore_pb2 as pb
-from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, KeyMismatch, TruncatedBlob, decode_header
+from kvstore.blob import DTYPE_NAMES, HEADER_BYTES, verify_blob_header
 from kvstore.codecs import codec_by_id
 from kvstore.daemon.admission import Admission
 from kvstore.daemon.buffers import BufferPool
@@ -55,12 +55,7 @@ class ChunkWrites:
         header as it copies it into host RAM (``Store.put_claimed``)."""
         view = memoryview(blob).cast("B")
         head = bytes(view[:HEADER_BYTES])
-        header = decode_header(head)
-        if view.nbytes != header.blob_len:
-            raise TruncatedBlob(f"blob is {view.nbytes} bytes, header says {header.blob_len}")
-        expected = ChunkKey(bound.claimed, key.prefix_hash).id
-        if header.key_id != expected:
-            raise KeyMismatch(f"blob holds key {header.key_id.hex()}, expected {expected.hex()}")
+        header = verify_blob_header(head, view.nbytes, ChunkKey(bound.claimed, key.prefix_hash))
         try:
             codec_by_id(header.codec_id)
         except KeyError:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvstore.blob
-from helpers import NS, PAGE, chunks, in_process_daemon, same, store_config
+from helpers import NS, chunks, in_process_daemon, same, store_config
 from kvstore.blob import encode_header
 from kvstore.client import Client
 from kvstore.config import PlacementConfig
