@@ -43,8 +43,7 @@ class TenantScheduler:
         self._use: dict[str, tuple[float, float]] = {}  # tenant label -> (seconds used, when)
         self._busy: Counter[str] = Counter()  # pieces waiting or running
         self._ended: dict[str, float] = {}  # when the tenant's last piece ended
-        self._changed = asyncio.Event()  # set, and replaced, when a use or a busy count changes
-        self._waiting = 0  # pieces waiting for their turn (none: nobody to wake)
+        self._pacers: dict[str, asyncio.Lock] = {}  # per tenant: held by the one piece of it that waits
         self.delayed = 0  # pieces that waited
 
     def use(self, label: str) -> float:
@@ -55,7 +54,6 @@ class TenantScheduler:
     def charge(self, label: str, seconds: float) -> None:
         """Count ``seconds`` of daemon time against ``label``."""
         self._use[label] = (self.use(label) + seconds, self.clock())
-        self._wake()
 
     def active(self, label: str) -> bool:
         return bool(self._busy[label]) or self.clock() - self._ended.get(label, -float("inf")) < self.idle_s
@@ -81,31 +79,28 @@ class TenantScheduler:
                 self.delayed += 1
                 if self.metrics is not None:
                     self.metrics.scheduler_waits.labels(label).inc()
-                self._waiting += 1
-                try:
-                    await self._wait(label)
-                finally:
-                    self._waiting -= 1
+                await self._wait(label)
             yield
         finally:
             self._busy[label] -= 1
             if not self._busy[label]:
                 del self._busy[label]
             self._ended[label] = self.clock()
-            self._wake()
 
     async def _wait(self, label: str) -> None:
+        """Sleep until ``label``'s rate is back within its share, the others are idle, or
+        ``max_wait_s`` passed. Only time ends a wait (another tenant's use or work never
+        lowers this one's rate), so the waiter sleeps until then (looking again at least every
+        ``idle_s`` while another tenant has work in flight), and one piece of a tenant waits
+        at a time, its later pieces behind it: the waiting itself must not take the event
+        loop from the tenants it makes room for."""
         deadline = self.clock() + self.max_wait_s
-        while self.must_wait(label):
-            left = deadline - self.clock()
-            if left <= 0:
-                return
-            changed = self._changed
-            try:
-                async with asyncio.timeout(min(left, self._next_idle(label), self._within_share(label))):
-                    await changed.wait()
-            except TimeoutError:
-                pass
+        async with self._pacers.setdefault(label, asyncio.Lock()):
+            while self.must_wait(label):
+                left = deadline - self.clock()
+                if left <= 0:
+                    return
+                await asyncio.sleep(min(left, self._next_idle(label), self._within_share(label)))
 
     def _next_idle(self, label: str) -> float:
         """Seconds until the soonest other tenant without a piece in flight stops being active."""
@@ -118,8 +113,3 @@ class TenantScheduler:
         active = sum(1 for t in self._busy.keys() | self._ended.keys() if self.active(t))
         rate, share = self.rate(label), 1 / max(1, active)
         return self.half_life_s * math.log2(rate / share) if rate > share else 0.0
-
-    def _wake(self) -> None:
-        if self._waiting:
-            self._changed.set()
-            self._changed = asyncio.Event()

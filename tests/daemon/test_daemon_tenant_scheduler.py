@@ -122,8 +122,7 @@ def test_the_light_tenant_goes_first_and_the_heavy_one_once_its_use_decayed():
                 await piece("light")
                 await asyncio.sleep(0)
             assert not heavy.done()
-            clock.advance(HALF_LIFE_S)  # 0.8 -> 0.4: within its share
-            s.charge("light", 0.0)  # anything that happens wakes the waiters
+            clock.advance(HALF_LIFE_S)  # 0.8 -> 0.4: within its share, seen at its next look
             await asyncio.wait_for(heavy, 5)
 
     asyncio.run(main())
@@ -143,3 +142,42 @@ def test_a_wait_ends_after_max_wait_s_not_in_a_refusal():
 
     assert asyncio.run(main()) == "served"
     assert s.delayed == 1
+
+
+def test_waiting_pieces_sleep_through_the_other_tenants_work():
+    """Only time lowers a tenant's rate, so a waiting piece looks again only when its rate may
+    be within its share, whatever the others do meanwhile; and of a tenant's waiting pieces
+    one looks, the others behind it. Waiters that looked again on every charge of every
+    tenant (a Get's reads ahead wait side by side) would take the daemon's event loop, and
+    the light tenant's requests would wait behind them."""
+    clock = ManualClock()
+    s = scheduler(clock)
+    s.charge("heavy", FULL)
+    looks = []
+    must_wait = s.must_wait
+
+    def counted(label: str) -> bool:
+        looks.append(label)
+        return must_wait(label)
+
+    s.must_wait = counted
+
+    async def heavy_piece():
+        async with s.turn("heavy"):
+            pass
+
+    async def main():
+        async with s.turn("light"):
+            waiting = [asyncio.ensure_future(heavy_piece()) for _ in range(3)]
+            await asyncio.sleep(0)
+            for _ in range(300):
+                async with s.turn("light"):
+                    s.charge("light", 0.0001)
+                await asyncio.sleep(0)
+            assert not any(w.done() for w in waiting)
+            for w in waiting:
+                w.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(main())
+    assert looks.count("heavy") <= 10, f"the heavy tenant's pieces looked {looks.count('heavy')} times"
