@@ -12,7 +12,7 @@ ending with the daemon alive and the victim tenant's chunks checked byte for byt
 - fairness: a well-behaved tenant's latency and refusals alone, then beside each abusive
   pattern of another (idle streams, withheld bulk frames, tiny chunks pinned, promote and pin,
   Pause and Contains floods, one-byte pieces), the health check asked throughout
-  (``--seconds`` in all).
+  (``--seconds`` in all; ``--control``: each pattern also aimed at a second daemon).
 
 Exit status 1 if any attack found something (a bug status, a leak, a wrong byte, a lost
 durable chunk, a daemon that did not recover); re-puts lost to the Store's finding #2 are
@@ -22,6 +22,7 @@ reported apart and do not count.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 
@@ -38,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workers", type=int, default=6, help="soak: client processes")
     p.add_argument("--rounds", type=int, default=3, help="dying, kill9: rounds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--control", action="store_true",
+                   help="fairness: each pattern once more aimed at a second daemon, the victim's slowdown from the machine alone")
     p.add_argument("--json", default=None, help="write the reports as JSON here")
     p.set_defaults(func=run)
 
@@ -92,13 +95,29 @@ def _one(mode: str, args, root: str) -> dict:
         elif mode == "tenants":
             report = tenants.run(target).as_dict()
         elif fair:  # the victim alone, then beside each pattern
-            report = fairness.run(target, args.seconds / (1 + len(fairness.PATTERNS)))
+            report = _fairness(target, args, root)
         else:
             report = soak.run(target, args.seconds, args.workers).as_dict()
         report["daemon_serving"] = target.serving()
         return report
     finally:
         target.process.stop()
+
+
+def _fairness(target, args, root: str) -> dict:
+    from bench.attacks import fairness
+    from bench.attacks.target import start
+
+    phases = 1 + len(fairness.PATTERNS) * (2 if args.control else 1)
+    if not args.control:
+        return fairness.run(target, args.seconds / phases)
+    os.makedirs(os.path.join(root, "control"))
+    control = start(os.path.join(root, "control"), victims=0, extra=fairness.LIMITS,
+                    tenant_extra=fairness.TENANT_EXTRA)
+    try:
+        return fairness.run(target, args.seconds / phases, control)
+    finally:
+        control.process.stop()
 
 
 def run(args) -> int:

@@ -79,20 +79,29 @@ def _percentile(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 2) if values else 0.0
 
 
-def run(target: Target, seconds: float) -> dict:
-    """The victim alone, then beside each pattern, ``seconds`` each; a report per phase."""
+def run(target: Target, seconds: float, control: Target | None = None, patterns=None) -> dict:
+    """The victim alone, then beside each pattern (``patterns``: all), ``seconds`` each; a
+    report per phase. With a ``control`` daemon, each pattern runs a second time aimed at it
+    while the victim measures ``target``: its ``control_p99_slowdown`` is what the attacker's
+    work does to the victim through the machine alone (its cores, shared by the clients and
+    the daemons), the part of ``p99_slowdown`` no daemon could take away."""
     reports = {}
     alone = _phase(target, seconds, None)
     reports["alone"] = alone.as_dict()
-    for pattern in PATTERNS:
+    for pattern in patterns or PATTERNS:
         reports[pattern] = _phase(target, seconds, pattern).as_dict(alone)
+        if control is not None:
+            reports[pattern]["control_p99_slowdown"] = _phase(target, seconds, pattern, control).as_dict(alone)[
+                "p99_slowdown"]
     reports["victim_bad"] = target.intact()
     return reports
 
 
-def _phase(target: Target, seconds: float, pattern: str | None) -> Phase:
-    """The attacker runs in a process of its own (in this one, its Python work would take the
-    victim client's interpreter lock and count as the daemon's slowness)."""
+def _phase(target: Target, seconds: float, pattern: str | None, attacked: Target | None = None) -> Phase:
+    """The victim measures ``target``; the attacker runs ``pattern`` against ``attacked``
+    (``target`` unless given), in a process of its own (in this one, its Python work would take
+    the victim client's interpreter lock and count as the daemon's slowness)."""
+    attacked = attacked or target
     phase = Phase(rss_before=rss_bytes(target.pid))
     stop = threading.Event()
     probe = threading.Thread(target=_probe, args=(target, stop, phase), daemon=True)
@@ -101,7 +110,7 @@ def _phase(target: Target, seconds: float, pattern: str | None) -> Phase:
     if pattern is not None:
         spawn = multiprocessing.get_context("spawn")
         ready, done, results = spawn.Event(), spawn.Event(), spawn.Queue()
-        attacker = spawn.Process(target=_attack, args=(target.addr, pattern, ready, done, results), daemon=True)
+        attacker = spawn.Process(target=_attack, args=(attacked.addr, pattern, ready, done, results), daemon=True)
         attacker.start()
         if not ready.wait(120):
             raise RuntimeError(f"the {pattern} attacker did not start")

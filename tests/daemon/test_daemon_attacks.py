@@ -11,6 +11,7 @@ import pytest
 from bench.attacks import dying, fairness, flood, fuzz, kill9, soak, tenants
 from bench.attacks.target import start
 from bench.cli import main as kvbench
+from kvstore.keys import chunk_keys
 
 
 @pytest.fixture
@@ -86,3 +87,26 @@ def test_a_well_behaved_tenant_is_served_beside_every_abusive_pattern(tmp_path):
             assert phase["victim_refused"] == 0 and phase["health_failed"] == 0, (pattern, phase)
     for pattern in ("idle_streams", "withheld_frames", "one_byte_pieces"):
         assert report[pattern]["attacker_refused"] > 0, (pattern, report[pattern])
+
+
+def test_a_control_run_aims_the_attacker_at_the_other_daemon(tmp_path):
+    """`--control`: each pattern runs once more with its attacker on a second daemon while the
+    victim measures the first, so the slowdown the machine alone causes is measured apart."""
+    (tmp_path / "control").mkdir()
+    target = start(str(tmp_path), victims=2, extra=fairness.LIMITS, tenant_extra=fairness.TENANT_EXTRA)
+    control = start(str(tmp_path / "control"), victims=0, extra=fairness.LIMITS, tenant_extra=fairness.TENANT_EXTRA)
+    try:
+        before = [_tiny_chunks(t) for t in (target, control)]
+        phase = fairness._phase(target, 1.0, "tiny_pinned", control)
+        after = [_tiny_chunks(t) for t in (target, control)]
+    finally:
+        target.process.stop()
+        control.process.stop()
+    assert before == [0, 0] and after[0] == 0 and after[1] > 0, (before, after)
+    assert phase.put_ms and phase.attacker_served > 0
+
+
+def _tiny_chunks(target) -> int:
+    """How many of the tiny-pinned attacker's first chunks ``target`` holds, in order."""
+    with target.client("attacker") as client:
+        return client.lookup(chunk_keys(list(range(64 * 8)), fairness.TINY))
