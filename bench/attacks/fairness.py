@@ -79,16 +79,16 @@ def _percentile(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 2) if values else 0.0
 
 
-def run(target: Target, seconds: float, control: Target | None = None, patterns=None) -> dict:
-    """The victim alone, then beside each pattern (``patterns``: all), ``seconds`` each; a
-    report per phase. With a ``control`` daemon, each pattern runs a second time aimed at it
-    while the victim measures ``target``: its ``control_p99_slowdown`` is what the attacker's
-    work does to the victim through the machine alone (its cores, shared by the clients and
-    the daemons), the part of ``p99_slowdown`` no daemon could take away."""
+def run(target: Target, seconds: float, control: Target | None = None) -> dict:
+    """The victim alone, then beside each pattern, ``seconds`` each; a report per phase. With
+    a ``control`` daemon, each pattern runs a second time aimed at it while the victim
+    measures ``target``: its ``control_p99_slowdown`` is what the attacker's work does to the
+    victim through the machine alone (its cores, shared by the clients and the daemons), the
+    part of ``p99_slowdown`` no daemon could take away."""
     reports = {}
     alone = _phase(target, seconds, None)
     reports["alone"] = alone.as_dict()
-    for pattern in patterns or PATTERNS:
+    for pattern in PATTERNS:
         reports[pattern] = _phase(target, seconds, pattern).as_dict(alone)
         if control is not None:
             reports[pattern]["control_p99_slowdown"] = _phase(target, seconds, pattern, control).as_dict(alone)[
