@@ -197,12 +197,12 @@ def serve(conn, engine: RoleEngine) -> None:
 
 
 def main() -> int:
-    """The serving process: connect back to the router, build the engine it asks for, serve."""
-    from multiprocessing.connection import Client
+    """The serving process: build the engine the router asks for over the pipe it handed down, serve."""
+    from multiprocessing.connection import Connection
 
     import torch
 
-    conn = Client(os.environ["ENGINE_PD_ADDRESS"], authkey=bytes.fromhex(os.environ["ENGINE_PD_AUTHKEY"]))
+    conn = Connection(int(os.environ["ENGINE_PD_FD"]))
     spec: EngineSpec = conn.recv()
     torch.set_num_threads(spec.threads)
     try:

@@ -1,6 +1,6 @@
 """The router of disaggregated serving: each request to a prefill engine, then, with the
 transfer parameters it returned, to a decode engine (engine/pd.py). Engines run in
-processes of their own (``EngineProcess``), talk to the router over a local socket and to
+processes of their own (``EngineProcess``), talk to the router over a pipe and to
 their stores (one daemon each, or one shared) on their own; the KV never passes the router.
 
 Every wait is bounded: a prefill engine that dies, or does not answer a request within
@@ -12,14 +12,14 @@ connector's ``transfer.wait_s``. Without a prefill engine the router serves colo
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Listener, wait
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
+from typing import NoReturn
 
 from engine.pd import EngineSpec, Finished
 from engine.sampling import SamplingParams
@@ -35,36 +35,33 @@ class EngineProcess:
     def __init__(self, spec: EngineSpec, start_timeout_s: float = 300.0) -> None:
         self.spec = spec
         self._dir = tempfile.TemporaryDirectory(prefix="engine-pd-")
-        authkey = secrets.token_bytes(16)
-        listener = Listener(os.path.join(self._dir.name, "sock"), "AF_UNIX", authkey=authkey)
+        self.conn, child = Pipe()
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "ENGINE_PD_ADDRESS": listener.address, "ENGINE_PD_AUTHKEY": authkey.hex(),
+        env = {**os.environ, "ENGINE_PD_FD": str(child.fileno()),
                "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.log_path = os.path.join(self._dir.name, "stderr.log")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "engine.pd"], env=env, stdout=subprocess.DEVNULL,
-                                         stderr=log)
-        accepted: list = []
-        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
-        acceptor.start()
-        deadline = time.monotonic() + start_timeout_s
-        while not accepted and self.proc.poll() is None and time.monotonic() < deadline:
-            acceptor.join(0.05)
-        listener.close()
-        if not accepted:
-            self.kill()
-            raise EngineDied(f"{spec.role} engine did not start: {self.log()}")
-        self.conn = accepted[0]
-        self.conn.send(spec)
-        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
-            self.kill()
-            raise EngineDied(f"{spec.role} engine did not get ready: {self.log()}")
-        msg = self.conn.recv()
+                                         stderr=log, pass_fds=(child.fileno(),))
+        child.close()  # the engine holds the only other end: its exit reads here as end of file
+        try:
+            self.conn.send(spec)
+            if not self.conn.poll(start_timeout_s):
+                self._fail(f"did not get ready in {start_timeout_s} s")
+            msg = self.conn.recv()
+        except (OSError, EOFError):
+            self._fail("exited before it was ready")
         if msg["op"] != "ready":
-            self.kill()
-            raise EngineDied(f"{spec.role} engine failed to start: {msg.get('error')}")
+            self._fail(f"failed to start: {msg.get('error')}")
         self.pid = msg["pid"]
         self.alive = True
+
+    def _fail(self, why: str) -> NoReturn:
+        self.kill()
+        log = self.log()
+        self.conn.close()
+        self._dir.cleanup()
+        raise EngineDied(f"{self.spec.role} engine {why}: {log}")
 
     def running(self) -> bool:
         """Whether the process is up and its connection open."""

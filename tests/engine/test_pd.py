@@ -17,7 +17,7 @@ from connector.roles import TransferParams
 from engine import LLM, EngineConfig, SamplingParams
 from engine.assets import smollm2_gguf_path
 from engine.pd import EngineSpec
-from engine.router import EngineProcess, Request, Router
+from engine.router import EngineDied, EngineProcess, Request, Router
 from engine.testing import make_tiny_checkpoint
 from kv_daemon import start_daemon
 from kvstore.client import Client
@@ -116,6 +116,25 @@ def test_disaggregated_greedy_output_equals_colocated_on_smollm2(tmp_path):
             pre.close()
             dec.close()
         assert daemon_pins(proc) == 0
+
+
+@pytest.mark.parametrize("threads, start_timeout_s, why", [(-1, 60.0, "exited before it was ready"),
+                                                            (1, 0.0, "did not get ready in 0.0 s")])
+def test_an_engine_that_never_gets_ready_is_killed_and_leaves_nothing_running(tiny, monkeypatch, threads,
+                                                                               start_timeout_s, why):
+    """An engine process that dies while it starts (here: torch refuses its thread count), or
+    is still starting at the bound: the start says why, with the engine's last words, and
+    leaves no process and no thread behind; nothing is reported from a thread (a Ctrl-C
+    while engines started used to print a waiting thread's traceback)."""
+    from_threads = []
+    monkeypatch.setattr(threading, "excepthook", from_threads.append)
+    threads_before = set(threading.enumerate())
+    spec = EngineSpec(str(tiny[0]), EngineConfig(num_blocks=16, block_size=4), "decode", threads=threads)
+    with pytest.raises(EngineDied, match=why) as died:
+        EngineProcess(spec, start_timeout_s=start_timeout_s)
+    if threads < 0:
+        assert "set_num_threads" in str(died.value)
+    assert set(threading.enumerate()) <= threads_before and not from_threads
 
 
 def test_raw_transfer_loads_every_promised_chunk_and_equals_colocated(tiny, pair, daemon):
