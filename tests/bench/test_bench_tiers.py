@@ -66,3 +66,24 @@ def test_kvbench_usage_error_exits_2(capsys):
     assert main(["tiers", "--chunks", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
     assert main(["tiers", "--rounds", "0"]) == 2
+
+
+def test_the_host_gets_and_their_limit_write_a_destination_per_chunk(tmp_path, monkeypatch):
+    """One destination reused for every chunk stayed in the last-level cache, and its memcpy
+    limit ran at 46 GB/s where memory copies 12-26: a connector loads a prompt's chunks into
+    blocks of a paged cache far larger than any cache. The limit copies into the very
+    destinations the gets fill."""
+    from bench import tiers
+
+    copied_into = []
+    real = tiers.memcpy_limit
+
+    def recorded(pairs):
+        pairs = list(pairs)
+        copied_into.append({dst.__array_interface__["data"][0] for dst, _ in pairs})
+        return real(pairs)
+
+    monkeypatch.setattr(tiers, "memcpy_limit", recorded)
+    assert main([*ARGS, "--rounds", "1", "--dir", str(tmp_path / "d")]) == 0
+    get_limit_destinations = copied_into[0]  # HostBench._limits: the get's, then the put's
+    assert len(get_limit_destinations) == 4  # --chunks 4: one destination each
