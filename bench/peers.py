@@ -8,7 +8,8 @@ beside the throughput; our Store runs write-behind's defaults, as users do); get
 pre-touched destination tensors; drop the host copies and the page cache of the disk copies
 (checked dropped), then read them cold from disk into the same destinations. Limits
 (bench/limits.py) are measured in each system's turn on the same buffers and files: memcpy
-right after its get from host RAM and again after its cold get (the better kept), raw reads of its files just before and just after its cold get.
+right after its get from host RAM and again after its cold get (the better kept), raw reads
+of its files just before and just after its cold get.
 
 ``--rounds`` rounds (bench/rounds.py), each running both systems, which goes first alternating;
 a round's limit is the best of every measurement taken in it. Every figure is printed as its
@@ -211,7 +212,8 @@ def _round(system, chunks, outs, total: int, pairs) -> dict:
     return {"put": total / (sum(put_ms) / 1e3) / GB, "put_p50_ms": float(np.percentile(put_ms, 50)),
             "put_p99_ms": float(np.percentile(put_ms, 99)), "put_ms": put_ms,
             "host_get": total / host_s / GB, "cold_get": total / cold_s / GB,
-            "memcpy": best_over([memcpy_after_get, memcpy_limit(pairs)]), "disk_read": best_over([disk_before, disk_read_limit(files)])}
+            "memcpy": best_over([memcpy_after_get, memcpy_limit(pairs)]),
+            "disk_read": best_over([disk_before, disk_read_limit(files)])}
 
 
 def _peer(name: str):
