@@ -160,7 +160,7 @@ def test_promotion_on_read(tmp_path):
 
 
 def test_write_behind_backpressure_bounds_pending_bytes(tmp_path):
-    keys, values = chunks(200)
+    keys, values = chunks(64)
     limit = 8 * PAGE
     peak = 0
     stop = threading.Event()
