@@ -109,15 +109,16 @@ def _fairness(target, args, root: str) -> dict:
     from bench.attacks.target import start
 
     phases = 1 + len(fairness.PATTERNS) * (2 if args.control else 1)
-    if not args.control:
-        return fairness.run(target, args.seconds / phases)
-    os.makedirs(os.path.join(root, "control"))
-    control = start(os.path.join(root, "control"), victims=0, extra=fairness.LIMITS,
-                    tenant_extra=fairness.TENANT_EXTRA)
+    control = None
+    if args.control:
+        os.makedirs(os.path.join(root, "control"))
+        control = start(os.path.join(root, "control"), victims=0, extra=fairness.LIMITS,
+                        tenant_extra=fairness.TENANT_EXTRA)
     try:
         return fairness.run(target, args.seconds / phases, control)
     finally:
-        control.process.stop()
+        if control is not None:
+            control.process.stop()
 
 
 def run(args) -> int:
