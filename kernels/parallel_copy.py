@@ -13,6 +13,7 @@ A copy returns only when every slice is written: nothing touches either buffer a
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -22,6 +23,7 @@ import numpy as np
 
 PARALLEL_MIN_BYTES = 4 << 20
 SLICE_ALIGN = 4096
+SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when it is hashed
 
 _lock = threading.Lock()
 _busy = threading.Lock()  # held by the copy that has the pool
@@ -67,31 +69,22 @@ def _copy_group(group: list[tuple[np.ndarray, np.ndarray]]) -> None:
         np.copyto(dst, src)
 
 
-def _submit(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> list:
-    """Hand ``groups`` to the copy threads; if a hand-off fails, wait for those handed out
-    before raising (nothing may touch the buffers once the caller has its answer)."""
+def _run_tasks(tasks: list[Callable[[], None]]) -> None:
+    """Run the first task here and the others on the copy threads; return once every one has
+    ended, even when one failed (nothing may touch the buffers once the caller has its
+    answer), then raise the first failure, if any."""
     futures = []
     try:
-        for g in groups:
-            futures.append(_executor().submit(_copy_group, g))
-    except BaseException:
+        try:
+            for task in tasks[1:]:
+                futures.append(_executor().submit(task))
+        finally:
+            if len(futures) == len(tasks) - 1:
+                tasks[0]()
+    finally:
         wait(futures)
-        raise
-    return futures
-
-
-def _raise_first(futures: list) -> None:
     for f in futures:
         f.result()
-
-
-def _run(groups: list[list[tuple[np.ndarray, np.ndarray]]]) -> None:
-    futures = _submit(groups[1:])
-    try:
-        _copy_group(groups[0])
-    finally:
-        wait(futures)  # every slice, even when one failed, before the buffers go back
-    _raise_first(futures)  # then the first failure, if any
 
 
 def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
@@ -119,7 +112,7 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     total = sum(src.size for _, src in pairs)
     if total >= PARALLEL_MIN_BYTES and _workers > 1 and _busy.acquire(blocking=False):
         try:
-            _run(split(pairs, _workers))
+            _run_tasks([functools.partial(_copy_group, g) for g in split(pairs, _workers)])
         finally:
             _busy.release()
         return
@@ -127,31 +120,57 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         np.copyto(dst, src)
 
 
-def copy_behind(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], None]:
-    """Start copying ``pairs`` on the copy threads, and return ``wait()``, which returns once
-    every one is written (call it exactly once, before either buffer is used or given back,
-    also when the caller's own work failed). The caller works meanwhile: a put copies and
-    hashes the first part of a payload while the threads copy the rest. Where there are no
-    copy threads, or another copy holds them, the pairs are copied here, now."""
-    if not pairs:
-        return lambda: None
-    if _workers == 1 or not _busy.acquire(blocking=False):
-        _copy_group(list(pairs))
-        return lambda: None
-    try:
-        futures = _submit(split(pairs, _workers - 1))
-    except BaseException:
-        _busy.release()
-        raise
+def leaves_of(pairs: Sequence[tuple[np.ndarray, np.ndarray]], leaf_bytes: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """(dst, src) pairs that together copy one stream of bytes (a payload), cut at each
+    multiple of ``leaf_bytes`` of that stream: each leaf's pairs, in order."""
+    leaves: list[list] = [[]]
+    room = leaf_bytes
+    for dst, src in pairs:
+        done = 0
+        while done < src.size:
+            if room == 0:
+                leaves.append([])
+                room = leaf_bytes
+            take = min(room, src.size - done)
+            leaves[-1].append((dst[done : done + take], src[done : done + take]))
+            done += take
+            room -= take
+    return leaves if leaves[0] else []
 
-    def wait_all() -> None:
+
+def copy_hashing(pairs: Sequence[tuple[np.ndarray, np.ndarray]], digest) -> None:
+    """Copy (dst, src) pairs that together copy one stream (a payload) and feed ``digest``
+    the copies, each slice right after it lands, while it is in cache (the digest is of what
+    ``dst`` holds). A digest with leaves (``leaf_bytes``, ``leaf_checksum``, ``extend``:
+    kvstore/blob.py's ``TreeDigest``) has its leaves hashed on the copy threads too, when the
+    stream is big; one without (``leaf_bytes`` 0) is fed in order, on this thread.
+
+    Returns only when every slice is written: nothing touches either buffer afterwards."""
+    if not digest.leaf_bytes:
+        for leaf in leaves_of(pairs, SEAL_SLICE_BYTES):
+            for dst, src in leaf:
+                np.copyto(dst, src)
+                digest.update(dst)
+        return
+    leaves = leaves_of(pairs, digest.leaf_bytes)
+    sums = [0] * len(leaves)
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            for dst, src in leaves[i]:
+                np.copyto(dst, src)
+            sums[i] = digest.leaf_checksum([dst for dst, _ in leaves[i]])
+
+    total = sum(src.size for _, src in pairs)
+    if total >= PARALLEL_MIN_BYTES and _workers > 1 and len(leaves) > 1 and _busy.acquire(blocking=False):
         try:
-            wait(futures)
+            cuts = [len(leaves) * k // _workers for k in range(_workers + 1)]
+            _run_tasks([functools.partial(run, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if lo < hi])
         finally:
             _busy.release()
-        _raise_first(futures)
-
-    return wait_all
+    else:
+        run(0, len(leaves))
+    digest.extend(sums)
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:

@@ -280,12 +280,18 @@ class StoreConfig:
     max_pin_ttl_s: float = 3600.0
     # Prefetches reading or waiting at once, at most; more are not started (a miss later).
     prefetch_max_inflight: int = 256
+    # The blob format puts write (docs/blob-format.md): 2 lets every copy thread hash what it
+    # copies. 1 while a shared tier (pfs, redis) is still read by daemons older than format
+    # 2, which take a version 2 blob for a corrupt one and delete it. Both are always read.
+    blob_version: int = 2
 
     def validate(self) -> None:
         """Check what the types cannot: registry names and cross-field rules (ConfigError
         naming the key)."""
         from kvstore.policies import POLICIES
 
+        if self.blob_version not in (1, 2):
+            raise ConfigError(f"blob_version: expected 1 or 2, got {self.blob_version}")
         if self.codec not in known_codecs():
             raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {known_codecs()}")
         if self.eviction_policy != "default" and self.eviction_policy not in POLICIES:

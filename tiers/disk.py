@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kernels.parallel_copy import copy_pairs
+from kernels.parallel_copy import copy_hashing, copy_pairs
 from tiers.base import Buffer, Tier, TierFull, TierUnavailable, as_buffers
 from tiers.direct_write import bounce_buffer, write_direct
 from tiers.files import SUFFIX, TMP_SUFFIX, DirectoryInUse, DirectoryLock, read_fully, read_fully_hashing, round_up, skip, sync_filesystem, unlink_quietly
@@ -388,8 +388,8 @@ class DiskTier(Tier):
 
     def _read_direct(self, key: bytes, size: int, outs: list[memoryview], hashing: tuple | None = None) -> int:
         """O_DIRECT read into a reused, page-aligned per-thread staging buffer, then copy out:
-        on all cores, or (``hashing``: (head bytes, digest)) in slices, each hashed right after
-        it is copied, while it is in cache."""
+        on all cores, and (``hashing``: (head bytes, digest)) in slices, each hashed right after
+        it is copied, while it is in cache (``copy_hashing``)."""
         staging = getattr(self._local, "staging", None)
         need = round_up(size)
         if staging is None or len(staging) < need:
@@ -411,15 +411,13 @@ class DiskTier(Tier):
             copy_pairs(pairs)
             return got
         head_bytes, digest = hashing
-        offset = 0
+        body, offset = [], 0
         for dst, piece in pairs:
-            for lo in range(0, piece.size, HASH_SLICE_BYTES):
-                hi = min(piece.size, lo + HASH_SLICE_BYTES)
-                np.copyto(dst[lo:hi], piece[lo:hi])
-                start = max(lo, head_bytes - offset)
-                if start < hi:
-                    digest.update(dst[start:hi])
+            skip = min(max(head_bytes - offset, 0), piece.size)
+            np.copyto(dst[:skip], piece[:skip])
+            body.append((dst[skip:], piece[skip:]))
             offset += piece.size
+        copy_hashing(body, digest)
         return got
 
     def read_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:

@@ -22,11 +22,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kernels import host_register
-from kernels.parallel_copy import PARALLEL_MIN_BYTES, copy_behind, copy_pairs
+from kernels.parallel_copy import copy_hashing, copy_pairs
 from tiers.base import Buffer, FirstTier, TierUnavailable, as_buffers
 from tiers.pages import PagedTier, segments
 
-SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when ``write_sealed`` hashes it
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels reject it and we touch pages instead
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
 
@@ -130,32 +129,20 @@ class HostTier(PagedTier, FirstTier):
         self.table.publish(key, value)
 
     def write_sealed(self, key: bytes, head_bytes: int, payload: Buffer, digest, seal) -> None:
-        """The payload copied in cache-sized slices, each hashed right after it lands (one pass
-        over the payload's bytes, and the digest is of what the pool holds), then the head
-        ``seal()`` packs from that digest. If ``seal()`` raises, nothing is stored."""
+        """The payload copied in cache-sized slices, each hashed right after it lands by the
+        thread that copied it (one pass over the payload's bytes, and the digest is of what
+        the pool holds: ``copy_hashing``), then the head ``seal()`` packs from that digest.
+        If ``seal()`` raises, nothing is stored."""
         src = _byte_view(payload)
         value = self.table.allocate(head_bytes + src.size)
         try:
-            heads, slices = [], []
+            heads, body = [], []
             for start, i, offset, n in segments(value.runs, [head_bytes, src.size]):
                 if i == 0:
                     heads.append((start, offset, n))
-                    continue
-                for o in range(0, n, SEAL_SLICE_BYTES):
-                    dst = self._pool[start + o : start + min(n, o + SEAL_SLICE_BYTES)]
-                    slices.append((dst, src[offset + o : offset + o + dst.size]))
-            # a big payload's second part is copied on the copy threads while this one copies and
-            # hashes the first, then hashes the second (in cache, for chunks smaller than the L3)
-            mine = len(slices) if src.size < PARALLEL_MIN_BYTES else (len(slices) + 1) // 2
-            wait = copy_behind(slices[mine:])
-            try:
-                for dst, part in slices[:mine]:
-                    np.copyto(dst, part)
-                    digest.update(dst)
-            finally:
-                wait()
-            for dst, _ in slices[mine:]:
-                digest.update(dst)
+                else:
+                    body.append((self._pool[start : start + n], src[offset : offset + n]))
+            copy_hashing(body, digest)
             head = np.frombuffer(seal(), dtype=np.uint8)
             if head.size != head_bytes:
                 raise ValueError(f"{self.name}: seal() gave {head.size} bytes, {head_bytes} expected")

@@ -27,6 +27,8 @@ class ClientOptions:
     # chunk buffer ``get`` allocates faults in all its pages, which costs more than receiving it.
     tune_malloc: bool = True
     copy_threads: int = 4  # AsyncClient: threads for copies into and out of shared memory
+    # The blob format puts write (docs/blob-format.md); 1 for a daemon older than format 2
+    blob_version: int = 2
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -35,6 +37,8 @@ class ClientOptions:
             raise ValueError("tls_cert and tls_key go together")
         if (self.tls_cert or self.tls_key) and not self.tls_ca:
             raise ValueError("a client certificate needs tls_ca (mutual TLS)")
+        if self.blob_version not in (1, 2):
+            raise ValueError(f"blob_version must be 1 or 2, got {self.blob_version}")
         for name in ("timeout_s", "piece_bytes", "shm_slots", "copy_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -37,7 +37,7 @@ class PutPath:
         chosen = resolve_codec(codec or "raw")
         kv = kv.detach().to("cpu").contiguous()
         payload = chosen.encode(kv)
-        parts = [encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload), payload]
+        parts = [encode_header(key, chosen.codec_id, kv.dtype, kv.shape, payload, self.options.blob_version), payload]
         yield from self.put_blob(key, parts, parent=parent, durable=durable)
 
     def put_blob(self, key: ChunkKey | bytes, parts: Sequence, *, parent: ChunkKey | bytes | None = None,

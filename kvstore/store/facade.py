@@ -146,7 +146,8 @@ class Store:
         self._readers = ThreadPoolExecutor(max(2, config.disk.read_threads), thread_name_prefix="store-read")
         self._prefetching: set[bytes] = set()
         self._reads = ReadPath(self.index, self._io, self.tiers, {s.tier.name: s.verify_payload for s in setups},
-                               self._fetch_pools, fetch_workers, config.fetch_stall_s, self._puts.promote)
+                               self._fetch_pools, fetch_workers, config.fetch_stall_s, self._puts.promote,
+                               config.blob_version)
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
 
     def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:

@@ -59,9 +59,9 @@ class PutPath:
         with self.index.lock:
             fresh = self.index.get(key.id) is None
         if fresh:  # the first tier checksums the payload as it copies it in (one pass)
-            blob: Blob = UnsealedBlob(key, chosen.codec_id, kv.dtype, kv.shape, payload)
+            blob: Blob = UnsealedBlob(key, chosen.codec_id, kv.dtype, kv.shape, payload, self.config.blob_version)
         else:  # a re-put is recognised by its header, checksum included: pack it first
-            blob = SealedBlob.pack(key, chosen.codec_id, kv.dtype, kv.shape, payload)
+            blob = SealedBlob.pack(key, chosen.codec_id, kv.dtype, kv.shape, payload, self.config.blob_version)
         self.put_blob(key.id, blob, parent.id if parent else None, durable, key.namespace.model_id)
 
     def put_blob(self, key_id: bytes, blob: Blob, parent: bytes | None, durable: bool, model_id: str | None) -> None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-import xxhash
 
-from kvstore.blob import HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_digest
+from kvstore.blob import (HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_digest,
+                          payload_matches)
 from kvstore.codecs import codec_by_id
 from kvstore.codecs.raw import tensor_bytes
 from kvstore.store.fetch import FetchJob
@@ -87,8 +87,10 @@ def checked_header(tier: Tier, key: ChunkKey, header_buf, size: int) -> BlobHead
 
 class ReadPath:
     def __init__(self, index: ChunkIndex, io: TierIO, tiers: Sequence[Tier], verify: dict[str, bool],
-                 fetch_pools: dict, fetch_workers: dict[str, int], stall_s: float, promote: Promote) -> None:
+                 fetch_pools: dict, fetch_workers: dict[str, int], stall_s: float, promote: Promote,
+                 blob_version: int) -> None:
         self.index, self.io, self.tiers = index, io, list(tiers)
+        self._blob_version = blob_version  # what this store writes
         self._by_name = {t.name: t for t in tiers}
         self._verify = verify
         self._pools = fetch_pools
@@ -172,7 +174,8 @@ class ReadPath:
         direct = out is not None and codec_id == 0 and size == HEADER_BYTES + out.numel() * out.element_size()
         payload_buf = tensor_bytes(out) if direct else memoryview(bytearray(max(size - HEADER_BYTES, 0)))
         verify = self._verify[tier.name]
-        digest = payload_digest() if verify else None
+        # of the version the blob most likely has (a blob of another one is hashed again)
+        digest = payload_digest(expected.version if expected is not None else self._blob_version) if verify else None
         started = time.perf_counter()
         try:
             if verify:  # the checksum is computed on the bytes as they land, not in a second pass
@@ -187,7 +190,7 @@ class ReadPath:
         if got is None:
             return self._vanished(key_id, tier, replica)
         if got != size and tier.size_of(key_id) != size:
-            if tier.shared and self._whole(tier, key, header_buf, got, digest):
+            if tier.shared and self._whole(tier, key, header_buf, payload_buf, got, digest):
                 return self._replaced(key_id, tier, replica)
             return self._vanished(key_id, tier, replica)
         shared = tier.shared
@@ -204,7 +207,7 @@ class ReadPath:
         return True if out is not None else bytes(header_buf) + bytes(payload_buf)
 
     @staticmethod
-    def _whole(tier: Tier, key: ChunkKey, header_buf, got: int, digest) -> bool:
+    def _whole(tier: Tier, key: ChunkKey, header_buf, payload_buf, got: int, digest) -> bool:
         """Whether the ``got`` bytes read are a whole, valid blob of ``key`` (hashed as read;
         unhashed, where the tier does not verify payloads, its verified header says so: it is a
         put of the chunk, which is not ours to unlist)."""
@@ -212,7 +215,7 @@ class ReadPath:
             header = checked_header(tier, key, header_buf, got)
         except CorruptBlob:
             return False
-        return digest is None or digest.intdigest() == header.payload_checksum
+        return digest is None or payload_matches(header, digest, memoryview(payload_buf)[: got - HEADER_BYTES])
 
     @staticmethod
     def _verified(tier: Tier, key: ChunkKey, header_buf, payload_buf, got: int, size: int, codec_id: int | None,
@@ -231,7 +234,7 @@ class ReadPath:
         if got != size:
             raise CorruptBlob(f"{tier.name}: read {got} bytes, expected {size}")
         header = checked_header(tier, key, header_buf, size)
-        if digest is not None and digest.intdigest() != header.payload_checksum:
+        if digest is not None and not payload_matches(header, digest, payload_buf):
             raise PayloadChecksumMismatch(f"{tier.name}: payload checksum mismatch")
         if codec_id is not None and header.codec_id != codec_id:
             if tier.shared:
@@ -354,7 +357,7 @@ class ReadPath:
                     if header.codec_id != 0:
                         payload = None
                     elif self._verify[first.name]:
-                        digest = xxhash.xxh3_64()
+                        digest = payload_digest(header.version)
                         for view in pool.views(payload):
                             digest.update(view)
                         if digest.intdigest() != header.payload_checksum:

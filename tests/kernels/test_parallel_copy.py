@@ -1,10 +1,14 @@
-"""kernels/parallel_copy.py: slices cover every byte exactly once, and big copies are exact."""
+"""kernels/parallel_copy.py: slices cover every byte exactly once, big copies are exact, and a
+copy that hashes gives the payload checksum of what it copied."""
+
+import threading
 
 import numpy as np
 import pytest
 
 from kernels import parallel_copy
-from kernels.parallel_copy import SLICE_ALIGN, copy, copy_pairs, split
+from kernels.parallel_copy import SEAL_SLICE_BYTES, SLICE_ALIGN, copy, copy_hashing, copy_pairs, leaves_of, split
+from kvstore.blob import FLAT_VERSION, LEAF_BYTES, TREE_VERSION, TreeDigest, payload_checksum, payload_digest
 
 
 def _pairs(sizes, seed=0):
@@ -30,8 +34,8 @@ def test_big_copies_go_parallel_and_are_exact(monkeypatch):
     monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", 3)
     seen = []
-    real = parallel_copy._run
-    monkeypatch.setattr(parallel_copy, "_run", lambda groups: (seen.append(len(groups)), real(groups)))
+    real = parallel_copy._run_tasks
+    monkeypatch.setattr(parallel_copy, "_run_tasks", lambda tasks: (seen.append(len(tasks)), real(tasks)))
     pairs = _pairs([50_001, 3, 200_000], seed=1)
     copy_pairs(pairs)
     assert seen == [3]
@@ -56,7 +60,7 @@ def test_a_copy_that_starts_while_another_holds_the_pool_runs_alone(monkeypatch)
     monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", 2)
     seen = []
-    monkeypatch.setattr(parallel_copy, "_run", lambda groups: seen.append(len(groups)))
+    monkeypatch.setattr(parallel_copy, "_run_tasks", lambda tasks: seen.append(len(tasks)))
     pairs = _pairs([SLICE_ALIGN * 4])
     with parallel_copy._busy:  # another copy has the pool
         copy_pairs(pairs)
@@ -65,21 +69,61 @@ def test_a_copy_that_starts_while_another_holds_the_pool_runs_alone(monkeypatch)
     assert seen == [2]
 
 
-def test_copy_behind_copies_on_the_pool_while_the_caller_works_and_waits_for_every_slice(monkeypatch):
+class _ThreadsSeen(TreeDigest):
+    """A tree digest that notes which threads hashed its leaves."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = set()
+
+    def leaf_checksum(self, pieces):
+        self.threads.add(threading.get_ident())
+        return TreeDigest.leaf_checksum(pieces)
+
+
+def _stream(sizes, seed):
+    """Pairs that copy one stream of ``sum(sizes)`` bytes, cut at ``sizes``, and its source."""
+    pairs = _pairs(sizes, seed)
+    return pairs, b"".join(src.tobytes() for _, src in pairs)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_copy_hashing_copies_every_byte_and_hashes_the_leaves_on_the_copy_threads(monkeypatch, workers):
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "_workers", workers)
+    pairs, stream = _stream([LEAF_BYTES - 128, 128 + 70_000, 3, 2 * LEAF_BYTES + 5], seed=3)
+    digest = _ThreadsSeen()
+    copy_hashing(pairs, digest)
+    assert b"".join(dst.tobytes() for dst, _ in pairs) == stream
+    assert digest.intdigest() == payload_checksum(stream, TREE_VERSION)
+    assert (len(digest.threads) > 1) == (workers > 1)  # the copy threads hashed the leaves they copied
+    assert not parallel_copy._busy.locked()
+
+
+def test_copy_hashing_feeds_a_digest_without_leaves_in_order_on_this_thread(monkeypatch):
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", 3)
-    pairs = _pairs([SLICE_ALIGN * 4 + 1, 70_000, 5], seed=3)
-    wait = parallel_copy.copy_behind(pairs)
-    assert parallel_copy._busy.locked()  # the pool is this copy's until it is waited for
-    wait()
-    assert not parallel_copy._busy.locked()
-    assert all(np.array_equal(d, s) for d, s in pairs)
-    with parallel_copy._busy:  # another copy has the pool: copied here, at once
-        pairs = _pairs([SLICE_ALIGN * 2], seed=4)
-        wait = parallel_copy.copy_behind(pairs)
-        assert np.array_equal(pairs[0][0], pairs[0][1])
-        wait()
+    pairs, stream = _stream([SEAL_SLICE_BYTES + 7, 10, 3 * SEAL_SLICE_BYTES], seed=4)
+    digest = payload_digest(FLAT_VERSION)
+    copy_hashing(pairs, digest)
+    assert b"".join(dst.tobytes() for dst, _ in pairs) == stream
+    assert digest.intdigest() == payload_checksum(stream, FLAT_VERSION)
+
+
+def test_copy_hashing_waits_for_every_leaf_before_it_raises_a_failed_one(monkeypatch):
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "_workers", 2)
+    pairs, _ = _stream([4 * LEAF_BYTES], seed=5)
     bad = (np.zeros(10, np.uint8), np.zeros(11, np.uint8))  # shapes differ: np.copyto raises
-    wait = parallel_copy.copy_behind(_pairs([SLICE_ALIGN]) + [bad])
     with pytest.raises(ValueError):
-        wait()
+        copy_hashing([bad] + pairs, TreeDigest())  # the failure is in this thread's share
+    assert np.array_equal(pairs[0][0][2 * LEAF_BYTES :], pairs[0][1][2 * LEAF_BYTES :])  # the other thread's share
     assert not parallel_copy._busy.locked()
+
+
+def test_leaves_of_cuts_a_stream_at_each_multiple_of_the_leaf_and_nowhere_else():
+    pairs, stream = _stream([5, 17, 1, 40], seed=6)
+    leaves = leaves_of(pairs, 8)
+    assert [sum(src.size for _, src in leaf) for leaf in leaves] == [8] * 7 + [7]
+    assert b"".join(src.tobytes() for leaf in leaves for _, src in leaf) == stream
+    assert leaves_of([], 8) == []

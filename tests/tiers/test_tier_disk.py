@@ -204,23 +204,24 @@ def test_21_a_delete_racing_a_rewrite_of_the_same_key_never_unlinks_the_new_file
     assert tier.contains(key(1)) and tier.read(key(1)) == blob(6000, 2)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("o_direct", [False, True])
-def test_read_into_hashing_digests_exactly_the_bytes_past_the_head(tmp_path, o_direct):
+def test_read_into_hashing_digests_exactly_the_bytes_past_the_head(tmp_path, o_direct, version):
     """Buffered reads hash slice by slice as they land (slices smaller than the value here),
-    O_DIRECT ones after: either way the digest is of every byte past the head, in order."""
-    import xxhash
-
+    O_DIRECT ones as they are copied out (a tree digest's leaves on the copy threads): either
+    way the digest is of every byte past the head."""
+    from kvstore.blob import payload_checksum, payload_digest
     from tiers import disk
 
     tier = DiskTier(tmp_path / "d", 16 << 20, o_direct=o_direct)
-    value = os.urandom(3 * disk.HASH_SLICE_BYTES + 1000)
+    value = os.urandom(18 * disk.HASH_SLICE_BYTES + 1000)  # over PARALLEL_MIN_BYTES
     tier.write(b"k", [value])
     head, body = bytearray(128), bytearray(len(value) - 128)
-    digest = xxhash.xxh3_64()
+    digest = payload_digest(version)
     assert tier.read_into_hashing(b"k", [head, body], 128, digest) == len(value)
     assert bytes(head) + bytes(body) == value
-    assert digest.intdigest() == xxhash.xxh3_64_intdigest(value[128:])
-    assert tier.read_into_hashing(b"absent", [head, body], 128, xxhash.xxh3_64()) is None
+    assert digest.intdigest() == payload_checksum(value[128:], version)
+    assert tier.read_into_hashing(b"absent", [head, body], 128, payload_digest(version)) is None
     tier.close()
 
 

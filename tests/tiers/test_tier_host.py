@@ -132,17 +132,18 @@ def test_bad_construction():
         HostTier(0)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("payload_bytes", [(1 << 20) + 77, (5 << 20) + 77])
-def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last(payload_bytes):
+def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last(payload_bytes, version):
     """Pages of 4 KiB and slices of 256 KiB: the head and payload straddle page runs, and the
-    digest the head is sealed with is that of the whole payload (5 MiB: its second half is
-    copied on the copy threads while the first is copied and hashed)."""
-    import xxhash
+    digest the head is sealed with is that of the whole payload (5 MiB, version 2: its leaves
+    are copied and hashed on the copy threads)."""
+    from kvstore.blob import payload_checksum, payload_digest
 
     tier = HostTier(12 << 20, page_bytes=4096)
     tier.write(b"other", [b"x" * 5000])  # so the value's pages are not one run from page 0
     payload = np.random.default_rng(3).integers(0, 256, payload_bytes, dtype=np.uint8)
-    digest = xxhash.xxh3_64()
+    digest = payload_digest(version)
 
     def seal():
         return digest.intdigest().to_bytes(8, "little") * 16
@@ -150,15 +151,15 @@ def test_write_sealed_hashes_the_payload_as_it_lands_and_writes_the_head_last(pa
     tier.write_sealed(b"k", 128, payload, digest, seal)
     value = tier.read(b"k")
     assert value[128:] == payload.tobytes()
-    assert value[:128] == xxhash.xxh3_64_intdigest(payload.tobytes()).to_bytes(8, "little") * 16
+    assert value[:128] == payload_checksum(payload.tobytes(), version).to_bytes(8, "little") * 16
     with pytest.raises(ValueError, match="seal"):
-        tier.write_sealed(b"j", 64, payload, xxhash.xxh3_64(), seal)
+        tier.write_sealed(b"j", 64, payload, payload_digest(version), seal)
 
 
 def test_a_write_sealed_whose_seal_refuses_the_payload_stores_nothing_and_keeps_no_pages():
     """The Store's check of a client's payload (``ClaimedBlob``) raises from ``seal()``: the
     pages the copy took went unreturned, and a client sending damaged blobs filled host RAM."""
-    import xxhash
+    from kvstore.blob import payload_digest
 
     tier = HostTier(1 << 20, page_bytes=4096)
     payload = np.arange(10_000, dtype=np.uint8)
@@ -168,7 +169,7 @@ def test_a_write_sealed_whose_seal_refuses_the_payload_stores_nothing_and_keeps_
 
     for _ in range(2 * tier.capacity_bytes // 12_288):
         with pytest.raises(ValueError, match="checksum"):
-            tier.write_sealed(b"k", 128, payload, xxhash.xxh3_64(), refuse)
+            tier.write_sealed(b"k", 128, payload, payload_digest(), refuse)
     assert tier.used_bytes == 0 and tier.read(b"k") is None
     tier.write(b"k", [b"h" * 128, payload])  # the room is all there
 
