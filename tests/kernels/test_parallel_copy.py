@@ -1,6 +1,7 @@
 """kernels/parallel_copy.py: slices cover every byte exactly once, big copies are exact, and a
 copy that hashes gives the payload checksum of what it copied."""
 
+import os
 import threading
 
 import numpy as np
@@ -127,3 +128,53 @@ def test_leaves_of_cuts_a_stream_at_each_multiple_of_the_leaf_and_nowhere_else()
     assert [sum(src.size for _, src in leaf) for leaf in leaves] == [8] * 7 + [7]
     assert b"".join(src.tobytes() for leaf in leaves for _, src in leaf) == stream
     assert leaves_of([], 8) == []
+
+
+def test_a_copy_whose_wait_is_interrupted_gives_up_the_pool(monkeypatch):
+    """A signal's exception (Ctrl-C) in the wait for a worker: the worker still ends its
+    task later, and a later copy must not take that end for the end of its own slices."""
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    if parallel_copy.workers() == 1:
+        pytest.skip("one core: copies run in the caller's thread, there is no pool")
+    pool = parallel_copy._threads()
+    join = parallel_copy._Worker.join
+
+    def interrupted(self):
+        monkeypatch.setattr(parallel_copy._Worker, "join", join)
+        join(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parallel_copy._Worker, "join", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        copy_pairs(_pairs([SLICE_ALIGN * 8]))
+    assert parallel_copy._pool is None and not parallel_copy._busy.locked()
+    pairs = _pairs([SLICE_ALIGN * 8 + 3], seed=7)
+    copy_pairs(pairs)
+    assert parallel_copy._pool is not None and parallel_copy._pool is not pool
+    assert np.array_equal(pairs[0][0], pairs[0][1])
+
+
+def test_a_forked_child_copies_on_a_pool_of_its_own():
+    """A child forked after the parent's pool started has none of its threads: before, its
+    first big copy waited forever for workers that did not exist (a process forked from one
+    that used a Store or a Client, as engines fork their workers)."""
+    import multiprocessing
+
+    if parallel_copy.workers() == 1:
+        pytest.skip("one core: copies run in the caller's thread, there is no pool")
+    parallel_copy.start()
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_copy_big_and_check)
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child's copy never ended")
+    assert child.exitcode == 0
+
+
+def _copy_big_and_check() -> None:
+    pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=8)
+    copy_pairs(pairs)
+    os._exit(0 if np.array_equal(pairs[0][0], pairs[0][1]) else 1)

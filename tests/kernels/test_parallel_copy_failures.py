@@ -1,11 +1,9 @@
 """``copy_pairs`` must not return while a worker still writes the destination.
 
 kernels/parallel_copy.py promises "A copy returns only when every slice is written: nothing
-touches either buffer afterwards", and ``_run`` waits for the workers' futures in a ``finally``
-"even when one failed". But it waits with ``for f in futures: f.result()``: the first future
-whose slice raised ends the loop, and the futures after it are not waited for. With three or
-more slices (any machine with 4+ cores), a copy whose second slice fails returns (raises)
-while the third slice is still queued or copying.
+touches either buffer afterwards", also when a slice fails: a copy that stopped waiting at
+the first failed slice would return (raise) while the third slice is still copying (with
+three or more slices: any machine with 4+ cores).
 
 For HostTier.read_into that means: the pin on the value's pages is released when the call
 raises, a delete and another put reuse those pages, and the late slice copies the other
@@ -34,11 +32,7 @@ GATE_S = 2.0  # the held slice waits at most this long (a fixed copy waits for i
 def three_slices(monkeypatch):
     """Copies split in 3 slices over a pool of its own (2 worker threads), on any machine."""
     monkeypatch.setattr(parallel_copy, "_workers", 3)
-    monkeypatch.setattr(parallel_copy, "_pool", None)
-    yield
-    pool = parallel_copy._pool
-    if pool is not None:
-        pool.shutdown(wait=True)
+    monkeypatch.setattr(parallel_copy, "_pool", None)  # its threads wait for work as daemon threads
 
 
 def _hold_copies_into(monkeypatch, target: np.ndarray):

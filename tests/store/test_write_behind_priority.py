@@ -67,18 +67,16 @@ def test_the_callers_copy_pool_is_started_before_the_copy_threads(tmp_path, monk
     if parallel_copy.workers() == 1:
         pytest.skip("one core: copies run in the caller's thread, there is no pool")
     monkeypatch.setattr(parallel_copy, "_pool", None)  # as in a fresh process
-    monkeypatch.setattr(parallel_copy, "_started", False)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     store = Store(store_config(tmp_path))
     try:
         pool = parallel_copy._pool
         assert pool is not None
-        workers = list(pool._threads)
+        workers = [w.thread for w in pool]
         assert len(workers) == parallel_copy.workers() - 1
         assert all(_nice(t) == base for t in workers)
     finally:
         store.close()
-        pool.shutdown(wait=True)
 
 
 @pytest.mark.parametrize("nice", [-1, 20])
