@@ -139,7 +139,12 @@ def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[li
     """(dst, src) byte-array pairs regrouped into ``parts`` groups of about equal bytes, cut
     at ``SLICE_ALIGN`` boundaries; the groups together copy exactly the same bytes."""
     total = sum(src.size for _, src in pairs)
-    share = max(SLICE_ALIGN, -(-total // parts // SLICE_ALIGN) * SLICE_ALIGN)
+    return _cut(pairs, max(SLICE_ALIGN, -(-total // parts // SLICE_ALIGN) * SLICE_ALIGN)) or [[]]
+
+
+def _cut(pairs: Sequence[tuple[np.ndarray, np.ndarray]], share: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """(dst, src) pairs that together copy one stream of bytes, cut at each multiple of
+    ``share`` of that stream: each group's pairs, in order (none for no bytes)."""
     groups: list[list] = [[]]
     room = share
     for dst, src in pairs:
@@ -152,7 +157,7 @@ def split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], parts: int) -> list[li
             groups[-1].append((dst[done : done + take], src[done : done + take]))
             done += take
             room -= take
-    return groups
+    return groups if groups[0] else []
 
 
 def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -171,19 +176,7 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
 def leaves_of(pairs: Sequence[tuple[np.ndarray, np.ndarray]], leaf_bytes: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """(dst, src) pairs that together copy one stream of bytes (a payload), cut at each
     multiple of ``leaf_bytes`` of that stream: each leaf's pairs, in order."""
-    leaves: list[list] = [[]]
-    room = leaf_bytes
-    for dst, src in pairs:
-        done = 0
-        while done < src.size:
-            if room == 0:
-                leaves.append([])
-                room = leaf_bytes
-            take = min(room, src.size - done)
-            leaves[-1].append((dst[done : done + take], src[done : done + take]))
-            done += take
-            room -= take
-    return leaves if leaves[0] else []
+    return _cut(pairs, leaf_bytes)
 
 
 def copy_hashing(pairs: Sequence[tuple[np.ndarray, np.ndarray]], digest) -> None:
