@@ -25,7 +25,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-PARALLEL_MIN_BYTES = 4 << 20
+# below these, one thread copies faster than all (the hand-off costs more than it saves).
+# Measured on 2 cores, Store gets and puts of 3 MiB chunks, in turns: all cores made a get
+# from host RAM 8% faster (9.04 -> 9.76 GB/s) and a put (a copy that hashes) 9% slower.
+PARALLEL_MIN_BYTES = 3 << 20
+PARALLEL_HASHING_MIN_BYTES = 4 << 20
 SLICE_ALIGN = 4096
 SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when it is hashed
 
@@ -203,7 +207,7 @@ def copy_hashing(pairs: Sequence[tuple[np.ndarray, np.ndarray]], digest) -> None
             sums[i] = digest.leaf_checksum([dst for dst, _ in leaves[i]])
 
     total = sum(src.size for _, src in pairs)
-    if total >= PARALLEL_MIN_BYTES and _workers > 1 and len(leaves) > 1 and _busy.acquire(blocking=False):
+    if total >= PARALLEL_HASHING_MIN_BYTES and _workers > 1 and len(leaves) > 1 and _busy.acquire(blocking=False):
         try:
             cuts = [len(leaves) * k // _workers for k in range(_workers + 1)]
             _run_tasks([functools.partial(run, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if lo < hi])

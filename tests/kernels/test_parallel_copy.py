@@ -90,7 +90,7 @@ def _stream(sizes, seed):
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_copy_hashing_copies_every_byte_and_hashes_the_leaves_on_the_copy_threads(monkeypatch, workers):
-    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "PARALLEL_HASHING_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", workers)
     pairs, stream = _stream([LEAF_BYTES - 128, 128 + 70_000, 3, 2 * LEAF_BYTES + 5], seed=3)
     digest = _ThreadsSeen()
@@ -102,7 +102,7 @@ def test_copy_hashing_copies_every_byte_and_hashes_the_leaves_on_the_copy_thread
 
 
 def test_copy_hashing_feeds_a_digest_without_leaves_in_order_on_this_thread(monkeypatch):
-    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "PARALLEL_HASHING_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", 3)
     pairs, stream = _stream([SEAL_SLICE_BYTES + 7, 10, 3 * SEAL_SLICE_BYTES], seed=4)
     digest = payload_digest(FLAT_VERSION)
@@ -112,7 +112,7 @@ def test_copy_hashing_feeds_a_digest_without_leaves_in_order_on_this_thread(monk
 
 
 def test_copy_hashing_waits_for_every_leaf_before_it_raises_a_failed_one(monkeypatch):
-    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "PARALLEL_HASHING_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", 2)
     pairs, _ = _stream([4 * LEAF_BYTES], seed=5)
     bad = (np.zeros(10, np.uint8), np.zeros(11, np.uint8))  # shapes differ: np.copyto raises
