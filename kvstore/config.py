@@ -288,10 +288,11 @@ class StoreConfig:
     def validate(self) -> None:
         """Check what the types cannot: registry names and cross-field rules (ConfigError
         naming the key)."""
+        from kvstore.blob import VERSIONS
         from kvstore.policies import POLICIES
 
-        if self.blob_version not in (1, 2):
-            raise ConfigError(f"blob_version: expected 1 or 2, got {self.blob_version}")
+        if self.blob_version not in VERSIONS:
+            raise ConfigError(f"blob_version: expected one of {VERSIONS}, got {self.blob_version}")
         if self.codec not in known_codecs():
             raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {known_codecs()}")
         if self.eviction_policy != "default" and self.eviction_policy not in POLICIES:

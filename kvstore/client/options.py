@@ -37,8 +37,10 @@ class ClientOptions:
             raise ValueError("tls_cert and tls_key go together")
         if (self.tls_cert or self.tls_key) and not self.tls_ca:
             raise ValueError("a client certificate needs tls_ca (mutual TLS)")
-        if self.blob_version not in (1, 2):
-            raise ValueError(f"blob_version must be 1 or 2, got {self.blob_version}")
+        from kvstore.blob import VERSIONS
+
+        if self.blob_version not in VERSIONS:
+            raise ValueError(f"blob_version must be one of {VERSIONS}, got {self.blob_version}")
         for name in ("timeout_s", "piece_bytes", "shm_slots", "copy_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
