@@ -148,6 +148,8 @@ class Store:
         self._reads = ReadPath(self.index, self._io, self.tiers, {s.tier.name: s.verify_payload for s in setups},
                                self._fetch_pools, fetch_workers, config.fetch_stall_s, self._puts.promote,
                                config.blob_version)
+        # whether ``lend`` hashes the payload it pins (else it touches only the index and the header)
+        self.lend_hashes_payloads = self.host_pool is not None and setups[0].verify_payload
         log.info("store: %s", ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB" for t in self.tiers))
 
     def _forget_shared(self, tier_name: str, key_ids: Sequence[bytes]) -> None:
