@@ -43,6 +43,10 @@ class SharedPool(Protocol):
     def pinned_runs(self, key: bytes) -> AbstractContextManager[list[tuple[int, int]] | None]:
         """The value's ranges in order, kept allocated for the ``with`` block; None if absent."""
 
+    def pin_runs(self, key: bytes) -> tuple[list[tuple[int, int]], Callable[[], None]] | None:
+        """``pinned_runs`` without a ``with`` block: the ranges, and the call (to make once)
+        that unpins them; None if absent."""
+
     def views(self, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Views of pinned ranges, in this process."""
 

@@ -12,12 +12,13 @@ lock is independent of the ``flock`` the daemon claims the path with (kvstore/da
 from __future__ import annotations
 
 import fcntl
+import functools
 import mmap
 import os
 import struct
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -168,6 +169,12 @@ class HostTier(PagedTier, FirstTier):
         """``pinned``, as (pool offset, length) ranges: for a process that maps the same pool."""
         with self.table.reading(key) as value:
             yield None if value is None else list(value.runs)
+
+    def pin_runs(self, key: bytes) -> tuple[list[tuple[int, int]], Callable[[], None]] | None:
+        """``pinned_runs`` without a ``with`` block: the ranges, and the call (to make once)
+        that unpins them; None if the key is absent."""
+        value = self.table.pin(key)
+        return None if value is None else (list(value.runs), functools.partial(self.table.unpin, value))
 
     def views(self, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Views of pool ranges (valid while they are pinned)."""

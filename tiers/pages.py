@@ -112,22 +112,31 @@ class PageTable:
     def reading(self, key: bytes, capacity: int | None = None) -> Iterator[PagedValue | None]:
         """Pin a value for the ``with`` block (None if absent). With ``capacity``, raise
         ValueError if the value does not fit a caller's buffer of that size."""
-        with self._lock:
-            value = self._values.get(key)
-            if value is not None:
-                if capacity is not None and value.length > capacity:
-                    raise ValueError(f"{self.name}: buffer of {capacity} bytes is too small for {value.length}")
-                value.readers += 1
+        value = self.pin(key, capacity)
         if value is None:
             yield None
             return
         try:
             yield value
         finally:
-            with self._lock:
-                value.readers -= 1
-                if value.dead and value.readers == 0:
-                    self._retire(value)
+            self.unpin(value)
+
+    def pin(self, key: bytes, capacity: int | None = None) -> PagedValue | None:
+        """``reading`` without a ``with`` block: the value stays pinned until ``unpin(value)``,
+        called once."""
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                if capacity is not None and value.length > capacity:
+                    raise ValueError(f"{self.name}: buffer of {capacity} bytes is too small for {value.length}")
+                value.readers += 1
+        return value
+
+    def unpin(self, value: PagedValue) -> None:
+        with self._lock:
+            value.readers -= 1
+            if value.dead and value.readers == 0:
+                self._retire(value)
 
     def delete(self, key: bytes) -> bool:
         with self._lock:

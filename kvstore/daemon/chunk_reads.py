@@ -114,21 +114,11 @@ class ChunkReads:
 
     def _pin_leading(self, keys: list[ChunkKey], chunk_bytes: int, room: int) -> list[Read]:
         """Pins of the leading ``keys`` that lie raw in host RAM, up to ``room`` bytes; it stops
-        at the first that does not. None is left held if a lend raises."""
+        at the first that does not."""
         if self.store.host_pool is None:
             return []
-        reads = []
-        try:
-            for key in keys[: room // chunk_bytes]:
-                lent = self.store.lend(key)
-                if lent is None:
-                    break
-                reads.append(Read(chunk_bytes, pool_runs=lent.runs, release=lent.release))
-        except BaseException:
-            for read in reads:
-                self.done(read)
-            raise
-        return reads
+        return [Read(chunk_bytes, pool_runs=lent.runs, release=lent.release)
+                for lent in self.store.lend_many(keys[: room // chunk_bytes])]
 
     async def _pin_all_leading(self, keys: list[ChunkKey], chunk_bytes: int, room: int, caller: Tenant) -> list[Read]:
         """``_pin_leading``: the first ``LOOP_PINS`` on the event loop where a pin hashes no

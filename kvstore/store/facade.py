@@ -389,6 +389,12 @@ class Store:
         self.index.check_open()
         return self._reads.lend(self.first, key)
 
+    def lend_many(self, keys: Sequence[ChunkKey]) -> list[LentChunk]:
+        """``lend`` of each leading key, up to the first that cannot be lent (absent, encoded,
+        corrupt): for a Get of many chunks, at a fraction of the cost of a ``lend`` each."""
+        self.index.check_open()
+        return self._reads.lend_many(self.first, keys)
+
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[torch.Tensor | None]:
         """The chunk as a tensor over its bytes in host RAM, for the ``with`` block only, when

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -71,6 +70,20 @@ def split_runs(runs: list[tuple[int, int]], n: int) -> tuple[list[tuple[int, int
         head.append((offset, n))
         return head, [(offset + n, length - n)] + runs[i + 1 :]
     return head, []
+
+
+def _once(call: Callable[[], None]) -> Callable[[], None]:
+    """``call``, made at most once however often the result is called."""
+    pending = [call]
+
+    def once() -> None:
+        try:
+            taken = pending.pop()  # atomic: of two threads calling at once, one takes it
+        except IndexError:
+            return
+        taken()
+
+    return once
 
 
 def checked_header(tier: Tier, key: ChunkKey, header_buf, size: int) -> BlobHeader:
@@ -333,46 +346,73 @@ class ReadPath:
 
     def lend(self, first: FirstTier, key: ChunkKey, contiguous: bool = False) -> LentChunk | None:
         """``Store.lend``; with ``contiguous``, only a chunk that lies in one piece."""
-        held = ExitStack()
-        runs = held.enter_context(self._pinned(first, key, contiguous))
-        if runs is None:
-            held.close()
-            return None
-        return LentChunk(runs, held.close)
+        lent = self.lend_many(first, [key], contiguous)
+        return lent[0] if lent else None
 
-    @contextmanager
-    def _pinned(self, first: FirstTier, key: ChunkKey, contiguous: bool) -> Iterator[list[tuple[int, int]] | None]:
+    def lend_many(self, first: FirstTier, keys: Sequence[ChunkKey], contiguous: bool = False) -> list[LentChunk]:
+        """``lend`` of each leading key, up to the first that cannot be lent: the index lock
+        is taken twice for all of them, not twice for each."""
         pool = first.shared_pool()
         started = time.perf_counter()
-        with self.index.lock:  # the copy listed now: only it is dropped if the pinned bytes fail their check
-            entry = self.index.get(key.id)
-            listed = entry.replicas.get(first.name) if entry is not None else None
-        with pool.pinned_runs(key.id) as runs:
-            payload = header = None
-            if runs is not None:
-                size = sum(n for _, n in runs)
-                header_runs, payload = split_runs(runs, HEADER_BYTES)
-                try:
-                    header = checked_header(first, key, b"".join(pool.views(header_runs)), size)
-                    if header.codec_id != 0:
-                        payload = None
-                    elif self._verify[first.name]:
-                        digest = payload_digest(header.version)
-                        for view in pool.views(payload):
-                            digest.update(view)
-                        if digest.intdigest() != header.payload_checksum:
-                            raise PayloadChecksumMismatch(f"{first.name}: payload checksum mismatch")
-                except CorruptBlob as exc:
-                    self.io.corrupt(key.id, first, listed, exc)
-                    payload = None
-            if payload is not None and contiguous and len(payload) != 1:
-                payload = None  # split over pages: the caller copies it with get_into instead
-            if payload is not None:
-                with self.index.lock:
+        with self.index.lock:  # the copies listed now: only they are dropped if their pinned bytes fail a check
+            listed = []
+            for key in keys:
+                entry = self.index.get(key.id)
+                replica = entry.replicas.get(first.name) if entry is not None else None
+                if replica is None:
+                    break
+                listed.append(replica)
+        pinned = []  # (runs, release, header, payload runs), in order
+        try:
+            for key, replica in zip(keys, listed):
+                found = self._pin_raw(first, pool, key, replica, contiguous)
+                if found is None:
+                    break
+                pinned.append(found)
+            lent = []
+            elapsed = (time.perf_counter() - started) / max(1, len(pinned))
+            with self.index.lock:
+                for key, (runs, release, header, payload) in zip(keys, pinned):
                     entry = self.index.get(key.id)
                     replica = entry.current(first.name) if entry is not None else None
-                if replica is None or replica.size != size:
-                    payload = None  # not the chunk the index lists (being replaced): use get_into
-                else:
-                    self._hit(key.id, first, replica, header, time.perf_counter() - started, replica.version, [])
-            yield payload
+                    if replica is None or replica.size != sum(n for _, n in runs):
+                        break  # not the chunk the index lists (being replaced): use get_into
+                    self.index.read_hit(key.id, first.name, replica, header, elapsed)  # the first tier: no promotion
+                    lent.append(LentChunk(payload, _once(release)))
+        except BaseException:
+            for _, release, _, _ in pinned:
+                release()
+            raise
+        for _, release, _, _ in pinned[len(lent):]:
+            release()
+        return lent
+
+    def _pin_raw(self, first: FirstTier, pool, key: ChunkKey, listed: Replica, contiguous: bool):
+        """The chunk pinned where it lies raw in ``pool``, header checked (and payload, if the
+        tier verifies payloads): (runs, release, header, payload runs); None, pinning nothing,
+        where it is absent, encoded, corrupt (dropped) or, with ``contiguous``, split over pages."""
+        pinned = pool.pin_runs(key.id)
+        if pinned is None:
+            return None
+        runs, release = pinned
+        try:
+            size = sum(n for _, n in runs)
+            header_runs, payload = split_runs(runs, HEADER_BYTES)
+            try:
+                header = checked_header(first, key, b"".join(pool.views(header_runs)), size)
+                if header.codec_id == 0 and self._verify[first.name]:
+                    digest = payload_digest(header.version)
+                    for view in pool.views(payload):
+                        digest.update(view)
+                    if digest.intdigest() != header.payload_checksum:
+                        raise PayloadChecksumMismatch(f"{first.name}: payload checksum mismatch")
+            except CorruptBlob as exc:
+                self.io.corrupt(key.id, first, listed, exc)
+                header = None
+        except BaseException:
+            release()
+            raise
+        if header is None or header.codec_id != 0 or (contiguous and len(payload) != 1):
+            release()
+            return None
+        return runs, release, header, payload

@@ -455,6 +455,30 @@ def test_lend_drops_a_corrupt_header():
         assert store.stats().tiers["host"].corruptions == 1 and store.lookup(keys) == 0
 
 
+@pytest.mark.parametrize("stop", ["encoded", "absent", "corrupt"])
+def test_lend_many_lends_the_leading_raw_chunks_and_holds_nothing_past_the_first_it_cannot(stop):
+    keys, values = chunks(5, seed=24)
+    ram_only = StoreConfig(host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False),
+                           disk=DiskTierConfig(enabled=False))
+    with Store(ram_only) as store:
+        for i, (k, v) in enumerate(zip(keys, values)):
+            store.put(k, v, codec="int8" if stop == "encoded" and i == 2 else None)
+        if stop == "absent":
+            store.delete(keys[2:3])
+        if stop == "corrupt":
+            with store.first.pinned(keys[2].id) as views:
+                views[0][10] ^= 0xFF
+        hits = store.stats().tiers["host"].hits
+        lent = store.lend_many(keys)
+        assert [_gathered(store, one.runs) for one in lent] == [v.numpy().tobytes() for v in values[:2]]
+        assert store.stats().tiers["host"].hits == hits + 2
+        assert store.stats().tiers["host"].corruptions == (stop == "corrupt")
+        store.delete(keys)
+        for one in lent:
+            one.release()
+        assert store.stats().tiers["host"].used_bytes == 0, "a pin is still held"
+
+
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.integers(0, 400))
 def test_split_runs_cuts_byte_ranges_at_any_point(lengths, n):
     from kvstore.store.read_path import split_runs

@@ -2,7 +2,7 @@
 mixed with the usual ones, on three tiers at once (host RAM, a private disk, a shared PFS
 directory), checked against a model after every step.
 
-Driven here and not there: ``borrow`` and ``lend`` held open across later steps
+Driven here and not there: ``borrow``, ``lend`` and ``lend_many`` held open across later steps
 (their bytes must not change while held, even as the key is deleted, re-put or evicted),
 ``get_blob``/``put_blob``, ``prefetch`` (promotions), ``stream(..., tiers=...)``,
 ``replicas``, ``lookup`` with pins, free-tier fetching over two replica tiers with
@@ -320,21 +320,28 @@ class Walk:
         self.held.append((lambda: cm.__exit__(None, None, None), tensor.view(torch.uint8).reshape(-1).numpy().data,
                           bytes(tensor.view(torch.uint8).reshape(-1).numpy().data), f"borrow({i})"))
 
-    def lend(self, i: int) -> None:
-        self.log.append(f"lend({i})")
-        lent = self.store.lend(self.keys[i])
-        if lent is None:
-            return
-        views = self.store.host_pool.views(lent.runs)
-        data = b"".join(views)
-        got = torch.frombuffer(bytearray(data), dtype=torch.float16).view(WALK_NS.chunk_shape)
-        self._check(i, got, "lend")
+    def lend(self, start: int, count: int) -> None:
+        """``lend`` of one key, or ``lend_many`` of several: each chunk lent is held."""
+        self.log.append(f"lend({start}, {count})")
+        keys = self.keys[start : start + count]
+        if count == 1:
+            lent = [one] if (one := self.store.lend(keys[0])) is not None else []
+        else:
+            lent = self.store.lend_many(keys)
+        for i, one in enumerate(lent, start):
+            views = self.store.host_pool.views(one.runs)
+            data = b"".join(views)
+            got = torch.frombuffer(bytearray(data), dtype=torch.float16).view(WALK_NS.chunk_shape)
+            self._check(i, got, "lend")
 
-        class Joined:  # every view's bytes, read again at each check
-            def __bytes__(self_inner):
-                return b"".join(bytes(v) for v in views)
+            class Joined:  # every view's bytes, read again at each check
+                def __init__(self_inner, views):
+                    self_inner.views = views
 
-        self.held.append((lent.release, Joined(), data, f"lend({i})"))
+                def __bytes__(self_inner):
+                    return b"".join(bytes(v) for v in self_inner.views)
+
+            self.held.append((one.release, Joined(views), data, f"lend({i})"))
 
     def release(self, n: int) -> None:
         if not self.held:
@@ -587,7 +594,7 @@ def step(w: Walk, rng: random.Random) -> None:
             w.borrow(i)
     elif r < 0.75:
         if len(w.held) < 3:
-            w.lend(i)
+            w.lend(start, min(count, 3))
     elif r < 0.80:
         w.release(rng.randrange(8))
     elif r < 0.84:
