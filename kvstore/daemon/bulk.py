@@ -268,12 +268,14 @@ class BulkServer:
                 held.enter_context(self._admit(channel.owner, meta_len, data_len))
             except Exception as refused:  # a status for the client (the handler answers it)
                 await self._handler(channel, kind, b"", None, refused)
-                await asyncio.wait_for(self._discard(conn, meta_len + data_len), self.frame_timeout_s)
+                async with asyncio.timeout(self.frame_timeout_s):
+                    await self._discard(conn, meta_len + data_len)
                 return
             meta = bytearray(meta_len)
             data = self.pool.take(data_len) if data_len else None
             try:
-                await asyncio.wait_for(self._recv_body(conn, meta, data), self.frame_timeout_s)
+                async with asyncio.timeout(self.frame_timeout_s):  # in this task: wait_for would start a task a frame
+                    await self._recv_body(conn, meta, data)
             except BaseException:
                 if data is not None:
                     self.pool.give(data)

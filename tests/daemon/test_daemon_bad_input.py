@@ -294,6 +294,25 @@ def test_bulk_put_that_stops_halfway_stores_nothing(stub, client):
     assert client.lookup(keys[:1]) == 0
 
 
+def test_a_bulk_frame_whose_body_stops_coming_cuts_the_connection_after_the_frame_timeout(stub, client):
+    """A PUT whose body stops halfway, on a connection left open: the daemon gives up after
+    ``bulk.frame_timeout_s`` (2 s here), closes the connection and stores nothing."""
+    keys, value = keys_and_value(8)
+    blob = blob_of(keys[0], value)
+    sock = attached(stub)
+    sock.sendall(frame(PUT, put_header(keys[0], len(blob)), data_len=len(blob)) + blob[:5000])
+    started = time.monotonic()
+    sock.settimeout(30)
+    try:
+        assert sock.recv(1) == b"", "the daemon answered a frame whose body never came"
+    except ConnectionResetError:
+        pass
+    assert 1.5 < time.monotonic() - started < 20
+    sock.close()
+    assert client.lookup(keys[:1]) == 0
+    still_serving(client)
+
+
 def test_forged_and_stale_slot_references(stub, client):
     keys, value = keys_and_value(7)
     blob = blob_of(keys[0], value)
