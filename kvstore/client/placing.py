@@ -8,7 +8,7 @@ import warnings
 import grpc
 import numpy as np
 
-from kernels.parallel_copy import copy_pairs
+from kernels.parallel_copy import copy_hashing, copy_pairs
 from kvstore.wire._proto import kvstore_pb2 as pb
 from kvstore.client.errors import DaemonError
 
@@ -24,6 +24,17 @@ def copy_parts(dst: memoryview, views) -> None:
         pairs.append((_bytes(dst[off : off + v.nbytes]), _bytes(v)))
         off += v.nbytes
     copy_pairs(pairs)
+
+
+def seal_into(dst: memoryview, blob) -> None:
+    """An ``UnsealedBlob`` (kvstore/blob.py) written into ``dst``: its payload copied after
+    the header's room and hashed by the copy threads as it lands (one pass over the bytes,
+    not a hash pass and a copy pass), then the header packed from that checksum in front."""
+    from kvstore.blob import HEADER_BYTES
+
+    payload = _bytes(blob.payload)
+    copy_hashing([(_bytes(dst[HEADER_BYTES : HEADER_BYTES + payload.size]), payload)], blob.restart())
+    dst[:HEADER_BYTES] = blob.seal()
 
 
 def copy_out(placed, pool: memoryview | None) -> None:
