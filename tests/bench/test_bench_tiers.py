@@ -87,3 +87,16 @@ def test_the_host_gets_and_their_limit_write_a_destination_per_chunk(tmp_path, m
     assert main([*ARGS, "--rounds", "1", "--dir", str(tmp_path / "d")]) == 0
     get_limit_destinations = copied_into[0]  # HostBench._limits: the get's, then the put's
     assert len(get_limit_destinations) == 4  # --chunks 4: one destination each
+
+
+def test_the_host_limits_are_measured_before_and_after_ours_from_the_second_round(tmp_path, monkeypatch):
+    """Once a round, a limit taken at a slow moment was beaten by more than 5% by a get of
+    ours at a fast one (2026-12-05). Each round after the first measures both limits before
+    its gets and puts and again after them (the first has no pages to copy before)."""
+    from bench import tiers
+
+    calls = []
+    real = tiers.memcpy_limit
+    monkeypatch.setattr(tiers, "memcpy_limit", lambda pairs: calls.append(1) or real(pairs))
+    assert main([*ARGS, "--rounds", "2", "--dir", str(tmp_path / "d")]) == 0
+    assert len(calls) == 2 + 4  # round 0: get and put limits after ours; round 1: before and after
