@@ -39,6 +39,7 @@ def test_a_bug_is_internal_and_logged_never_invalid_argument(daemon, bug, caplog
     daemon.store.get_into = broken
     daemon.store.read_into = broken
     daemon.store.lend = broken
+    daemon.store.lend_many = broken
     with caplog.at_level(logging.ERROR, logger="kvstore.daemon"):
         for transport in ("remote", "grpc"):
             with Client(daemon.address, transport=transport, retries=0) as client:
