@@ -16,7 +16,7 @@ from kvstore.daemon.chunk_reads import LOOP_PINS
 from kvstore.daemon.spawn import DaemonProcess
 from kvstore.keys import ChunkKey, Namespace
 
-NS = Namespace("leading-pins", 1, 2, 32, dtype="float32", chunk_tokens=64)  # 32 KiB chunks, larger than a slot
+PINS_NS = Namespace("leading-pins", 1, 2, 32, dtype="float32", chunk_tokens=64)  # 32 KiB chunks, larger than a slot
 N = LOOP_PINS + 8
 
 
@@ -33,8 +33,8 @@ def daemon(request, tmp_path_factory):
 
 def stored(client: Client, n: int, seed: int) -> tuple[list[ChunkKey], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    keys = [ChunkKey(NS, bytes([seed, i]) * 8) for i in range(n)]
-    data = [torch.randn(NS.chunk_shape, generator=gen) for _ in keys]
+    keys = [ChunkKey(PINS_NS, bytes([seed, i]) * 8) for i in range(n)]
+    data = [torch.randn(PINS_NS.chunk_shape, generator=gen) for _ in keys]
     for key, kv in zip(keys, data):
         client.put(key, kv)
     return keys, data
@@ -50,7 +50,7 @@ def test_a_get_longer_than_the_loop_pins_reads_every_leading_chunk_from_the_pool
         if miss is not None:
             assert client.delete([keys[miss]]) == 1
         leading = N if miss is None else miss
-        outs = [torch.zeros(NS.chunk_shape) for _ in keys]
+        outs = [torch.zeros(PINS_NS.chunk_shape) for _ in keys]
         assert client.get_many_into(keys, outs) == leading
         seen = []
         assert client.get_with(keys, lambda i, t: seen.append((i, t.clone())) or True) == leading
