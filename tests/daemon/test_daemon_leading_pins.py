@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from faults import wait_until
+from helpers import chunks
 from kvstore.client import Client
 from kvstore.client.bulk import BulkSession
 from kvstore.daemon.chunk_reads import LOOP_PINS
 from kvstore.daemon.spawn import DaemonProcess
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import Namespace
 
 PINS_NS = Namespace("leading-pins", 1, 2, 32, dtype="float32", chunk_tokens=64)  # 32 KiB chunks, larger than a slot
 N = LOOP_PINS + 8
@@ -31,22 +32,15 @@ def daemon(request, tmp_path_factory):
         yield proc
 
 
-def stored(client: Client, n: int, seed: int) -> tuple[list[ChunkKey], list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    keys = [ChunkKey(PINS_NS, bytes([seed, i]) * 8) for i in range(n)]
-    data = [torch.randn(PINS_NS.chunk_shape, generator=gen) for _ in keys]
-    for key, kv in zip(keys, data):
-        client.put(key, kv)
-    return keys, data
-
-
 @pytest.mark.parametrize("miss", [None, LOOP_PINS // 2, LOOP_PINS, LOOP_PINS + 3])
 def test_a_get_longer_than_the_loop_pins_reads_every_leading_chunk_from_the_pool(daemon, monkeypatch, miss):
     received = []
     recv_into = BulkSession.recv_into
     monkeypatch.setattr(BulkSession, "recv_into", lambda self, view: received.append(view.nbytes) or recv_into(self, view))
     with Client(daemon.addr, transport="shm") as client:
-        keys, data = stored(client, N, seed=3 + (miss or 0))
+        keys, data = chunks(N, PINS_NS, seed=3 + (miss or 0))
+        for key, kv in zip(keys, data):
+            client.put(key, kv)
         if miss is not None:
             assert client.delete([keys[miss]]) == 1
         leading = N if miss is None else miss
