@@ -4,9 +4,9 @@ Each chunk is read in an executor thread as a piece of its tenant's work (tenant
 at most ``limits.get_read_ahead`` ahead of the one being sent, fenced (reads.py): into a
 client's slot, a pooled buffer, or pinned where it lies raw in the host pool. The leading
 chunks that lie raw there are pinned first, all together: a few on the event loop, where a
-pin touches only memory, the rest in one executor call. Nothing is
-sized by a request before its chunk is known to exist (``Store.read_into`` takes the buffer
-only then), and a miss is one Store call, which counts it.
+pin touches only memory, the rest in one executor call. Nothing is sized by a request
+before its chunk is known to exist (``Store.read_into`` takes the buffer only then), and a
+miss is one Store call, which counts it.
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ class ChunkReads:
         """``_pin_leading``: the first ``LOOP_PINS`` on the event loop where a pin hashes no
         payload, the rest (or all) in one executor call."""
         on_loop = 0 if self.store.lend_hashes_payloads else LOOP_PINS
-        ready = await self.work.on_loop(caller.label, self._pin_leading, keys[:on_loop], chunk_bytes, room) if on_loop else []
+        ready = []
+        if on_loop:
+            ready = await self.work.on_loop(caller.label, self._pin_leading, keys[:on_loop], chunk_bytes, room)
         if len(ready) < on_loop or len(keys) <= on_loop:
             return ready
         try:

@@ -34,9 +34,14 @@ def daemon(request, tmp_path_factory):
 
 @pytest.mark.parametrize("miss", [None, LOOP_PINS // 2, LOOP_PINS, LOOP_PINS + 3])
 def test_a_get_longer_than_the_loop_pins_reads_every_leading_chunk_from_the_pool(daemon, monkeypatch, miss):
-    received = []
+    received = []  # chunk bytes that came over the socket
     recv_into = BulkSession.recv_into
-    monkeypatch.setattr(BulkSession, "recv_into", lambda self, view: received.append(view.nbytes) or recv_into(self, view))
+
+    def recorded(self, view):
+        received.append(view.nbytes)
+        return recv_into(self, view)
+
+    monkeypatch.setattr(BulkSession, "recv_into", recorded)
     with Client(daemon.addr, transport="shm") as client:
         keys, data = chunks(N, PINS_NS, seed=3 + (miss or 0))
         for key, kv in zip(keys, data):

@@ -479,6 +479,16 @@ def test_lend_many_lends_the_leading_raw_chunks_and_holds_nothing_past_the_first
         assert store.stats().tiers["host"].used_bytes == 0, "a pin is still held"
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_store_says_whether_its_lends_hash_payloads(verify):
+    """The daemon pins on its event loop only where a lend touches nothing but memory."""
+    ram_only = StoreConfig(host=HostTierConfig(capacity_bytes=64 * PAGE, page_bytes=PAGE, prefault=False,
+                                               verify_payload=verify),
+                           disk=DiskTierConfig(enabled=False))
+    with Store(ram_only) as store:
+        assert store.lend_hashes_payloads is verify
+
+
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.integers(0, 400))
 def test_split_runs_cuts_byte_ranges_at_any_point(lengths, n):
     from kvstore.store.read_path import split_runs
