@@ -53,6 +53,17 @@ class LentChunk:
     release: Callable[[], None]
 
 
+@dataclass
+class _Pin:
+    """A raw chunk pinned in the first tier's pool, its header checked: the blob's size, the
+    header, the payload's ranges, and the call that unpins it."""
+
+    size: int
+    header: BlobHeader
+    payload: list[tuple[int, int]]
+    release: Callable[[], None]
+
+
 # promote(key id, version, blob parts, size, blob header): a hit below the first tier
 Promote = Callable[[bytes, int, list, int, BlobHeader], None]
 
@@ -362,35 +373,36 @@ class ReadPath:
                 if replica is None:
                     break
                 listed.append(replica)
-        pinned = []  # (runs, release, header, payload runs), in order
+        pinned: list[_Pin] = []
         try:
             for key, replica in zip(keys, listed):
-                found = self._pin_raw(first, pool, key, replica, contiguous)
-                if found is None:
+                pin = self._pin_raw(first, pool, key, replica, contiguous)
+                if pin is None:
                     break
-                pinned.append(found)
+                pinned.append(pin)
             lent = []
             elapsed = (time.perf_counter() - started) / max(1, len(pinned))
             with self.index.lock:
-                for key, (runs, release, header, payload) in zip(keys, pinned):
+                for key, pin in zip(keys, pinned):
                     entry = self.index.get(key.id)
                     replica = entry.current(first.name) if entry is not None else None
-                    if replica is None or replica.size != sum(n for _, n in runs):
+                    if replica is None or replica.size != pin.size:
                         break  # not the chunk the index lists (being replaced): use get_into
-                    self.index.read_hit(key.id, first.name, replica, header, elapsed)  # the first tier: no promotion
-                    lent.append(LentChunk(payload, _once(release)))
+                    # the first tier: no promotion to make
+                    self.index.read_hit(key.id, first.name, replica, pin.header, elapsed)
+                    lent.append(LentChunk(pin.payload, _once(pin.release)))
         except BaseException:
-            for _, release, _, _ in pinned:
-                release()
+            for pin in pinned:
+                pin.release()
             raise
-        for _, release, _, _ in pinned[len(lent):]:
-            release()
+        for pin in pinned[len(lent):]:
+            pin.release()
         return lent
 
-    def _pin_raw(self, first: FirstTier, pool, key: ChunkKey, listed: Replica, contiguous: bool):
+    def _pin_raw(self, first: FirstTier, pool, key: ChunkKey, listed: Replica, contiguous: bool) -> _Pin | None:
         """The chunk pinned where it lies raw in ``pool``, header checked (and payload, if the
-        tier verifies payloads): (runs, release, header, payload runs); None, pinning nothing,
-        where it is absent, encoded, corrupt (dropped) or, with ``contiguous``, split over pages."""
+        tier verifies payloads); None, pinning nothing, where it is absent, encoded, corrupt
+        (dropped) or, with ``contiguous``, split over pages."""
         pinned = pool.pin_runs(key.id)
         if pinned is None:
             return None
@@ -415,4 +427,4 @@ class ReadPath:
         if header is None or header.codec_id != 0 or (contiguous and len(payload) != 1):
             release()
             return None
-        return runs, release, header, payload
+        return _Pin(size, header, payload, release)
