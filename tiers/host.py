@@ -190,7 +190,7 @@ class HostTier(PagedTier, FirstTier):
             if value is None:
                 return None
             copy_pairs([(outs[i][offset : offset + n], self._pool[start : start + n])
-                        for start, i, offset, n in segments(value.runs, [o.size for o in outs])])
+                        for start, i, offset, n in segments(value.runs, [o.size for o in outs])], team=True)
             return value.length
 
     def close(self) -> None:

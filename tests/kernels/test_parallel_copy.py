@@ -3,6 +3,7 @@ copy that hashes gives the payload checksum of what it copied."""
 
 import os
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -178,3 +179,60 @@ def _copy_big_and_check() -> None:
     pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=8)
     copy_pairs(pairs)
     os._exit(0 if np.array_equal(pairs[0][0], pairs[0][1]) else 1)
+
+
+@pytest.fixture
+def torch_on_two_threads():
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield torch
+    torch.set_num_threads(threads)
+
+
+def _pool_tasks(monkeypatch) -> list[int]:
+    """How many tasks each copy handed the copy threads (none: it did not use them)."""
+    seen = []
+    real = parallel_copy._run_tasks
+    monkeypatch.setattr(parallel_copy, "_run_tasks", lambda tasks: (seen.append(len(tasks)), real(tasks)))
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "_workers", 2)
+    return seen
+
+
+def test_a_copy_that_asks_for_a_team_runs_on_torchs_team_on_the_main_thread_only(monkeypatch, torch_on_two_threads):
+    seen = _pool_tasks(monkeypatch)
+    sizes = [parallel_copy.TEAM_MIN_BYTES + 3, 5, 2 * parallel_copy.TEAM_MIN_BYTES]
+    pairs = _pairs(sizes, seed=9)
+    copy_pairs(pairs, team=True)
+    assert seen == [] and all(np.array_equal(d, s) for d, s in pairs)
+
+    copy_pairs(_pairs(sizes, seed=10))  # one that does not ask
+    assert seen == [2]
+
+    elsewhere = _pairs(sizes, seed=11)
+    thread = threading.Thread(target=copy_pairs, args=(elsewhere,), kwargs={"team": True})
+    thread.start()
+    thread.join()
+    assert seen == [2, 2] and all(np.array_equal(d, s) for d, s in elsewhere)
+
+    torch_on_two_threads.set_num_threads(1)  # no team to speak of
+    copy_pairs(_pairs(sizes, seed=12), team=True)
+    assert seen == [2, 2, 2]
+
+
+def test_a_teams_copy_into_read_only_memory_raises_as_on_the_copy_threads(monkeypatch, torch_on_two_threads):
+    """torch would write through a view of a read-only buffer (a crash, or a write into a
+    page the caller never lent); np.copyto refuses it, as the copy threads do."""
+    _pool_tasks(monkeypatch)
+    src = np.arange(2 * parallel_copy.TEAM_MIN_BYTES, dtype=np.uint64).view(np.uint8)
+    dst = np.frombuffer(bytes(src.size), np.uint8)
+    with pytest.raises(ValueError):
+        copy_pairs([(dst, src)], team=True)
+    assert not dst.any()
+    readonly_src = np.frombuffer(src.tobytes(), np.uint8)
+    out = np.zeros(src.size, np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on a view of a read-only array
+        copy_pairs([(out, readonly_src)], team=True)
+    assert np.array_equal(out, src)

@@ -30,7 +30,9 @@ GATE_S = 2.0  # the held slice waits at most this long (a fixed copy waits for i
 
 @pytest.fixture
 def three_slices(monkeypatch):
-    """Copies split in 3 slices over a pool of its own (2 worker threads), on any machine."""
+    """Copies split in 3 slices over a pool of its own (2 worker threads), on any machine,
+    also those that ask for torch's team."""
+    monkeypatch.setattr(parallel_copy, "_torch_team", lambda: None)
     monkeypatch.setattr(parallel_copy, "_workers", 3)
     monkeypatch.setattr(parallel_copy, "_pool", None)  # its threads wait for work as daemon threads
 

@@ -31,6 +31,25 @@ def test_write_read_round_trip_in_pieces():
     assert tier.read(b"missing") is None and tier.read_into(b"missing", bytearray(1)) is None
 
 
+
+def test_a_read_on_the_main_thread_copies_on_torchs_team(monkeypatch):
+    """A Store's get from host RAM, on an engine's thread, copies on that thread's OpenMP
+    team, whose threads spin between copies, not on the copy threads, which sleep."""
+    from kernels import parallel_copy
+
+    tier = HostTier(64 * PAGE, page_bytes=PAGE)
+    data = blob(parallel_copy.TEAM_MIN_BYTES + 3 * PAGE + 5, 3)
+    tier.write(b"k", [data])
+    handed = []
+    monkeypatch.setattr(parallel_copy, "_run_tasks", handed.append)
+    monkeypatch.setattr(parallel_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel_copy, "_workers", 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    out = bytearray(len(data))
+    assert tier.read_into(b"k", out) == len(data)
+    assert bytes(out) == data and handed == []
+    tier.close()
+
 def test_full_tier_raises_and_delete_gives_space_back():
     tier = HostTier(4 * PAGE, page_bytes=PAGE)
     tier.write(b"a", [blob(3 * PAGE, 1)])
