@@ -18,8 +18,9 @@ torch's ``copy_`` when it runs on the main thread of a process that runs torch o
 threads: that thread's OpenMP team spins between parallel regions where ours sleep, and on a
 guest whose idle vCPU wakes in ~30-150 us that costs ~20% of a 5.6 MiB read. Only the main
 thread: an engine's forward runs on its team already, and a team started by another thread
-would spin beside it (docs/vllm.md). Not a client's copy out of a daemon's pool: on 2 cores
-the spinning team held a core the daemon needed next (a Get of 8 x 4 MiB: 9.5 -> 7.9 GB/s).
+would spin beside it (docs/vllm.md). Never in a forked child (``_reset_after_fork``). Not a
+client's copy out of a daemon's pool: on 2 cores the spinning team held a core the daemon
+needed next (a Get of 8 x 4 MiB: 9.5 -> 7.9 GB/s).
 
 A copy returns only when every slice is written: nothing touches either buffer afterwards.
 """
@@ -82,12 +83,15 @@ class _Worker:
 
 
 _pool: list[_Worker] | None = None
+_forked = False  # this process is a forked child (``_reset_after_fork``)
 
 
 def _reset_after_fork() -> None:
-    """A forked child has none of the parent's threads, and a lock a copy held stays held."""
-    global _pool, _busy, _lock
-    _pool, _busy, _lock = None, threading.Lock(), threading.Lock()
+    """A forked child has none of the parent's threads, and a lock a copy held stays held.
+    Nor does it copy on torch's team: GNU OpenMP's team never starts in a child forked after
+    the parent's ran (a torch ``copy_`` there hangs), and whether it ran cannot be asked."""
+    global _pool, _busy, _lock, _forked
+    _pool, _busy, _lock, _forked = None, threading.Lock(), threading.Lock(), True
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -176,9 +180,11 @@ def _cut(pairs: Sequence[tuple[np.ndarray, np.ndarray]], share: int) -> list[lis
 
 def _torch_team():
     """torch, where this thread's copies that ask for a team go to its OpenMP team (the
-    module docstring); else None. A process that never imported torch has no team."""
+    module docstring); else None. A process that never imported torch has no team, and a
+    forked child none it may use."""
     torch = sys.modules.get("torch")
-    if torch is None or threading.current_thread() is not threading.main_thread() or torch.get_num_threads() < 2:
+    if (_forked or torch is None or threading.current_thread() is not threading.main_thread()
+            or torch.get_num_threads() < 2):
         return None
     return torch
 

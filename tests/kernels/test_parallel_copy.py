@@ -236,3 +236,26 @@ def test_a_teams_copy_into_read_only_memory_raises_as_on_the_copy_threads(monkey
         warnings.simplefilter("error")  # torch warns on a view of a read-only array
         copy_pairs([(out, readonly_src)], team=True)
     assert np.array_equal(out, src)
+
+
+def test_a_forked_child_copies_off_the_team_its_parent_ran(torch_on_two_threads):
+    """GNU OpenMP's team never starts in a child forked after the parent's ran: a Store's
+    read from host RAM in an engine's forked worker waited forever on a torch copy."""
+    import multiprocessing
+
+    pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=13)
+    copy_pairs(pairs, team=True)  # the parent's team runs
+    child = multiprocessing.get_context("fork").Process(target=_copy_on_a_team_and_check)
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child's copy never ended")
+    assert child.exitcode == 0
+
+
+def _copy_on_a_team_and_check() -> None:
+    pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=14)
+    copy_pairs(pairs, team=True)
+    os._exit(0 if np.array_equal(pairs[0][0], pairs[0][1]) else 1)
