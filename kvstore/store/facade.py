@@ -299,7 +299,7 @@ class Store:
         False on a miss; a corrupt or failing replica is skipped for the next one."""
         _check_out(key, out)
         self.index.check_open()
-        return self._reads.read(key, out) is not None
+        return self._reads.copy_lent(self.first, [key], [out]) == 1 or self._reads.read(key, out) is not None
 
     def read_into(self, key: ChunkKey, take: Callable[[], torch.Tensor]) -> bool:
         """``get_into`` a tensor ``take()`` gives (a contiguous CPU tensor of the chunk's shape
@@ -367,15 +367,21 @@ class Store:
         return list(self.stream(keys))
 
     def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
-        """Load the leading loadable chunks into ``outs`` (reused buffers); returns how many.
-        Returns only when nothing writes into ``outs`` any more."""
+        """Load the leading loadable chunks into ``outs`` (reused buffers: contiguous CPU
+        tensors of the chunks' shape and dtype); returns how many. Those that lie raw in host
+        RAM are lent and copied together (``ReadPath.copy_lent``), the rest streamed. Returns
+        only when nothing writes into ``outs`` any more."""
         if len(outs) != len(keys):
             raise ValueError(f"{len(outs)} buffers for {len(keys)} keys")
-        arrived = list(self.stream(keys, outs=outs))  # the stream has closed: no read is left
-        for out, chunk in zip(outs, arrived):
+        for key, out in zip(keys, outs):
+            _check_out(key, out)
+        self.index.check_open()
+        done = self._reads.copy_lent(self.first, keys, outs)
+        arrived = list(self.stream(keys[done:], outs=outs[done:]))  # the stream has closed: no read is left
+        for out, chunk in zip(outs[done:], arrived):
             if chunk is not out:
                 out.copy_(chunk)
-        return len(arrived)
+        return done + len(arrived)
 
     def lend(self, key: ChunkKey) -> LentChunk | None:
         """The first phase of a two-phase read: where a chunk's tensor bytes lie in the first

@@ -21,8 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
+from kernels.parallel_copy import copy_pairs
 from kvstore.blob import (HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_digest,
                           payload_matches)
 from kvstore.codecs import codec_by_id
@@ -398,6 +400,31 @@ class ReadPath:
         for pin in pinned[len(lent):]:
             pin.release()
         return lent
+
+    def copy_lent(self, first: FirstTier, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
+        """Copy the leading chunks that lie raw in the first tier into ``outs`` (contiguous CPU
+        tensors of their shapes), every one pinned, checked and counted before the copies and
+        released after them; how many. Why: a copy of many MiB empties the caches, and the
+        bookkeeping of a read made between two copies ran cold (~250 us around a 32 MiB
+        chunk's read, against ~80 for the same work done in a row). 0 where the first tier
+        verifies payloads: a lend hashes in a pass of its own, a read as it copies."""
+        if self._verify[first.name]:
+            return 0
+        lent = self.lend_many(first, keys)
+        if not lent:
+            return 0
+        try:
+            pool, pairs = first.shared_pool(), []
+            for out, chunk in zip(outs, lent):
+                dst, done = np.frombuffer(tensor_bytes(out), dtype=np.uint8), 0
+                for view in pool.views(chunk.runs):
+                    pairs.append((dst[done : done + len(view)], np.frombuffer(view, dtype=np.uint8)))
+                    done += len(view)
+            copy_pairs(pairs, team=True)
+        finally:
+            for chunk in lent:
+                chunk.release()
+        return len(lent)
 
     def _pin_raw(self, first: FirstTier, pool, key: ChunkKey, listed: Replica, contiguous: bool) -> _Pin | None:
         """The chunk pinned where it lies raw in ``pool``, header checked (and payload, if the
