@@ -159,13 +159,17 @@ def test_a_forked_child_copies_on_a_pool_of_its_own():
     """A child forked after the parent's pool started has none of its threads: before, its
     first big copy waited forever for workers that did not exist (a process forked from one
     that used a Store or a Client, as engines fork their workers)."""
-    import multiprocessing
-
     if parallel_copy.workers() == 1:
         pytest.skip("one core: copies run in the caller's thread, there is no pool")
     parallel_copy.start()
-    ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=_copy_big_and_check)
+    _copy_in_a_forked_child(team=False)
+
+
+def _copy_in_a_forked_child(team: bool) -> None:
+    """A big copy in a child forked now must end, and copy every byte."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_copy_big_and_check, args=(team,))
     child.start()
     child.join(30)
     if child.is_alive():
@@ -175,9 +179,9 @@ def test_a_forked_child_copies_on_a_pool_of_its_own():
     assert child.exitcode == 0
 
 
-def _copy_big_and_check() -> None:
+def _copy_big_and_check(team: bool) -> None:
     pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=8)
-    copy_pairs(pairs)
+    copy_pairs(pairs, team=team)
     os._exit(0 if np.array_equal(pairs[0][0], pairs[0][1]) else 1)
 
 
@@ -241,21 +245,5 @@ def test_a_teams_copy_into_read_only_memory_raises_as_on_the_copy_threads(monkey
 def test_a_forked_child_copies_off_the_team_its_parent_ran(torch_on_two_threads):
     """GNU OpenMP's team never starts in a child forked after the parent's ran: a Store's
     read from host RAM in an engine's forked worker waited forever on a torch copy."""
-    import multiprocessing
-
-    pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=13)
-    copy_pairs(pairs, team=True)  # the parent's team runs
-    child = multiprocessing.get_context("fork").Process(target=_copy_on_a_team_and_check)
-    child.start()
-    child.join(30)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        pytest.fail("the forked child's copy never ended")
-    assert child.exitcode == 0
-
-
-def _copy_on_a_team_and_check() -> None:
-    pairs = _pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=14)
-    copy_pairs(pairs, team=True)
-    os._exit(0 if np.array_equal(pairs[0][0], pairs[0][1]) else 1)
+    copy_pairs(_pairs([parallel_copy.PARALLEL_MIN_BYTES + 5], seed=13), team=True)  # the parent's team runs
+    _copy_in_a_forked_child(team=True)
