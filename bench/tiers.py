@@ -217,9 +217,9 @@ class HostBench:
 
     def round(self, r: int) -> dict:
         """Ours between two measurements of the limits (on the pages the previous round's puts
-        wrote, then on this round's; the first round only after), each configuration's best kept: memory's speed drifts
-        within a round, and a limit measured once at a slow moment was beaten by more than
-        5% by a copy of ours at a fast one."""
+        wrote, then on this round's; the first round only after), each configuration's best
+        kept: memory's speed drifts within a round, and a limit measured once at a slow moment
+        was beaten by more than 5% by a copy of ours at a fast one."""
         limits = [self._limits()] if r else []  # the first round has no pages written before it
         put, get = self._ours()
         limits.append(self._limits())

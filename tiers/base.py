@@ -50,6 +50,10 @@ class SharedPool(Protocol):
     def views(self, runs: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Views of pinned ranges, in this process."""
 
+    def read_runs_into(self, runs: Sequence[Sequence[tuple[int, int]]], outs) -> None:
+        """Each ``runs[i]`` (pinned ranges, in order) copied into ``outs[i]``, a buffer of
+        their length, in one copy."""
+
     def register_with_cuda(self) -> bool:
         """Make the pool a source CUDA copies from by DMA (page-locked until the tier closes),
         once; whether it is."""

@@ -180,6 +180,17 @@ class HostTier(PagedTier, FirstTier):
         """Views of pool ranges (valid while they are pinned)."""
         return [memoryview(self._mmap)[o : o + n] for o, n in runs]
 
+    def read_runs_into(self, runs: Sequence[Sequence[tuple[int, int]]], outs) -> None:
+        """Pinned ranges copied out: each ``runs[i]`` (a value's ranges, in order) into
+        ``outs[i]``, a buffer of their length; all in one copy, on torch's team where this
+        thread has one, as ``read_into``'s."""
+        pairs = []
+        for value_runs, out in zip(runs, outs):
+            dst = _byte_view(out)
+            pairs += [(dst[offset : offset + n], self._pool[start : start + n])
+                      for start, _, offset, n in segments(list(value_runs), [dst.size])]
+        copy_pairs(pairs, team=True)
+
     def read(self, key: bytes) -> bytes | None:
         with self.pinned(key) as views:
             return None if views is None else b"".join(views)

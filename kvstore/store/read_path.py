@@ -21,10 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
-from kernels.parallel_copy import copy_pairs
 from kvstore.blob import (HEADER_BYTES, BlobHeader, CorruptBlob, PayloadChecksumMismatch, decode_header, payload_digest,
                           payload_matches)
 from kvstore.codecs import codec_by_id
@@ -414,13 +412,8 @@ class ReadPath:
         if not lent:
             return 0
         try:
-            pool, pairs = first.shared_pool(), []
-            for out, chunk in zip(outs, lent):
-                dst, done = np.frombuffer(tensor_bytes(out), dtype=np.uint8), 0
-                for view in pool.views(chunk.runs):
-                    pairs.append((dst[done : done + len(view)], np.frombuffer(view, dtype=np.uint8)))
-                    done += len(view)
-            copy_pairs(pairs, team=True)
+            runs, dsts = [chunk.runs for chunk in lent], [tensor_bytes(out) for out in outs[: len(lent)]]
+            first.shared_pool().read_runs_into(runs, dsts)
         finally:
             for chunk in lent:
                 chunk.release()

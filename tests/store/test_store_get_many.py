@@ -31,12 +31,17 @@ def _ram_and_disk(tmp_path, verify: bool = False) -> StoreConfig:
 
 
 def _copies_of_lent_chunks(monkeypatch) -> list[int]:
-    """How many (dst, src) pairs each copy of lent chunks made (ReadPath.copy_lent)."""
-    from kvstore.store import read_path
+    """How many pool ranges each copy of lent chunks read (ReadPath.copy_lent)."""
+    from tiers.host import HostTier
 
     seen = []
-    real = read_path.copy_pairs
-    monkeypatch.setattr(read_path, "copy_pairs", lambda pairs, team=False: (seen.append(len(pairs)), real(pairs, team)))
+    real = HostTier.read_runs_into
+
+    def counted(tier, runs, outs):
+        seen.append(sum(len(r) for r in runs))
+        real(tier, runs, outs)
+
+    monkeypatch.setattr(HostTier, "read_runs_into", counted)
     return seen
 
 
@@ -57,7 +62,7 @@ def test_get_many_into_copies_the_leading_raw_host_chunks_together_and_streams_t
         outs = [torch.zeros(LENT_NS.chunk_shape, dtype=torch.float16) for _ in keys]
         assert store.get_many_into(keys, outs) == 4
         assert all(torch.equal(o, v) for o, v in zip(outs, values))
-        assert copies == ([] if verify else [2])  # one copy, one pair a chunk (each lies in one run)
+        assert copies == ([] if verify else [2])  # one copy, of one range a chunk (each lies in one run)
         stats = store.stats()
         assert (stats.tiers["host"].hits, stats.tiers["disk"].hits) == (host_hits + 3, disk_hits + 1)
         store.delete(keys)
