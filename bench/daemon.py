@@ -133,13 +133,14 @@ def run(args) -> int:
         daemon = DaemonProcess(["--config", config])
         addr = daemon.addr
 
-    pairs = _memcpy_pairs(chunk_bytes, args.clients * args.keys, min(args.batch, args.keys))
+    sources, destinations = args.clients * args.keys, min(args.batch, args.keys)  # as many as the gets move
+    pairs = _memcpy_pairs(chunk_bytes, sources, destinations)
     per_stream_s = args.seconds / 2 / len(STREAMS)
 
     def limits() -> dict:
         """Both limits, measured now, with the CPU seconds per GB their configurations spent."""
         cpu0 = cpu_seconds(None)
-        sock = socket_limit(chunk_bytes, per_stream_s)
+        sock = socket_limit(chunk_bytes, per_stream_s, sources, destinations)
         cpu1 = cpu_seconds(None)
         copy = memcpy_limit(pairs)
         cpu2 = cpu_seconds(None)

@@ -80,9 +80,24 @@ def test_disk_limit_is_the_best_of_modes_and_reads_in_flight(cold_files, monkeyp
 
 
 def test_socket_limit_is_the_best_of_its_streams():
-    limit = socket_limit(64 << 10, 0.05, streams=(1, 2))
+    limit = socket_limit(64 << 10, 0.05, sources=3, destinations=2, streams=(1, 2))
     _is_best(limit)
     assert set(limit.tried) == {"1 stream", "2 streams"}
+
+
+def test_socket_streams_share_out_the_sources_and_destinations(monkeypatch):
+    """Each stream sends out of its share of the distinct chunks and receives into its share
+    of the buffers, so the limit is as cold in cache as the get it bounds."""
+    made, real_full = [], np.full
+
+    def full(shape, fill, dtype):
+        made.append(fill)
+        return real_full(shape, fill, dtype=dtype)
+
+    monkeypatch.setattr(limits.np, "full", full)
+    moved = limits.socket_gbps(64 << 10, 0.05, 2, sources=16, destinations=8)
+    assert moved > 0
+    assert sorted(made) == [0] * 8 + [1] * 16
 
 
 def test_best_over_keeps_each_configurations_best_moment():
