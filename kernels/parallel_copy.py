@@ -20,7 +20,12 @@ guest whose idle vCPU wakes in ~30-150 us that costs ~20% of a 5.6 MiB read. Onl
 thread: an engine's forward runs on its team already, and a team started by another thread
 would spin beside it (docs/vllm.md). Never in a forked child (``_reset_after_fork``). Not a
 client's copy out of a daemon's pool: on 2 cores the spinning team held a core the daemon
-needed next (a Get of 8 x 4 MiB: 9.5 -> 7.9 GB/s).
+needed next (a Get of 8 x 4 MiB: 9.5 -> 7.9 GB/s). And not while the machine has more
+runnable threads than cores: a team's copy waits for its slowest thread, and one the
+scheduler took off its core costs the whole copy a time slice (5.6 MiB with three busy
+processes beside it on 2 cores: P50 0.2-12 ms, P90 12-16 ms, against 0.3 and 0.4-3.9 on
+the copy threads). A copy slower than ``TEAM_SLOW_BYTES_PER_S`` sends the next ones to the
+copy threads for ``TEAM_BACKOFF_S``.
 
 A copy returns only when every slice is written: nothing touches either buffer afterwards.
 """
@@ -31,6 +36,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -42,6 +48,12 @@ PARALLEL_MIN_BYTES = 3 << 20
 PARALLEL_HASHING_MIN_BYTES = 4 << 20
 SLICE_ALIGN = 4096
 TEAM_MIN_BYTES = 64 << 10  # a smaller pair of a big copy is copied here, not by torch's team
+# a team's copy slower than this lost a thread to the scheduler (a quiet one copies at 15-28
+# GB/s; one that lost a time slice, 0.4-1.5), if it took longer than a time slice at all;
+# then the copy threads copy for a while
+TEAM_SLOW_BYTES_PER_S = 2e9
+TEAM_SLICE_S = 1e-3
+TEAM_BACKOFF_S = 1.0
 SEAL_SLICE_BYTES = 256 << 10  # a slice just copied is still in L2 when it is hashed
 
 _lock = threading.Lock()  # guards the pool's creation
@@ -84,6 +96,7 @@ class _Worker:
 
 _pool: list[_Worker] | None = None
 _forked = False  # this process is a forked child (``_reset_after_fork``)
+_team_off_until = 0.0  # time.monotonic() until which copies that ask for a team go to the copy threads
 
 
 def _reset_after_fork() -> None:
@@ -184,12 +197,24 @@ def _torch_team():
     forked child none it may use."""
     torch = sys.modules.get("torch")
     if (_forked or torch is None or threading.current_thread() is not threading.main_thread()
-            or torch.get_num_threads() < 2):
+            or torch.get_num_threads() < 2 or time.monotonic() < _team_off_until):
         return None
     return torch
 
 
-def _copy_on_team(torch, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy_on_team(torch, pairs: Sequence[tuple[np.ndarray, np.ndarray]], total: int) -> None:
+    """Copy on the team; a copy slower than ``TEAM_SLOW_BYTES_PER_S`` (and longer than
+    ``TEAM_SLICE_S``) sends the next ones to the copy threads for ``TEAM_BACKOFF_S`` (only
+    the main thread writes ``_team_off_until``)."""
+    global _team_off_until
+    started = time.monotonic()
+    _copy_pairs_on_team(torch, pairs)
+    ended = time.monotonic()
+    if ended - started > max(TEAM_SLICE_S, total / TEAM_SLOW_BYTES_PER_S):
+        _team_off_until = ended + TEAM_BACKOFF_S
+
+
+def _copy_pairs_on_team(torch, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in pairs:
         if src.size < TEAM_MIN_BYTES or not (dst.flags.writeable and src.flags.writeable):
             np.copyto(dst, src)  # torch views only writable arrays; np.copyto refuses a read-only dst
@@ -203,7 +228,7 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], team: bool = Fals
     on the copy threads."""
     total = sum(src.size for _, src in pairs)
     if team and total >= PARALLEL_MIN_BYTES and (torch := _torch_team()) is not None:
-        _copy_on_team(torch, pairs)
+        _copy_on_team(torch, pairs, total)
         return
     if total >= PARALLEL_MIN_BYTES and _workers > 1 and _busy.acquire(blocking=False):
         try:

@@ -3,6 +3,7 @@ copy that hashes gives the payload checksum of what it copied."""
 
 import os
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -186,8 +187,9 @@ def _copy_big_and_check(team: bool) -> None:
 
 
 @pytest.fixture
-def torch_on_two_threads():
+def torch_on_two_threads(monkeypatch):
     torch = pytest.importorskip("torch")
+    monkeypatch.setattr(parallel_copy, "_team_off_until", 0.0)  # no slow copy of an earlier test's counts
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield torch
@@ -223,6 +225,33 @@ def test_a_copy_that_asks_for_a_team_runs_on_torchs_team_on_the_main_thread_only
     torch_on_two_threads.set_num_threads(1)  # no team to speak of
     copy_pairs(_pairs(sizes, seed=12), team=True)
     assert seen == [2, 2, 2]
+
+
+def test_a_slow_copy_on_the_team_sends_the_next_ones_to_the_copy_threads_for_a_while(monkeypatch,
+                                                                                   torch_on_two_threads):
+    """A team's copy waits for its slowest thread: with more runnable threads than cores, one
+    the scheduler took off its core cost a 5.6 MiB copy 12 ms, where the copy threads took 0.3."""
+    seen = _pool_tasks(monkeypatch)
+    monkeypatch.setattr(parallel_copy, "TEAM_BACKOFF_S", 0.2)
+    monkeypatch.setattr(parallel_copy, "TEAM_SLOW_BYTES_PER_S", 1e30)  # every copy is too slow
+    monkeypatch.setattr(parallel_copy, "TEAM_SLICE_S", 0.0)
+    sizes = [2 * parallel_copy.TEAM_MIN_BYTES]
+    slow_copy_started = time.monotonic()
+    copy_pairs(_pairs(sizes, seed=14), team=True)
+    assert seen == []  # on the team
+    pairs = _pairs(sizes, seed=15)
+    copy_pairs(pairs, team=True)
+    assert seen == [2] and all(np.array_equal(d, s) for d, s in pairs)
+
+    monkeypatch.setattr(parallel_copy, "TEAM_SLOW_BYTES_PER_S", 1.0)  # none is too slow now
+    deadline = time.monotonic() + 30
+    while True:
+        copies = len(seen)
+        copy_pairs(_pairs(sizes, seed=16), team=True)
+        if len(seen) == copies or time.monotonic() > deadline:
+            break
+    assert len(seen) == copies, "the copies never went back to the team"
+    assert time.monotonic() - slow_copy_started >= 0.2
 
 
 def test_a_teams_copy_into_read_only_memory_raises_as_on_the_copy_threads(monkeypatch, torch_on_two_threads):
