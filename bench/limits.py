@@ -150,7 +150,7 @@ def disk_read_limit(paths: Sequence[str], repeat: int = 1, inflight: Sequence[in
 
 # -- socket -------------------------------------------------------------------------------------
 
-def socket_gbps(chunk_bytes: int, seconds: float, streams: int, sources: int = 1, destinations: int = 1) -> float:
+def socket_gbps(chunk_bytes: int, seconds: float, streams: int, sources: int, destinations: int) -> float:
     """Raw loopback TCP: ``streams`` connections at once, each sending chunk after chunk out of
     its share of ``sources`` distinct buffers and receiving them into its share of
     ``destinations`` reused ones (at least one each): as many as a benchmark's get moves
