@@ -42,10 +42,18 @@ def test_memcpy_limit_is_the_best_of_numpy_threads_and_torch():
 def test_memcpy_limit_reports_whichever_config_is_fastest(monkeypatch):
     """The selection follows the measurements, not a fixed favourite."""
     times = iter([3.0, 1.0] + [2.0] * 20)  # the second config measured is the fastest
-    monkeypatch.setattr(limits, "_timed", lambda fn, repeat: next(times))
+    monkeypatch.setattr(limits, "best_time", lambda fn, repeat: next(times))
     limit = memcpy_limit([(np.zeros(4096, np.uint8), np.ones(4096, np.uint8))], repeat=1)
     assert limit.config == list(limit.tried)[1]
     _is_best(limit)
+
+
+def test_best_time_runs_the_call_as_often_as_asked_and_keeps_the_shortest(monkeypatch):
+    clock = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # timings of 5, 1 and 3 s
+    monkeypatch.setattr(limits.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert limits.best_time(lambda: calls.append(1), 3) == 1.0
+    assert len(calls) == 3
 
 
 def test_cached_bytes_sees_a_cached_file_and_its_drop(cold_files):

@@ -103,3 +103,19 @@ def test_a_rounds_memcpy_limit_is_the_best_of_before_and_after_the_host_get_and_
     out = tmp_path / "peers.json"
     assert main([*ARGS, "--peer", "none", "--rounds", "2", "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
     assert [limits["memcpy"]["gbps"] for limits in json.loads(out.read_text())["round_limits"]] == [35.0, 40.0]
+
+
+def test_each_systems_get_from_host_ram_is_timed_as_often_as_the_memcpy_limits_configurations(tmp_path, monkeypatch):
+    """Ours and the peer's alike: the best of REPEAT timings, as each memcpy configuration is."""
+    from bench import limits
+
+    gets = []
+
+    def best_time(fn, repeat=limits.REPEAT):
+        gets.append(repeat)
+        return limits.best_time(fn, repeat)
+
+    monkeypatch.setattr(peers, "_peer", lambda name: Twin)
+    monkeypatch.setattr(peers, "best_time", best_time)
+    assert main([*ARGS, "--rounds", "2", "--dir", str(tmp_path / "d")]) == 0
+    assert gets == [limits.REPEAT] * 4  # two systems, two rounds
