@@ -263,22 +263,51 @@ def copy_hashing(pairs: Sequence[tuple[np.ndarray, np.ndarray]], digest) -> None
     leaves = leaves_of(pairs, digest.leaf_bytes)
     sums = [0] * len(leaves)
 
-    def run(lo: int, hi: int) -> None:
-        for i in range(lo, hi):
-            for dst, src in leaves[i]:
-                np.copyto(dst, src)
-            sums[i] = digest.leaf_checksum([dst for dst, _ in leaves[i]])
+    def leaf(i: int) -> None:
+        for dst, src in leaves[i]:
+            np.copyto(dst, src)
+        sums[i] = digest.leaf_checksum([dst for dst, _ in leaves[i]])
 
     total = sum(src.size for _, src in pairs)
     if total >= PARALLEL_HASHING_MIN_BYTES and _workers > 1 and len(leaves) > 1 and _busy.acquire(blocking=False):
         try:
-            cuts = [len(leaves) * k // _workers for k in range(_workers + 1)]
-            _run_tasks([functools.partial(run, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if lo < hi])
+            _share_out(len(leaves), leaf)
         finally:
             _busy.release()
     else:
-        run(0, len(leaves))
+        for i in range(len(leaves)):
+            leaf(i)
     digest.extend(sums)
+
+
+def _share_out(n: int, do: Callable[[int], None]) -> None:
+    """``do(i)`` for each i in ``range(n)``, on this thread and the copy threads (the caller
+    holds ``_busy``): this thread takes items from the front, the copy threads from the back,
+    and they leave the last item to it. Why: a copy thread starts 15-30 us after the caller,
+    so with even shares the caller ended first and slept until it was woken, another 25-45
+    us (5.6 MiB hashed as copied, in turns: 2.8-4.9% faster than halves)."""
+    claim = threading.Lock()
+    ends = [0, n]  # the next item from the front, one past the next from the back
+
+    def front() -> None:
+        while True:
+            with claim:
+                if ends[0] >= ends[1]:
+                    return
+                i = ends[0]
+                ends[0] += 1
+            do(i)
+
+    def back() -> None:
+        while True:
+            with claim:
+                if ends[1] - ends[0] <= 1:
+                    return
+                ends[1] -= 1
+                i = ends[1]
+            do(i)
+
+    _run_tasks([front] + [back] * (_workers - 1))
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:

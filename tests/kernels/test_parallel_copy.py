@@ -124,6 +124,32 @@ def test_copy_hashing_waits_for_every_leaf_before_it_raises_a_failed_one(monkeyp
     assert not parallel_copy._busy.locked()
 
 
+def test_the_copy_threads_take_items_from_the_back_and_leave_the_last_one_to_the_caller(monkeypatch):
+    """So the caller, which starts first, also ends last, and never sleeps until a copy thread
+    wakes it. Its first item waits until the copy thread has taken all it will take."""
+    if parallel_copy.workers() == 1:
+        pytest.skip("one core: copies run in the caller's thread, there is no pool")
+    monkeypatch.setattr(parallel_copy, "_workers", 2)
+    n, caller = 10, threading.current_thread()
+    done = {"caller": [], "thread": []}
+    taken = threading.Condition()
+
+    def do(i: int) -> None:
+        if threading.current_thread() is caller:
+            if i == 0:
+                with taken:
+                    taken.wait_for(lambda: len(done["thread"]) >= n - 2, timeout=10)
+            done["caller"].append(i)
+        else:
+            with taken:
+                done["thread"].append(i)
+                taken.notify_all()
+
+    with parallel_copy._busy:
+        parallel_copy._share_out(n, do)
+    assert done == {"caller": [0, 1], "thread": list(range(n - 1, 1, -1))}
+
+
 def test_leaves_of_cuts_a_stream_at_each_multiple_of_the_leaf_and_nowhere_else():
     pairs, stream = _stream([5, 17, 1, 40], seed=6)
     leaves = leaves_of(pairs, 8)
