@@ -73,14 +73,25 @@ def test_a_copy_that_starts_while_another_holds_the_pool_runs_alone(monkeypatch)
 
 
 class _ThreadsSeen(TreeDigest):
-    """A tree digest that notes which threads hashed its leaves."""
+    """A tree digest that notes which threads hashed its leaves. With ``share``, the thread
+    that made it waits in its first leaf until another thread has hashed one: a copy thread
+    starts after the caller and takes leaves from the back, so a caller that ran ahead could
+    take them all (``parallel_copy._share_out``)."""
 
-    def __init__(self):
+    def __init__(self, share: bool = False):
         super().__init__()
         self.threads = set()
+        self._caller = threading.get_ident()
+        self._shared = threading.Event() if share else None
 
     def leaf_checksum(self, pieces):
-        self.threads.add(threading.get_ident())
+        me = threading.get_ident()
+        self.threads.add(me)
+        if self._shared is not None:
+            if me == self._caller:
+                self._shared.wait(10)
+            else:
+                self._shared.set()
         return TreeDigest.leaf_checksum(pieces)
 
 
@@ -95,7 +106,7 @@ def test_copy_hashing_copies_every_byte_and_hashes_the_leaves_on_the_copy_thread
     monkeypatch.setattr(parallel_copy, "PARALLEL_HASHING_MIN_BYTES", 1)
     monkeypatch.setattr(parallel_copy, "_workers", workers)
     pairs, stream = _stream([LEAF_BYTES - 128, 128 + 70_000, 3, 2 * LEAF_BYTES + 5], seed=3)
-    digest = _ThreadsSeen()
+    digest = _ThreadsSeen(share=workers > 1)
     copy_hashing(pairs, digest)
     assert b"".join(dst.tobytes() for dst, _ in pairs) == stream
     assert digest.intdigest() == payload_checksum(stream, TREE_VERSION)
