@@ -96,7 +96,10 @@ def test_idle_put_streams_of_two_tenants_leave_the_third_and_the_health_check_se
     no more of the reserve kept for tenants under theirs."""
     extra = '[limits]\nmax_concurrent_streams = 16\nreserved_streams = 4\nmax_requests_per_tenant = 8\n'
     with start(tmp_path, extra) as daemon:
-        alice_ch, carol_ch, probe = (grpc.insecure_channel(daemon.addr) for _ in range(3))
+        # a connection each: channels of one process share one by default, and its HTTP/2 stream
+        # limit (limits.max_concurrent_streams) could refuse a stream before the daemon did
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        alice_ch, carol_ch, probe = (grpc.insecure_channel(daemon.addr, options=own) for _ in range(3))
         alice, carol = IdleStreams(alice_ch, "alice"), IdleStreams(carol_ch, "carol")
         try:
             alice.open(10)
