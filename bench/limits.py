@@ -33,9 +33,7 @@ from tiers.read_probe import INFLIGHT, cached_bytes, direct_supported, drop_cach
 
 GB = 1e9
 NOISE = 0.05
-# timings of each configuration of a limit, the shortest kept; a figure of ours whose
-# measurement can be made again (a get from host RAM) is timed as often (``best_time``)
-REPEAT = 3
+REPEAT = 3  # timings of each configuration of a limit, and of ours where it can be made again
 STREAMS = (1, 2, 3, 4)
 SLICE_READ_BYTES = 256 << 10  # reads of this size keep the kernel's readahead ahead of the copies
 
